@@ -1,0 +1,33 @@
+"""prewarm: a node-level model prewarming agent.
+
+The package root stays light on purpose: pods import ``agent.client``, which
+must not drag in the daemon's dependencies.
+"""
+
+from ._exceptions import (
+    AccessDenied,
+    AgentUnavailable,
+    Conflict,
+    InvalidRequest,
+    NoSpace,
+    NotFound,
+    PrewarmError,
+    SourceChanged,
+    SourceUnavailable,
+    UnsafeObjectKey,
+)
+from ._version import __version__
+
+__all__ = [
+    "AccessDenied",
+    "AgentUnavailable",
+    "Conflict",
+    "InvalidRequest",
+    "NoSpace",
+    "NotFound",
+    "PrewarmError",
+    "SourceChanged",
+    "SourceUnavailable",
+    "UnsafeObjectKey",
+    "__version__",
+]

@@ -1,0 +1,161 @@
+"""prewarmd: the daemon's entry point, socket set-up and orderly shutdown."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import grp
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ._api import PrewarmServicer
+from ._config import ConfigError, Settings, load_settings, render_toml
+from ._exceptions import PrewarmError
+from ._logging import configure_logging
+from ._proto.prewarm.v1 import prewarm_pb2, prewarm_pb2_grpc
+from ._puller import Puller
+from ._s3 import S3Source
+from ._service import AgentService
+from ._store import Store
+from ._version import __version__
+
+__all__ = ["main", "serve"]
+
+log = logging.getLogger("agent.daemon")
+
+SERVICE_NAME = prewarm_pb2.DESCRIPTOR.services_by_name["Prewarm"].full_name
+
+
+class SocketInUse(PrewarmError):
+    """Another process already serves on the configured socket."""
+
+
+def prepare_socket_path(path: Path) -> None:
+    """Make the directory; clear a stale socket, refuse a live one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists() and not path.is_symlink():
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        path.unlink(missing_ok=True)  # left behind by a daemon that died
+        return
+    except OSError as exc:
+        raise SocketInUse(f"{path} exists and is not a usable socket ({exc}); remove it.") from exc
+    finally:
+        probe.close()
+    raise SocketInUse(
+        f"Another prewarmd is already serving on {path}. Stop it first "
+        "(systemctl stop prewarmd) or use another --socket."
+    )
+
+
+def secure_socket(path: Path, mode: int, group: str) -> None:
+    if group:
+        try:
+            gid = grp.getgrnam(group).gr_gid
+        except KeyError as exc:
+            raise ConfigError(
+                f"socket_group {group!r} does not exist; create it (groupadd {group}) or "
+                "leave socket_group empty."
+            ) from exc
+        os.chown(path, -1, gid)
+    os.chmod(path, mode)
+
+
+async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
+    """Run the agent until ``stop`` is set (or SIGTERM/SIGINT arrives)."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    socket_path = settings.socket_path
+    store = Store({"shm": settings.tiers.shm_root, "disk": settings.tiers.disk_root})
+    await store.open()
+    prepare_socket_path(socket_path)
+
+    async with S3Source(settings.s3) as source, Puller(store, source, settings.s3) as puller:
+        service = AgentService(
+            store,
+            puller,
+            source,
+            default_tier=settings.default_tier,
+            offline_fallback=settings.offline_fallback,
+        )
+        server = grpc.aio.server()
+        prewarm_pb2_grpc.add_PrewarmServicer_to_server(
+            PrewarmServicer(service, socket_path=str(socket_path)), server
+        )
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        # Bind with a tight umask so the socket is never reachable by others, even briefly.
+        old_umask = os.umask(0o177)
+        try:
+            server.add_insecure_port(f"unix:{socket_path}")
+        finally:
+            os.umask(old_umask)
+        await server.start()
+        try:
+            secure_socket(socket_path, settings.socket_mode, settings.socket_group)
+            for name in ("", SERVICE_NAME):
+                await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+            log.info(
+                "prewarmd %s serving",
+                __version__,
+                extra={"socket": str(socket_path), "models": len(store.models())},
+            )
+            await stop.wait()
+            log.info("stopping: draining requests", extra={"grace": settings.shutdown_grace_seconds})
+            await health_servicer.enter_graceful_shutdown()
+        finally:
+            await server.stop(settings.shutdown_grace_seconds)
+            with contextlib.suppress(FileNotFoundError):
+                socket_path.unlink()
+    log.info("stopped")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="prewarmd", description="prewarm node agent: caches models from S3 on this node."
+    )
+    parser.add_argument("--config", type=Path, help="config file (default /etc/prewarm/agent.toml)")
+    parser.add_argument("--socket", type=Path, help="Unix socket to serve on (overrides config)")
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the effective settings and exit"
+    )
+    parser.add_argument("--version", action="version", version=f"prewarmd {__version__}")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        settings = load_settings(args.config)
+        if args.socket is not None:
+            settings = settings.model_copy(update={"socket_path": args.socket})
+    except ConfigError as exc:
+        print(f"prewarmd: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        sys.stdout.write(render_toml(settings))
+        return 0
+    configure_logging(settings.log_level)
+    try:
+        asyncio.run(serve(settings))
+    except PrewarmError as exc:
+        log.error("cannot start: %s", exc)
+        return 1
+    return 0

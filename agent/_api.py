@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -57,7 +57,9 @@ def status_code_for(error: PrewarmError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-async def _abort(context: grpc.aio.ServicerContext[object, object], error: PrewarmError) -> NoReturn:
+async def _abort(
+    context: grpc.aio.ServicerContext[object, object], error: PrewarmError
+) -> NoReturn:
     await context.abort(status_code_for(error), str(error))
     raise AssertionError("unreachable: abort raises")  # pragma: no cover
 
@@ -67,7 +69,7 @@ class PrewarmServicer(pb_grpc.PrewarmServicer):
         self._service = service
         self._socket_path = socket_path
 
-    async def EnsureModel(  # noqa: N802 - gRPC method names are CamelCase
+    async def EnsureModel(
         self,
         request: pb.EnsureModelRequest,
         context: grpc.aio.ServicerContext[pb.EnsureModelRequest, pb.EnsureModelEvent],
@@ -92,7 +94,7 @@ class PrewarmServicer(pb_grpc.PrewarmServicer):
             log.info("EnsureModel %s: %s", request.uri, exc)
             await _abort(context, exc)
 
-    async def GetModel(  # noqa: N802
+    async def GetModel(
         self,
         request: pb.GetModelRequest,
         context: grpc.aio.ServicerContext[pb.GetModelRequest, pb.ModelInfo],
@@ -102,7 +104,7 @@ class PrewarmServicer(pb_grpc.PrewarmServicer):
         except PrewarmError as exc:
             await _abort(context, exc)
 
-    async def ListModels(  # noqa: N802
+    async def ListModels(
         self,
         request: pb.ListModelsRequest,
         context: grpc.aio.ServicerContext[pb.ListModelsRequest, pb.ListModelsResponse],
@@ -111,7 +113,7 @@ class PrewarmServicer(pb_grpc.PrewarmServicer):
             models=[self._model_info(m, with_files=False) for m in self._service.list_models()]
         )
 
-    async def EvictModel(  # noqa: N802
+    async def EvictModel(
         self,
         request: pb.EvictModelRequest,
         context: grpc.aio.ServicerContext[pb.EvictModelRequest, pb.EvictModelResponse],
@@ -120,14 +122,18 @@ class PrewarmServicer(pb_grpc.PrewarmServicer):
             result = await self._service.evict(request.ref)
         except PrewarmError as exc:
             await _abort(context, exc)
-        log.info("evicted %s: %d snapshots, %d bytes", request.ref, len(result.evicted),
-                 result.bytes_freed)
+        log.info(
+            "evicted %s: %d snapshots, %d bytes",
+            request.ref,
+            len(result.evicted),
+            result.bytes_freed,
+        )
         return pb.EvictModelResponse(
             evicted=[self._model_info(m, with_files=False) for m in result.evicted],
             bytes_freed=result.bytes_freed,
         )
 
-    async def Status(  # noqa: N802
+    async def Status(
         self,
         request: pb.StatusRequest,
         context: grpc.aio.ServicerContext[pb.StatusRequest, pb.StatusResponse],

@@ -12,8 +12,15 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from ._exceptions import InvalidRequest
 
-__all__ = ["DEFAULT_CONFIG_PATH", "ConfigError", "S3Settings", "Settings", "TierSettings",
-           "load_settings", "render_toml"]
+__all__ = [
+    "DEFAULT_CONFIG_PATH",
+    "ConfigError",
+    "S3Settings",
+    "Settings",
+    "TierSettings",
+    "load_settings",
+    "render_toml",
+]
 
 DEFAULT_CONFIG_PATH = Path("/etc/prewarm/agent.toml")
 CONFIG_PATH_ENV = "PREWARM_CONFIG"

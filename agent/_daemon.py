@@ -70,7 +70,7 @@ def secure_socket(path: Path, mode: int, group: str) -> None:
                 "leave socket_group empty."
             ) from exc
         os.chown(path, -1, gid)
-    os.chmod(path, mode)
+    path.chmod(mode)
 
 
 async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
@@ -118,7 +118,9 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
                 extra={"socket": str(socket_path), "models": len(store.models())},
             )
             await stop.wait()
-            log.info("stopping: draining requests", extra={"grace": settings.shutdown_grace_seconds})
+            log.info(
+                "stopping: draining requests", extra={"grace": settings.shutdown_grace_seconds}
+            )
             await health_servicer.enter_graceful_shutdown()
         finally:
             await server.stop(settings.shutdown_grace_seconds)

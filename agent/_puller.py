@@ -226,7 +226,9 @@ class Puller:
             flight.timings = replace(flight.timings, download=downloaded - started)
             flight.set_phase("verify")
             owned, fds = fds, {}  # _verify_and_close closes them, even when it raises
-            await asyncio.to_thread(_verify_and_close, owned, snapshot, durable=flight.tier == "disk")
+            await asyncio.to_thread(
+                _verify_and_close, owned, snapshot, durable=flight.tier == "disk"
+            )
             verified = time.monotonic()
             flight.timings = replace(flight.timings, verify=verified - downloaded)
             flight.set_phase("publish")

@@ -26,8 +26,15 @@ from ._uri import ModelUri
 __all__ = ["ListedObject", "ObjectSource", "RangeReadError", "RangeReader", "S3Source"]
 
 _DENIED_CODES = frozenset(
-    {"AccessDenied", "AllAccessDisabled", "InvalidAccessKeyId", "SignatureDoesNotMatch",
-     "ExpiredToken", "InvalidToken", "403"}
+    {
+        "AccessDenied",
+        "AllAccessDisabled",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "403",
+    }
 )
 _CHANGED_CODES = frozenset({"PreconditionFailed", "412", "NoSuchKey", "InvalidRange", "416"})
 

@@ -144,9 +144,7 @@ class AgentService:
             log.warning("S3 unreachable; serving cached %s (%s) unchecked", uri, cached.key)
             await self._store.record_use(cached.key, hit=True)
             elapsed = time.monotonic() - started
-            yield EnsureResult(
-                cached, True, True, RequestTimings(resolve=elapsed, total=elapsed)
-            )
+            yield EnsureResult(cached, True, True, RequestTimings(resolve=elapsed, total=elapsed))
             return
         resolved = time.monotonic()
         cached = self._store.get(snapshot.key)
@@ -248,4 +246,3 @@ def _check_no_clashes(uri: ModelUri, objects: Sequence[SourceObject]) -> None:
                     f"Under {uri}, {parent!r} is both a file and the directory of "
                     f"{obj.relative_path!r}; a local directory cannot hold both. Exclude one."
                 )
-

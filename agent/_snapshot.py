@@ -12,8 +12,15 @@ from typing import Literal
 from ._exceptions import InvalidRequest
 from ._uri import ModelUri
 
-__all__ = ["KEY_LENGTH", "Snapshot", "SourceObject", "TierName", "check_globs", "select_objects",
-           "snapshot_key"]
+__all__ = [
+    "KEY_LENGTH",
+    "Snapshot",
+    "SourceObject",
+    "TierName",
+    "check_globs",
+    "select_objects",
+    "snapshot_key",
+]
 
 TierName = Literal["shm", "disk"]
 KEY_LENGTH = 32  # hex digits of sha256: 128 bits, plenty for one node's cache

@@ -178,7 +178,9 @@ class Store:
             uri = str(parse_uri(ref))
             matches = [e.model for e in self._entries.values() if e.model.uri == uri]
             if not matches:
-                raise NotFound(f"No cached snapshot of {uri}. See what is cached with `prewarm ls`.")
+                raise NotFound(
+                    f"No cached snapshot of {uri}. See what is cached with `prewarm ls`."
+                )
             return sorted(matches, key=lambda m: m.created)
         key = ref.lower()
         if not (_MIN_KEY_PREFIX <= len(key) <= KEY_LENGTH) or not set(key) <= _HEX:
@@ -311,8 +313,9 @@ def _publish_files(staging: Path, final: Path, root: Path, model: CachedModel) -
         _remove_tree(final)
     staging.rename(final)
     _fsync_dir(final.parent)
-    _write_json_atomic(root / "manifests" / f"{model.key}.json", _manifest_document(model),
-                       durable=True)
+    _write_json_atomic(
+        root / "manifests" / f"{model.key}.json", _manifest_document(model), durable=True
+    )
 
 
 def _unpublish(root: Path, key: str) -> None:

@@ -58,7 +58,7 @@ def status_code_for(error: PrewarmError) -> grpc.StatusCode:
 
 
 async def _abort(
-    context: grpc.aio.ServicerContext[object, object], error: PrewarmError
+    context: grpc.aio.ServicerContext[Any, Any], error: PrewarmError
 ) -> NoReturn:
     await context.abort(status_code_for(error), str(error))
     raise AssertionError("unreachable: abort raises")  # pragma: no cover

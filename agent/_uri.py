@@ -53,7 +53,9 @@ def parse_uri(raw: str) -> ModelUri:
     prefix = prefix.lstrip("/")
     if prefix:
         prefix = prefix.rstrip("/") + "/"
-        _check_parts(prefix.rstrip("/"), what=f"The prefix of {raw!r}", exc=InvalidRequest)
+        _check_parts(
+            prefix.rstrip("/"), what=f"The prefix of {raw!r}", exc=InvalidRequest, fix=_URI_HELP
+        )
     return ModelUri(bucket=bucket, prefix=prefix)
 
 
@@ -67,12 +69,16 @@ def safe_relative_path(uri: ModelUri, key: str) -> str:
     if not key.startswith(uri.prefix):
         raise UnsafeObjectKey(f"Object key {key!r} is not under the prefix of {uri}.")
     relative = key[len(uri.prefix) :]
-    _check_parts(relative, what=f"Object key {key!r} under {uri}", exc=UnsafeObjectKey)
+    _check_parts(
+        relative,
+        what=f"Object key {key!r} under {uri}",
+        exc=UnsafeObjectKey,
+        fix="Rename the object, or leave it out with an exclude glob.",
+    )
     return relative
 
 
-def _check_parts(path: str, *, what: str, exc: type[InvalidRequest]) -> None:
-    fix = "Rename the object or narrow the request with --exclude."
+def _check_parts(path: str, *, what: str, exc: type[InvalidRequest], fix: str) -> None:
     if "\x00" in path:
         raise exc(f"{what} contains a NUL byte. {fix}")
     if path.startswith("/"):

@@ -1,0 +1,121 @@
+"""Settings: file < environment, clear errors, --print-config round-trips."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent._config import ConfigError, load_settings, render_toml
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("PREWARM_"):
+            monkeypatch.delenv(name)
+
+
+def test_defaults_when_no_file_exists(tmp_path: Path) -> None:
+    settings = load_settings(None)
+    assert settings.socket_path == Path("/run/prewarm/agent.sock")
+    assert settings.socket_mode == 0o660
+    assert settings.tiers.shm_root == Path("/dev/shm/prewarm")
+    assert settings.default_tier == "shm"
+
+
+def test_file_values_are_read(tmp_path: Path) -> None:
+    config = tmp_path / "agent.toml"
+    config.write_text('default_tier = "disk"\n[s3]\nconcurrency = 4\nchunk_size = "8MiB"\n')
+    settings = load_settings(config)
+    assert settings.default_tier == "disk"
+    assert settings.s3.concurrency == 4
+    assert settings.s3.chunk_size == 8 * 1024**2
+
+
+def test_environment_overrides_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "agent.toml"
+    config.write_text('socket_mode = "0600"\n[s3]\nconcurrency = 4\nregion = "eu-west-1"\n')
+    monkeypatch.setenv("PREWARM_S3__CONCURRENCY", "9")
+    monkeypatch.setenv("PREWARM_SOCKET_MODE", "0640")
+    settings = load_settings(config)
+    assert settings.s3.concurrency == 9
+    assert settings.s3.region == "eu-west-1"  # untouched keys of the table survive
+    assert settings.socket_mode == 0o640
+
+
+def test_config_path_can_come_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "other.toml"
+    config.write_text('log_level = "debug"\n')
+    monkeypatch.setenv("PREWARM_CONFIG", str(config))
+    assert load_settings().log_level == "debug"
+
+
+def test_missing_explicit_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_settings(tmp_path / "nope.toml")
+
+
+def test_invalid_value_names_the_field(tmp_path: Path) -> None:
+    config = tmp_path / "agent.toml"
+    config.write_text('default_tier = "ram"\n[s3]\nconcurrency = 0\n')
+    with pytest.raises(ConfigError) as info:
+        load_settings(config)
+    assert "default_tier" in str(info.value)
+    assert "s3.concurrency" in str(info.value)
+
+
+def test_unknown_key_is_an_error(tmp_path: Path) -> None:
+    config = tmp_path / "agent.toml"
+    config.write_text("sokcet_path = '/tmp/x'\n")
+    with pytest.raises(ConfigError, match="sokcet_path"):
+        load_settings(config)
+
+
+def test_broken_toml_is_an_error(tmp_path: Path) -> None:
+    config = tmp_path / "agent.toml"
+    config.write_text("[s3\n")
+    with pytest.raises(ConfigError, match="Cannot read config file"):
+        load_settings(config)
+
+
+def test_rendered_config_loads_back_to_the_same_settings(tmp_path: Path) -> None:
+    config = tmp_path / "agent.toml"
+    config.write_text('[s3]\nendpoint_url = "http://127.0.0.1:9000"\nconcurrency = 3\n')
+    settings = load_settings(config)
+    rendered = tmp_path / "rendered.toml"
+    rendered.write_text(render_toml(settings))
+    assert load_settings(rendered) == settings
+
+
+def test_prewarmd_print_config_shows_effective_values(tmp_path: Path) -> None:
+    config = tmp_path / "agent.toml"
+    config.write_text("[s3]\nconcurrency = 7\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "agent", "--config", str(config), "--print-config"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PATH": "/usr/bin:/bin", "PREWARM_TIERS__DISK_ROOT": "/nvme/prewarm"},
+    )
+    assert "concurrency = 7" in result.stdout
+    assert 'disk_root = "/nvme/prewarm"' in result.stdout
+
+
+def test_prewarmd_reports_a_bad_config_and_exits_2(tmp_path: Path) -> None:
+    config = tmp_path / "agent.toml"
+    config.write_text("default_tier = 3\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "agent", "--config", str(config), "--print-config"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "default_tier" in result.stderr

@@ -1,0 +1,74 @@
+"""Model URI parsing and object-key safety."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent import InvalidRequest, UnsafeObjectKey
+from agent._uri import ModelUri, parse_uri, safe_relative_path
+
+
+@pytest.mark.parametrize(
+    ("raw", "bucket", "prefix"),
+    [
+        ("s3://models/llama", "models", "llama/"),
+        ("s3://models/llama/", "models", "llama/"),
+        ("s3://models/llama///", "models", "llama/"),
+        ("S3://models/a/b", "models", "a/b/"),
+        ("s3://models", "models", ""),
+        ("s3://models/", "models", ""),
+        ("s3://my.bucket-1/x", "my.bucket-1", "x/"),
+    ],
+)
+def test_parse_uri_normalises_prefix_to_a_directory(raw: str, bucket: str, prefix: str) -> None:
+    assert parse_uri(raw) == ModelUri(bucket, prefix)
+
+
+def test_normalised_uri_prints_in_canonical_form() -> None:
+    assert str(parse_uri("s3://models/llama")) == "s3://models/llama/"
+
+
+@pytest.mark.parametrize(
+    ("raw", "fragment"),
+    [
+        ("", "empty"),
+        ("https://models/llama", "not an S3 URI"),
+        ("models/llama", "not an S3 URI"),
+        ("s3://Models/llama", "not a valid S3 bucket name"),
+        ("s3://ab/llama", "not a valid S3 bucket name"),
+        ("s3://my_bucket/llama", "not a valid S3 bucket name"),
+        ("s3://a..b/llama", "not a valid S3 bucket name"),
+        ("s3://models/llama?versionId=1", "query or fragment"),
+        ("s3://models/a/../b", "'..'"),
+        ("s3://models/a/./b", "'.'"),
+        ("s3://models/a//b", "empty"),
+        ("s3://models/a\x00b", "NUL"),
+    ],
+)
+def test_parse_uri_rejects_bad_input_with_a_reason(raw: str, fragment: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        parse_uri(raw)
+    assert fragment in str(info.value)
+    assert "s3://bucket/prefix" in str(info.value)
+
+
+def test_safe_relative_path_strips_the_prefix() -> None:
+    uri = parse_uri("s3://models/llama/")
+    assert safe_relative_path(uri, "llama/sub/model.safetensors") == "sub/model.safetensors"
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "llama/../etc/passwd",
+        "llama/a/../../x",
+        "llama//etc/passwd",
+        "llama/./x",
+        "llama/x\x00y",
+        "llama/",
+        "other/x",
+    ],
+)
+def test_safe_relative_path_refuses_keys_that_escape(key: str) -> None:
+    with pytest.raises(UnsafeObjectKey):
+        safe_relative_path(parse_uri("s3://models/llama/"), key)

@@ -1,0 +1,42 @@
+# prewarm developer tasks. On a fresh machine: `make demo`, then `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: venv demo test lint typecheck pytest proto clean
+
+# The venv is (re)built when pyproject.toml changes. torch is pinned to the CPU
+# build (2.13.0): an unpinned torch would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet 'torch==2.13.0'
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $@
+
+venv: $(STAMP)
+
+## demo: local S3 server + agent; pull a small model cold, then warm
+demo: $(STAMP)
+	$(PY) scripts/demo.py
+
+## test: lint, type-check and the whole test suite (what CI runs)
+test: lint typecheck pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+pytest: $(STAMP)
+	$(VENV)/bin/pytest
+
+## proto: regenerate agent/_proto from proto/ (commit the result)
+proto: $(STAMP)
+	$(PY) scripts/gen_proto.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info

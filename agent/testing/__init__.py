@@ -1,0 +1,29 @@
+"""Test doubles and fixtures' building blocks for prewarm, shipped with the package.
+
+- ``S3Server``: moto's S3 server in a subprocess on loopback, recording every
+  request (``RecordedRequest``); stop or kill it to simulate an outage.
+- ``AgentProcess``: the real daemon (``python -m agent``) on a private socket
+  and private tier roots, ready when its gRPC health service says SERVING.
+- ``make_safetensors_model`` / ``upload_directory`` / ``upload_model``: sharded
+  safetensors models in the Hugging Face layout, and putting them in a bucket.
+
+Importing this package needs only the agent's own dependencies; moto, boto3,
+numpy and safetensors (the ``dev`` extra) are imported when first used.
+"""
+
+from ._daemon import AgentProcess, AgentStartupError
+from ._models import SampleModel, make_safetensors_model, upload_directory, upload_model
+from ._s3server import CONTROL_PATH, RecordedRequest, S3Server, S3ServerError
+
+__all__ = [
+    "CONTROL_PATH",
+    "AgentProcess",
+    "AgentStartupError",
+    "RecordedRequest",
+    "S3Server",
+    "S3ServerError",
+    "SampleModel",
+    "make_safetensors_model",
+    "upload_directory",
+    "upload_model",
+]

@@ -1,0 +1,287 @@
+"""The real agent daemon in a subprocess, with its own socket, tiers and config.
+
+``AgentProcess`` runs ``python -m agent`` with everything it touches under one
+short temporary directory, and calls it ready when the standard gRPC health
+service on its socket says SERVING. Readiness is waited for through gRPC (the
+channel's connectivity and the health service), never by sleeping; a daemon
+that dies during startup fails the wait at once, with its output in the error.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+import grpc  # type: ignore[import-untyped,unused-ignore]
+
+__all__ = ["AgentProcess", "AgentStartupError"]
+
+# The directory that holds the ``agent`` package (see _s3server).
+_SOURCE_ROOT = str(Path(__file__).resolve().parents[2])
+
+# grpc retries a refused connect with exponential backoff from 1 s; the socket
+# appears a moment after the process starts, so retry faster than that.
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 20),
+    ("grpc.min_reconnect_backoff_ms", 20),
+    ("grpc.max_reconnect_backoff_ms", 250),
+]
+
+
+class AgentStartupError(RuntimeError):
+    """The daemon exited, or did not report SERVING, before the startup deadline."""
+
+
+class AgentProcess:
+    """One ``python -m agent`` process and the directory it lives in.
+
+    Everything sits under ``root`` (made with a short name under /tmp unless
+    given, because an AF_UNIX path holds at most 107 bytes): ``agent.sock``,
+    the ``shm`` and ``disk`` tier roots (left for the daemon to create),
+    ``agent.toml`` (written from ``config``) and ``agent.log`` (stdout and
+    stderr of every start, appended). The daemon sees ``os.environ`` without any
+    inherited ``PREWARM_*`` or ``AWS_*`` variable, then ``env`` (typically
+    ``S3Server.env()``), then the ``PREWARM_*`` paths above.
+
+    ``restart()`` keeps the directory, so the cache survives it. ``close()``
+    stops the daemon and removes a directory it created.
+    """
+
+    def __init__(
+        self,
+        *,
+        env: Mapping[str, str] | None = None,
+        root: Path | None = None,
+        config: str = "",
+        argv: Sequence[str] | None = None,
+        startup_timeout: float = 30.0,
+        stop_timeout: float = 30.0,
+    ) -> None:
+        self._owns_root = root is None
+        self.root = Path(tempfile.mkdtemp(prefix="pw-", dir="/tmp")) if root is None else root
+        self.socket_path = self.root / "agent.sock"
+        self.shm_root = self.root / "shm"
+        self.disk_root = self.root / "disk"
+        self.config_path = self.root / "agent.toml"
+        self.log_path = self.root / "agent.log"
+        self._extra_env = dict(env or {})
+        self._config = config
+        self._argv = list(argv) if argv is not None else [sys.executable, "-m", "agent"]
+        self._startup_timeout = startup_timeout
+        self._stop_timeout = stop_timeout
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._starts = 0
+
+    # -- where it is -----------------------------------------------------------------
+
+    @property
+    def target(self) -> str:
+        """The gRPC target of the daemon's socket."""
+        return f"unix:{self.socket_path}"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self._proc is None else self._proc.poll()
+
+    def env(self) -> dict[str, str]:
+        """The full environment the daemon is started with."""
+        env = {
+            name: value
+            for name, value in os.environ.items()
+            if not name.startswith(("PREWARM_", "AWS_"))
+        }
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_SOURCE_ROOT, env.get("PYTHONPATH")]))
+        env["PYTHONUNBUFFERED"] = "1"
+        env.update(self._extra_env)
+        env.update(
+            {
+                "PREWARM_SOCKET_PATH": str(self.socket_path),
+                "PREWARM_TIERS__SHM_ROOT": str(self.shm_root),
+                "PREWARM_TIERS__DISK_ROOT": str(self.disk_root),
+                "PREWARM_CONFIG": str(self.config_path),
+            }
+        )
+        return env
+
+    def log_text(self) -> str:
+        """Everything the daemon wrote to stdout and stderr, across restarts."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> Self:
+        """Start the daemon and wait until its health service says SERVING."""
+        if self.running:
+            raise AgentStartupError(f"The agent is already running (pid {self.pid}).")
+        self.config_path.write_text(self._config)
+        self._starts += 1
+        with self.log_path.open("ab") as log:
+            log.write(f"--- start #{self._starts}: {' '.join(self._argv)}\n".encode())
+            log.flush()
+            self._proc = subprocess.Popen(
+                self._argv,
+                env=self.env(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        try:
+            self._wait_until_serving(self._proc)
+        except BaseException:
+            self._signal_and_wait(signal.SIGKILL, timeout=10.0)
+            raise
+        return self
+
+    def stop(self, timeout: float | None = None) -> int | None:
+        """SIGTERM the daemon and wait for it; returns its exit code (None if never started).
+
+        A daemon that outlives ``timeout`` (default ``stop_timeout``) is killed
+        and TimeoutError is raised: a clean shutdown is part of what is tested.
+        """
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return self.returncode
+        limit = self._stop_timeout if timeout is None else timeout
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise TimeoutError(
+                f"The agent did not exit within {limit:.0f} s of SIGTERM and was killed.\n"
+                f"{self._log_tail()}"
+            ) from None
+
+    def kill(self) -> int | None:
+        """SIGKILL the daemon (a crash, as far as it can tell) and wait for it."""
+        return self._signal_and_wait(signal.SIGKILL, timeout=10.0)
+
+    def restart(self, *, kill: bool = False) -> Self:
+        """Stop (or kill) the daemon and start it again on the same directory."""
+        if kill:
+            self.kill()
+        else:
+            self.stop()
+        return self.start()
+
+    def close(self) -> None:
+        """Stop the daemon and remove the directory if this object created it."""
+        try:
+            if self.running:
+                self.stop()
+        finally:
+            if self._owns_root:
+                _remove_tree(self.root)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _wait_until_serving(self, proc: subprocess.Popen[bytes]) -> None:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + self._startup_timeout
+        channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+        ready = grpc.channel_ready_future(channel)
+        lock = threading.Lock()
+        starting = True
+
+        def abort_when_process_exits() -> None:
+            proc.wait()
+            with lock:
+                if starting:
+                    # Unblocks result() and any RPC waiting for the channel.
+                    ready.cancel()
+                    channel.close()
+
+        threading.Thread(target=abort_when_process_exits, name="agent-exit", daemon=True).start()
+        try:
+            ready.result(timeout=self._startup_timeout)
+            stub = health_pb2_grpc.HealthStub(channel)
+            request = health_pb2.HealthCheckRequest(service="")
+            remaining = max(deadline - time.monotonic(), 0.1)
+            response = stub.Check(request, wait_for_ready=True, timeout=remaining)
+            if response.status != health_pb2.HealthCheckResponse.SERVING:
+                # Still warming up (e.g. reconciling the store): follow the
+                # status stream instead of asking again.
+                remaining = max(deadline - time.monotonic(), 0.1)
+                updates = stub.Watch(request, wait_for_ready=True, timeout=remaining)
+                try:
+                    for update in updates:
+                        if update.status == health_pb2.HealthCheckResponse.SERVING:
+                            break
+                finally:
+                    updates.cancel()
+        except (grpc.FutureTimeoutError, grpc.FutureCancelledError, grpc.RpcError) as exc:
+            code = proc.poll()
+            if code is not None:
+                reason = f"exited with code {code} during startup"
+            else:
+                reason = f"did not report SERVING within {self._startup_timeout:.0f} s ({exc!r})"
+            raise AgentStartupError(
+                f"The agent ({' '.join(self._argv)}) {reason}.\n{self._log_tail()}"
+            ) from exc
+        finally:
+            with lock:
+                starting = False
+                channel.close()
+
+    def _signal_and_wait(self, sig: signal.Signals, *, timeout: float) -> int | None:
+        proc = self._proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return proc.returncode
+
+    def _log_tail(self, limit: int = 12000) -> str:
+        text = self.log_text()
+        if not text.strip():
+            return f"(the agent wrote nothing; log {self.log_path})"
+        return f"--- agent output ({self.log_path}) ---\n{text[-limit:]}"
+
+
+def _remove_tree(path: Path) -> None:
+    # The store publishes read-only directories; make them writable so their
+    # entries can be unlinked.
+    if not path.exists():
+        return
+    for directory, _, _ in os.walk(path):
+        Path(directory).chmod(0o700)
+    shutil.rmtree(path)

@@ -1,0 +1,324 @@
+"""A real S3-compatible server on loopback, in its own process, that records every request.
+
+The server is moto's (the same WSGI app as ``moto_server``) behind a recording
+middleware; see ``_moto_process`` for the child side. It runs in a subprocess so
+a test can stop or kill it like a real outage, and so its request threads never
+compete with the test for the GIL.
+
+The parent learns the port from one JSON line the child prints once its socket
+is listening, so there is nothing to sleep on. The child exits when its stdin
+reaches EOF, which happens when this process dies, so a crashed test run leaves
+no server behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+__all__ = ["CONTROL_PATH", "RecordedRequest", "S3Server", "S3ServerError"]
+
+# S3 bucket names cannot contain "_", so no S3 request can ever land here.
+CONTROL_PATH = "/_prewarm/requests"
+
+ACCESS_KEY = "testing"
+SECRET_KEY = "testing"
+REGION = "us-east-1"
+
+# The directory that holds the ``agent`` package, so the child imports this
+# checkout even when the tests run from another working directory.
+_SOURCE_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+class S3ServerError(RuntimeError):
+    """The test S3 server could not be started or answered its control path badly."""
+
+
+@dataclass(frozen=True)
+class RecordedRequest:
+    """One HTTP request the server handled, as the recording middleware saw it.
+
+    ``bucket`` and ``key`` come from the path (path-style addressing); ``bucket``
+    is None for service-level requests such as ListBuckets, ``key`` is None for
+    bucket-level ones. ``bytes_sent`` counts response body bytes the server
+    actually handed to the socket, so a download cut short shows how far it got.
+    ``complete`` is False for a request still running when the log was read.
+    """
+
+    seq: int
+    method: str
+    bucket: str | None
+    key: str | None
+    query: str
+    range: str | None
+    if_match: str | None
+    user_agent: str
+    status: int
+    bytes_sent: int
+    complete: bool
+
+    @property
+    def query_params(self) -> dict[str, str]:
+        """The query string as a dict (last value wins; valueless flags map to "")."""
+        return dict(urllib.parse.parse_qsl(self.query, keep_blank_values=True))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "seq": self.seq,
+            "method": self.method,
+            "bucket": self.bucket,
+            "key": self.key,
+            "query": self.query,
+            "range": self.range,
+            "if_match": self.if_match,
+            "user_agent": self.user_agent,
+            "status": self.status,
+            "bytes_sent": self.bytes_sent,
+            "complete": self.complete,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RecordedRequest:
+        return cls(
+            seq=int(data["seq"]),
+            method=str(data["method"]),
+            bucket=data["bucket"],
+            key=data["key"],
+            query=str(data["query"]),
+            range=data["range"],
+            if_match=data["if_match"],
+            user_agent=str(data["user_agent"]),
+            status=int(data["status"]),
+            bytes_sent=int(data["bytes_sent"]),
+            complete=bool(data["complete"]),
+        )
+
+
+class S3Server:
+    """moto's S3 server in a subprocess on 127.0.0.1, with a request log.
+
+    ``with S3Server() as s3:`` starts it and stops it. State (buckets, objects)
+    lives in the child's memory: it is gone after ``stop()``. A ``start()`` after
+    ``stop()`` binds the same port again, so clients configured for the old
+    endpoint see an outage end, but against an empty server.
+    """
+
+    def __init__(
+        self, *, host: str = "127.0.0.1", port: int = 0, startup_timeout: float = 60.0
+    ) -> None:
+        self._host = host
+        self._port = port
+        self._startup_timeout = startup_timeout
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_path: Path | None = None
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def start(self) -> Self:
+        if self.running:
+            raise S3ServerError(f"The S3 server is already running at {self.endpoint_url}.")
+        fd, log_name = tempfile.mkstemp(prefix="prewarm-s3-", suffix=".log")
+        os.close(fd)
+        self._log_path = Path(log_name)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_SOURCE_ROOT, env.get("PYTHONPATH")]))
+        argv = [sys.executable, "-m", "agent.testing._moto_process", "--host", self._host]
+        argv += ["--port", str(self._port)]
+        # The child appends; we read the log by path, so our offset never moves its.
+        with self._log_path.open("ab") as log:
+            self._proc = subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env
+            )
+        try:
+            ready = self._read_handshake(self._proc)
+        except BaseException:
+            self._terminate(signal.SIGKILL, timeout=10.0)
+            raise
+        self._port = int(ready["port"])
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the server (SIGTERM) and wait for it to exit; idempotent."""
+        self._terminate(signal.SIGTERM, timeout=timeout)
+
+    def kill(self) -> None:
+        """Kill the server (SIGKILL) and wait for it to exit; idempotent."""
+        self._terminate(signal.SIGKILL, timeout=10.0)
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- where it is ---------------------------------------------------------------
+
+    @property
+    def host(self) -> str:
+        return self._host
+
+    @property
+    def port(self) -> int:
+        if self._port == 0:
+            raise S3ServerError("The S3 server has no port until start() has been called.")
+        return self._port
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://{self._host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def env(self) -> dict[str, str]:
+        """The environment a process (the agent, the CLI) needs to use this server."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint_url,
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_DEFAULT_REGION": REGION,
+            "AWS_EC2_METADATA_DISABLED": "true",
+            # A developer's ~/.aws must not leak profiles, endpoints or
+            # addressing settings into the tests.
+            "AWS_CONFIG_FILE": os.devnull,
+            "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+            # moto serves path-style only; virtual hosts would need DNS for
+            # <bucket>.127.0.0.1.
+            "PREWARM_S3__ADDRESSING_STYLE": "path",
+        }
+
+    def client(self, **config: Any) -> Any:
+        """A boto3 S3 client for this server; ``config`` adds botocore Config options."""
+        import boto3.session
+        from botocore.config import Config
+
+        options: dict[str, Any] = {
+            "s3": {"addressing_style": "path"},
+            "retries": {"max_attempts": 2, "mode": "standard"},
+        }
+        options.update(config)
+        # A fresh session ignores whatever the default session picked up.
+        session = boto3.session.Session(
+            aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY, region_name=REGION
+        )
+        return session.client("s3", endpoint_url=self.endpoint_url, config=Config(**options))
+
+    # -- the request log -------------------------------------------------------------
+
+    def requests(self, *, bucket: str | None = None, settle: float = 2.0) -> list[RecordedRequest]:
+        """Requests since the last clear, in arrival order; ``bucket`` filters.
+
+        A response can reach the client a moment before the server thread that
+        sent it records it, so the server first waits up to ``settle`` seconds
+        for every earlier request to finish; any still running are returned
+        with ``complete=False``.
+        """
+        query = urllib.parse.urlencode({"settle": settle})
+        data = self._control("GET", f"{CONTROL_PATH}?{query}", timeout=settle + 10.0)
+        records = [RecordedRequest.from_json(item) for item in data["requests"]]
+        if bucket is not None:
+            records = [r for r in records if r.bucket == bucket]
+        return records
+
+    def clear_requests(self) -> None:
+        """Forget every request that arrived before this call."""
+        self._control("DELETE", CONTROL_PATH, timeout=10.0)
+
+    def log_text(self) -> str:
+        """The server process's stderr (moto's tracebacks land here)."""
+        if self._log_path is None:
+            return ""
+        try:
+            return self._log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    # -- internals -------------------------------------------------------------------
+
+    def _control(self, method: str, path: str, *, timeout: float) -> dict[str, Any]:
+        request = urllib.request.Request(self.endpoint_url + path, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                body = response.read()
+        except OSError as exc:
+            raise S3ServerError(
+                f"The S3 server's control path {method} {path} failed: {exc}."
+            ) from exc
+        return dict(json.loads(body)) if body else {}
+
+    def _read_handshake(self, proc: subprocess.Popen[bytes]) -> dict[str, Any]:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + self._startup_timeout
+        buffer = b""
+        with selectors.DefaultSelector() as selector, proc.stdout:
+            selector.register(proc.stdout, selectors.EVENT_READ)
+            while b"\n" not in buffer:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not selector.select(timeout=remaining):
+                    raise S3ServerError(
+                        f"The S3 server did not report its port within "
+                        f"{self._startup_timeout:.0f} s.\n{self._log_tail()}"
+                    )
+                chunk = os.read(proc.stdout.fileno(), 4096)
+                if not chunk:
+                    code = proc.wait()
+                    raise S3ServerError(
+                        f"The S3 server exited with code {code} before it was ready.\n"
+                        f"{self._log_tail()}"
+                    )
+                buffer += chunk
+        line = buffer.split(b"\n", 1)[0]
+        try:
+            return dict(json.loads(line))
+        except ValueError as exc:
+            raise S3ServerError(
+                f"The S3 server printed {line!r} instead of its JSON handshake."
+            ) from exc
+
+    def _terminate(self, sig: signal.Signals, *, timeout: float) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc.stdin is not None:
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.close()
+        self._proc = None
+        if self._log_path is not None:
+            self._log_path.unlink(missing_ok=True)
+            self._log_path = None
+
+    def _log_tail(self, limit: int = 8000) -> str:
+        text = self.log_text()
+        if not text:
+            return "(the server wrote nothing to stderr)"
+        return "--- S3 server stderr ---\n" + text[-limit:]

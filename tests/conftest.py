@@ -1,0 +1,108 @@
+"""Shared fixtures: a real S3 server on loopback, buckets, a sample model, the daemon.
+
+Tests never patch boto3 or aiobotocore: they talk to moto's server over HTTP
+(``agent.testing.S3Server``), and the daemon runs as a real subprocess.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import pytest
+
+from agent.testing import (
+    AgentProcess,
+    S3Server,
+    SampleModel,
+    make_safetensors_model,
+    upload_model,
+)
+
+MiB = 1024 * 1024
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    """One S3 server for the whole session; isolate tests by bucket, not by server."""
+    with S3Server() as server:
+        yield server
+
+
+@pytest.fixture
+def stoppable_s3() -> Iterator[S3Server]:
+    """A server of the test's own, which it may stop, kill or restart."""
+    with S3Server() as server:
+        yield server
+
+
+@pytest.fixture
+def s3_client(s3_server: S3Server) -> Iterator[Any]:
+    """A boto3 S3 client for the shared server."""
+    client = s3_server.client()
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def bucket(request: pytest.FixtureRequest, s3_client: Any) -> Iterator[str]:
+    """A fresh bucket on the shared server, named after the test; emptied and deleted after."""
+    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    name = f"t-{slug}-{uuid.uuid4().hex[:8]}"
+    s3_client.create_bucket(Bucket=name)
+    yield name
+    _delete_bucket(s3_client, name)
+
+
+def _delete_bucket(client: Any, name: str) -> None:
+    # moto keeps every object in memory for the whole session, so give it back.
+    try:
+        pages = client.get_paginator("list_object_versions").paginate(Bucket=name)
+        for page in pages:
+            doomed = [
+                {"Key": item["Key"], "VersionId": item["VersionId"]}
+                for item in page.get("Versions", []) + page.get("DeleteMarkers", [])
+            ]
+            if doomed:
+                client.delete_objects(Bucket=name, Delete={"Objects": doomed, "Quiet": True})
+        client.delete_bucket(Bucket=name)
+    except client.exceptions.NoSuchBucket:
+        pass  # the test deleted it itself
+
+
+@pytest.fixture(scope="session")
+def small_model_source(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, MappingProxyType[str, Any]]:
+    """A ~8 MiB, 3-shard model on local disk, generated once per session."""
+    directory = tmp_path_factory.mktemp("small-model")
+    tensors = make_safetensors_model(directory, total_bytes=8 * MiB, shards=3, seed=1)
+    for array in tensors.values():
+        array.flags.writeable = False  # shared by every test that uses it
+    return directory, MappingProxyType(tensors)
+
+
+@pytest.fixture
+def small_model(
+    s3_client: Any, bucket: str, small_model_source: tuple[Path, MappingProxyType[str, Any]]
+) -> SampleModel:
+    """The small model uploaded to ``s3://<bucket>/models/small/``."""
+    directory, tensors = small_model_source
+    return upload_model(s3_client, bucket, "models/small", directory, tensors)
+
+
+@pytest.fixture
+def agent_daemon(s3_server: S3Server) -> Iterator[AgentProcess]:
+    """The real daemon (``python -m agent``) pointed at the shared S3 server, ready to serve."""
+    agent = AgentProcess(env=s3_server.env())
+    try:
+        agent.start()
+        yield agent
+    finally:
+        agent.close()

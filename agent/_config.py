@@ -101,8 +101,10 @@ class Settings(BaseSettings):
     socket_group: str = ""
     # Tier for requests that give no hint.
     default_tier: TierName = "shm"
-    # Serve the newest cached snapshot when S3 cannot be reached at all.
+    # Serve the newest cached snapshot of a URI when S3 cannot be reached...
     offline_fallback: bool = True
+    # ...or has not answered the listing within this many seconds.
+    offline_after_seconds: float = Field(default=2.0, gt=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # Seconds a SIGTERM waits for RPCs to finish before cancelling them.
     shutdown_grace_seconds: float = Field(default=10.0, ge=0)

@@ -91,6 +91,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
             source,
             default_tier=settings.default_tier,
             offline_fallback=settings.offline_fallback,
+            offline_after_seconds=settings.offline_after_seconds,
         )
         server = grpc.aio.server()
         prewarm_pb2_grpc.add_PrewarmServicer_to_server(

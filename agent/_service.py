@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -73,12 +74,14 @@ class AgentService:
         *,
         default_tier: TierName,
         offline_fallback: bool,
+        offline_after_seconds: float = 2.0,
     ) -> None:
         self._store = store
         self._puller = puller
         self._source = source
         self._default_tier: TierName = default_tier
         self._offline_fallback = offline_fallback
+        self._offline_after = offline_after_seconds
         self._started = time.monotonic()
 
     @property
@@ -135,11 +138,17 @@ class AgentService:
         uri = parse_uri(raw_uri)
         includes = check_globs(include, what="Include")
         excludes = check_globs(exclude, what="Exclude")
+        fallback = (
+            self._store.newest_for(str(uri), includes, excludes) if self._offline_fallback else None
+        )
         try:
-            snapshot = await self.resolve(uri, includes, excludes)
-        except SourceUnavailable:
-            cached = self._store.newest_for(str(uri), includes, excludes)
-            if not self._offline_fallback or cached is None:
+            # With a cached snapshot to fall back on, a pod should not sit through
+            # botocore's whole retry schedule against an unreachable endpoint.
+            async with asyncio.timeout(self._offline_after if fallback else None):
+                snapshot = await self.resolve(uri, includes, excludes)
+        except (SourceUnavailable, TimeoutError):
+            cached = fallback
+            if cached is None:
                 raise
             log.warning("S3 unreachable; serving cached %s (%s) unchecked", uri, cached.key)
             await self._store.record_use(cached.key, hit=True)

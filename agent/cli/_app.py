@@ -1,0 +1,246 @@
+"""The ``prewarm`` command: people on the node talking to the agent's socket."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+from agent._version import __version__
+from agent.client import (
+    AgentUnavailable,
+    Client,
+    InvalidRequest,
+    ModelHandle,
+    PrewarmError,
+)
+from agent.client import Progress as PullProgress
+
+from . import _render as render
+
+__all__ = ["app"]
+
+EXIT_ERROR = 1
+EXIT_INVALID = 2
+EXIT_NO_AGENT = 3
+
+app = typer.Typer(
+    name="prewarm",
+    help="Inspect and manage the model cache of this node's prewarm agent.",
+    no_args_is_help=True,
+    add_completion=False,
+    # Expected errors are reported in one line (see _agent_errors); anything
+    # else is a bug, and a plain traceback is the most useful report of it.
+    pretty_exceptions_enable=False,
+)
+
+
+class TierChoice(StrEnum):
+    shm = "shm"
+    disk = "disk"
+
+
+SocketOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--socket",
+        envvar="PREWARM_SOCKET_PATH",
+        help="The agent's socket [default: /run/prewarm/agent.sock].",
+        show_default=False,
+    ),
+]
+JsonOption = Annotated[
+    bool, typer.Option("--json", help="Print machine-readable JSON on stdout, nothing else.")
+]
+
+
+def _stdout() -> Console:
+    # Off a terminal, rich assumes 80 columns and would wrap or cut table
+    # cells; tables only take the width they need, so a wide page is safe.
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 400)
+
+
+def _fail(exc: PrewarmError, code: int) -> NoReturn:
+    sys.stderr.write(f"error: {exc}\n")
+    raise typer.Exit(code)
+
+
+@contextmanager
+def _agent_errors() -> Iterator[None]:
+    """Expected errors become one line on stderr and an exit status, no traceback."""
+    try:
+        yield
+    except InvalidRequest as exc:
+        _fail(exc, EXIT_INVALID)
+    except AgentUnavailable as exc:
+        _fail(exc, EXIT_NO_AGENT)
+    except PrewarmError as exc:
+        _fail(exc, EXIT_ERROR)
+
+
+def _client_name() -> str:
+    user = os.environ.get("USER") or os.environ.get("LOGNAME") or f"uid {os.getuid()}"
+    return f"prewarm cli ({user})"
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        sys.stdout.write(f"prewarm {__version__}\n")
+        raise typer.Exit
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", help="Print the version and exit.", callback=_show_version, is_eager=True
+        ),
+    ] = False,
+) -> None:
+    """Inspect and manage the model cache of this node's prewarm agent."""
+
+
+class _Bar:
+    """A progress callback that drives a rich progress bar on stderr."""
+
+    def __init__(self, progress: Progress) -> None:
+        self._progress = progress
+        self._task: TaskID = progress.add_task("resolve", total=None, files="")
+
+    def __call__(self, event: PullProgress) -> None:
+        files = f"{event.files_done}/{event.files_total} files" if event.files_total else ""
+        self._progress.update(
+            self._task,
+            description=event.phase,
+            completed=event.bytes_done,
+            total=event.bytes_total or None,
+            files=files,
+        )
+
+
+def _pull_with_bar(client: Client, uri: str, **kwargs: object) -> ModelHandle:
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        # Logs and pipes get the summary line only, not bar frames.
+        return client.ensure(uri, **kwargs)  # type: ignore[arg-type]
+    progress = Progress(
+        TextColumn("{task.description:<8}"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TextColumn("{task.fields[files]}"),
+        TimeRemainingColumn(),
+        console=console,
+        # The bar goes away when the pull ends; the summary line stays.
+        transient=True,
+    )
+    with progress:
+        return client.ensure(uri, progress=_Bar(progress), **kwargs)  # type: ignore[arg-type]
+
+
+@app.command()
+def pull(
+    uri: Annotated[str, typer.Argument(help="The model, e.g. s3://models/llama-3-8b/.")],
+    *,
+    tier: Annotated[
+        TierChoice | None,
+        typer.Option(help="Where to place it if it has to be pulled [default: the agent's]."),
+    ] = None,
+    include: Annotated[
+        list[str] | None,
+        typer.Option("--include", help="Only paths matching this glob (repeatable)."),
+    ] = None,
+    exclude: Annotated[
+        list[str] | None,
+        typer.Option("--exclude", help="Skip paths matching this glob (repeatable)."),
+    ] = None,
+    socket: SocketOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Make sure a model is in the node cache, pulling it if needed."""
+    with _agent_errors(), Client(socket) as client:
+        request: dict[str, object] = {
+            "tier": tier.value if tier else None,
+            "include": include or (),
+            "exclude": exclude or (),
+            "client_name": _client_name(),
+        }
+        if json_out:
+            handle = client.ensure(uri, **request)  # type: ignore[arg-type]
+            sys.stdout.write(render.to_json(handle) + "\n")
+        else:
+            handle = _pull_with_bar(client, uri, **request)
+            _stdout().print(render.pull_summary(handle), soft_wrap=True)
+
+
+@app.command("ls")
+def list_models(socket: SocketOption = None, json_out: JsonOption = False) -> None:
+    """List the models in the node cache."""
+    with _agent_errors(), Client(socket) as client:
+        models = client.list_models()
+    if json_out:
+        sys.stdout.write(render.to_json(models) + "\n")
+    elif not models:
+        _stdout().print("no models cached")
+    else:
+        _stdout().print(render.models_table(models))
+
+
+@app.command()
+def show(
+    ref: Annotated[str, typer.Argument(help="A URI, a key, or a unique key prefix (8+ chars).")],
+    socket: SocketOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Show one cached model and its files."""
+    with _agent_errors(), Client(socket) as client:
+        info = client.get(ref)
+    if json_out:
+        sys.stdout.write(render.to_json(info) + "\n")
+    else:
+        _stdout().print(render.model_detail(info))
+
+
+@app.command()
+def evict(
+    ref: Annotated[
+        str, typer.Argument(help="A key (or unique prefix) evicts one snapshot; a URI all of it.")
+    ],
+    socket: SocketOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Remove models from the node cache."""
+    with _agent_errors(), Client(socket) as client:
+        result = client.evict(ref)
+    if json_out:
+        sys.stdout.write(render.to_json(result) + "\n")
+    else:
+        _stdout().print(render.evict_summary(result), soft_wrap=True)
+
+
+@app.command()
+def status(socket: SocketOption = None, json_out: JsonOption = False) -> None:
+    """Show the agent's version, tiers and pulls in flight."""
+    with _agent_errors(), Client(socket) as client:
+        agent_status = client.status()
+    if json_out:
+        sys.stdout.write(render.to_json(agent_status) + "\n")
+    else:
+        _stdout().print(render.status_view(agent_status))

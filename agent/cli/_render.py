@@ -1,0 +1,231 @@
+"""How the CLI shows things: human lines and rich tables, or JSON for machines."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+
+from agent.client import AgentStatus, EvictResult, ModelHandle, ModelInfo, PullStatus
+
+__all__ = [
+    "evict_summary",
+    "human_bytes",
+    "model_detail",
+    "models_table",
+    "pull_summary",
+    "rate",
+    "status_view",
+    "to_json",
+]
+
+_EPOCH = datetime.fromtimestamp(0, UTC)
+_KEY_WIDTH = 12
+
+
+def human_bytes(n: int) -> str:
+    """Binary units, like df -h: 1.0 GiB is 1024**3 bytes."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def rate(n: int, seconds: float) -> str:
+    """Decimal MB/s, the unit network and S3 throughput is quoted in."""
+    if seconds <= 0:
+        return "- MB/s"
+    mb_per_s = n / seconds / 1e6
+    return f"{mb_per_s:.0f} MB/s" if mb_per_s >= 10 else f"{mb_per_s:.2f} MB/s"
+
+
+def _when(moment: datetime) -> str:
+    # The agent leaves a timestamp unset (the epoch) when it has none.
+    if moment <= _EPOCH:
+        return "-"
+    return moment.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _uptime(seconds: float) -> str:
+    whole = int(seconds)
+    days, rest = divmod(whole, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours}h {minutes}m"
+    if hours:
+        return f"{hours}h {minutes}m {secs}s"
+    return f"{minutes}m {secs}s" if minutes else f"{seconds:.1f}s"
+
+
+def pull_summary(handle: ModelHandle) -> str:
+    """One line: what happened, where the time went, where the model is."""
+    t = handle.timings
+    offline = (
+        " (S3 unreachable: served the newest cached snapshot without checking it is current)"
+        if handle.resolved_offline
+        else ""
+    )
+    if handle.hit:
+        return f"hit: {handle.uri} in {t.total:.3f} s{offline} -> {handle.path}"
+    phases = [f"resolve {t.resolve:.2f} s"]
+    # A non-zero wait means another request had already started this pull.
+    what = "cold pull"
+    if t.wait > 0:
+        what = "joined pull"
+        phases.append(f"wait {t.wait:.2f} s")
+    phases += [
+        f"download {t.download:.2f} s",
+        f"verify {t.verify:.2f} s",
+        f"publish {t.publish:.2f} s",
+    ]
+    return (
+        f"{what} of {handle.uri} in {t.total:.2f} s ({', '.join(phases)}), "
+        f"{human_bytes(handle.total_bytes)} at {rate(handle.total_bytes, t.total)}{offline} "
+        f"-> {handle.path}"
+    )
+
+
+def models_table(models: list[ModelInfo]) -> Table:
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    table.add_column("key", no_wrap=True)
+    table.add_column("uri", overflow="fold")
+    table.add_column("tier")
+    table.add_column("size", justify="right")
+    table.add_column("files", justify="right")
+    table.add_column("created", no_wrap=True)
+    table.add_column("last used", no_wrap=True)
+    table.add_column("hits", justify="right")
+    for m in sorted(models, key=lambda m: (m.uri, m.created)):
+        table.add_row(
+            m.key[:_KEY_WIDTH],
+            m.uri,
+            m.tier,
+            human_bytes(m.total_bytes),
+            str(m.file_count),
+            _when(m.created),
+            _when(m.last_used),
+            str(m.hit_count),
+        )
+    return table
+
+
+def _fields(rows: list[tuple[str, str]]) -> Table:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column(overflow="fold")
+    for name, value in rows:
+        grid.add_row(name, value)
+    return grid
+
+
+def model_detail(info: ModelInfo) -> RenderableType:
+    rows = [
+        ("uri", info.uri),
+        ("key", info.key),
+        ("path", str(info.path)),
+        ("tier", info.tier),
+        ("size", f"{human_bytes(info.total_bytes)} ({info.total_bytes} bytes)"),
+        ("files", str(info.file_count)),
+        ("created", _when(info.created)),
+        ("last used", _when(info.last_used)),
+        ("hits", str(info.hit_count)),
+    ]
+    if info.include:
+        rows.append(("include", " ".join(info.include)))
+    if info.exclude:
+        rows.append(("exclude", " ".join(info.exclude)))
+    files = Table(box=None, header_style="bold", pad_edge=False)
+    files.add_column("path", overflow="fold")
+    files.add_column("size", justify="right")
+    files.add_column("etag", no_wrap=True)
+    for f in sorted(info.files, key=lambda f: f.path):
+        files.add_row(f.path, human_bytes(f.size), f.etag)
+    return Group(_fields(rows), "", files)
+
+
+def evict_summary(result: EvictResult) -> str:
+    if not result.evicted:
+        return "nothing evicted"
+    keys = ", ".join(m.key[:_KEY_WIDTH] for m in result.evicted)
+    uris = ", ".join(sorted({m.uri for m in result.evicted}))
+    count = len(result.evicted)
+    noun = "snapshot" if count == 1 else "snapshots"
+    return f"evicted {count} {noun} of {uris} ({keys}), freed {human_bytes(result.bytes_freed)}"
+
+
+def _pull_row(p: PullStatus) -> tuple[str, ...]:
+    pr = p.progress
+    done = f"{human_bytes(pr.bytes_done)} / {human_bytes(pr.bytes_total)}"
+    return (
+        p.key[:_KEY_WIDTH] or "-",
+        p.uri,
+        p.tier,
+        pr.phase,
+        done,
+        f"{pr.files_done}/{pr.files_total}",
+        str(p.waiters),
+        _when(p.started),
+    )
+
+
+def status_view(status: AgentStatus) -> RenderableType:
+    head = _fields(
+        [
+            ("version", status.version),
+            ("uptime", _uptime(status.uptime_seconds)),
+            ("socket", status.socket_path),
+            ("default tier", status.default_tier),
+            ("data plane", status.data_plane),
+            ("models", str(status.model_count)),
+        ]
+    )
+    tiers = Table(box=None, header_style="bold", pad_edge=False, title_justify="left")
+    for column in ("tier", "root", "capacity", "used", "free", "models"):
+        tiers.add_column(column, justify="left" if column in ("tier", "root") else "right")
+    for t in status.tiers:
+        tiers.add_row(
+            t.tier,
+            str(t.root),
+            human_bytes(t.capacity_bytes),
+            human_bytes(t.used_bytes),
+            human_bytes(t.free_bytes),
+            str(t.model_count),
+        )
+    parts: list[RenderableType] = [head, "", tiers, ""]
+    if status.pulls:
+        pulls = Table(box=None, header_style="bold", pad_edge=False)
+        for column in ("key", "uri", "tier", "phase", "bytes", "files", "waiters", "started"):
+            pulls.add_column(column)
+        for p in status.pulls:
+            pulls.add_row(*_pull_row(p))
+        parts += ["pulls in flight:", pulls]
+    else:
+        parts.append("no pulls in flight")
+    return Group(*parts)
+
+
+def _json_default(value: object) -> object:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"cannot write {type(value).__name__} as JSON")
+
+
+def to_json(value: object) -> str:
+    """Dataclasses (or lists of them) as indented JSON; times in ISO 8601, UTC."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    elif isinstance(value, list):
+        value = [
+            dataclasses.asdict(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v
+            for v in value
+        ]
+    return json.dumps(value, indent=2, default=_json_default)

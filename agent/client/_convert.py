@@ -1,0 +1,246 @@
+"""Requests to protobuf and responses from it, shared by the sync and async clients."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
+from pathlib import Path
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from agent._exceptions import InvalidRequest, PrewarmError
+from agent._proto.prewarm.v1 import prewarm_pb2 as pb
+
+from ._types import (
+    AgentStatus,
+    EvictResult,
+    FileEntry,
+    ModelHandle,
+    ModelInfo,
+    PhaseName,
+    PhaseTimings,
+    Progress,
+    PullStatus,
+    TierName,
+    TierStatus,
+)
+
+__all__ = [
+    "CHANNEL_OPTIONS",
+    "DEFAULT_SOCKET_PATH",
+    "SOCKET_ENV",
+    "channel_target",
+    "ensure_request",
+    "evict_request",
+    "evict_result_from_proto",
+    "get_request",
+    "handle_from_proto",
+    "model_info_from_proto",
+    "on_ensure_event",
+    "progress_from_proto",
+    "resolve_socket_path",
+    "status_from_proto",
+    "tier_to_proto",
+]
+
+DEFAULT_SOCKET_PATH = Path("/run/prewarm/agent.sock")
+SOCKET_ENV = "PREWARM_SOCKET_PATH"
+# A model with many thousands of files lists them all in one answer, and
+# ListModels answers for every model at once: 4 MiB (grpc's default) is too low.
+CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (("grpc.max_receive_message_length", 256 * 1024**2),)
+
+_TIER_TO_PROTO: dict[str, pb.Tier.ValueType] = {"shm": pb.TIER_SHM, "disk": pb.TIER_DISK}
+_TIER_FROM_PROTO: dict[int, TierName] = {pb.TIER_SHM: "shm", pb.TIER_DISK: "disk"}
+_PHASE_FROM_PROTO: dict[int, PhaseName] = {
+    # A pull that has not reported yet is still resolving its URI.
+    pb.PHASE_UNSPECIFIED: "resolve",
+    pb.PHASE_RESOLVE: "resolve",
+    pb.PHASE_DOWNLOAD: "download",
+    pb.PHASE_VERIFY: "verify",
+    pb.PHASE_PUBLISH: "publish",
+    pb.PHASE_DONE: "done",
+}
+_SKEW_HINT = "The client and the agent may be different versions; upgrade the older one."
+
+
+def resolve_socket_path(socket_path: str | os.PathLike[str] | None) -> Path:
+    """The explicit path, else $PREWARM_SOCKET_PATH, else the systemd unit's default."""
+    if socket_path is not None and str(socket_path):
+        return Path(socket_path)
+    from_env = os.environ.get(SOCKET_ENV)
+    return Path(from_env) if from_env else DEFAULT_SOCKET_PATH
+
+
+def channel_target(socket_path: Path) -> str:
+    return f"unix:{socket_path}"
+
+
+def tier_to_proto(tier: str | None) -> pb.Tier.ValueType:
+    """None means "the agent's default"; anything but shm/disk is refused here, before a call."""
+    if tier is None:
+        return pb.TIER_UNSPECIFIED
+    try:
+        return _TIER_TO_PROTO[tier]
+    except KeyError:
+        raise InvalidRequest(f"Unknown tier {tier!r}: choose 'shm' or 'disk'.") from None
+
+
+def _tier_from_proto(value: int, what: str) -> TierName:
+    try:
+        return _TIER_FROM_PROTO[value]
+    except KeyError:
+        raise PrewarmError(f"The agent sent tier {value} for {what}. {_SKEW_HINT}") from None
+
+
+def _patterns(patterns: Iterable[str], option: str) -> list[str]:
+    # A bare string is iterable too; taking it letter by letter would silently
+    # turn "*.json" into four one-character globs.
+    if isinstance(patterns, str):
+        raise InvalidRequest(
+            f"{option} takes a sequence of glob patterns, not the string {patterns!r}; "
+            f"write {option}=[{patterns!r}]."
+        )
+    return list(patterns)
+
+
+def ensure_request(
+    uri: str,
+    *,
+    tier: str | None,
+    include: Iterable[str],
+    exclude: Iterable[str],
+    client_name: str,
+) -> pb.EnsureModelRequest:
+    return pb.EnsureModelRequest(
+        uri=str(uri),
+        tier=tier_to_proto(tier),
+        include=_patterns(include, "include"),
+        exclude=_patterns(exclude, "exclude"),
+        client_name=client_name,
+    )
+
+
+def get_request(ref: str) -> pb.GetModelRequest:
+    return pb.GetModelRequest(ref=str(ref))
+
+
+def evict_request(ref: str) -> pb.EvictModelRequest:
+    return pb.EvictModelRequest(ref=str(ref))
+
+
+def _timestamp(ts: Timestamp) -> datetime:
+    return ts.ToDatetime(tzinfo=UTC)
+
+
+def _files(entries: Iterable[pb.FileEntry]) -> tuple[FileEntry, ...]:
+    return tuple(FileEntry(path=e.path, size=e.size, etag=e.etag) for e in entries)
+
+
+def progress_from_proto(msg: pb.Progress) -> Progress:
+    try:
+        phase = _PHASE_FROM_PROTO[msg.phase]
+    except KeyError:
+        raise PrewarmError(
+            f"The agent sent an unknown pull phase {msg.phase}. {_SKEW_HINT}"
+        ) from None
+    return Progress(
+        phase=phase,
+        bytes_done=msg.bytes_done,
+        bytes_total=msg.bytes_total,
+        files_done=msg.files_done,
+        files_total=msg.files_total,
+        key=msg.key,
+    )
+
+
+def handle_from_proto(msg: pb.ModelHandle) -> ModelHandle:
+    t = msg.timings
+    return ModelHandle(
+        uri=msg.uri,
+        key=msg.key,
+        path=Path(msg.path),
+        tier=_tier_from_proto(msg.tier, msg.uri),
+        hit=msg.hit,
+        files=_files(msg.files),
+        total_bytes=msg.total_bytes,
+        timings=PhaseTimings(
+            resolve=t.resolve_seconds,
+            wait=t.wait_seconds,
+            download=t.download_seconds,
+            verify=t.verify_seconds,
+            publish=t.publish_seconds,
+            total=t.total_seconds,
+        ),
+        resolved_offline=msg.resolved_offline,
+    )
+
+
+def model_info_from_proto(msg: pb.ModelInfo) -> ModelInfo:
+    return ModelInfo(
+        uri=msg.uri,
+        key=msg.key,
+        path=Path(msg.path),
+        tier=_tier_from_proto(msg.tier, msg.uri),
+        total_bytes=msg.total_bytes,
+        file_count=msg.file_count,
+        created=_timestamp(msg.created),
+        last_used=_timestamp(msg.last_used),
+        hit_count=msg.hit_count,
+        files=_files(msg.files),
+        include=tuple(msg.include),
+        exclude=tuple(msg.exclude),
+    )
+
+
+def evict_result_from_proto(msg: pb.EvictModelResponse) -> EvictResult:
+    return EvictResult(
+        evicted=tuple(model_info_from_proto(m) for m in msg.evicted),
+        bytes_freed=msg.bytes_freed,
+    )
+
+
+def status_from_proto(msg: pb.StatusResponse) -> AgentStatus:
+    return AgentStatus(
+        version=msg.version,
+        tiers=tuple(
+            TierStatus(
+                tier=_tier_from_proto(t.tier, f"tier root {t.root}"),
+                root=Path(t.root),
+                capacity_bytes=t.capacity_bytes,
+                used_bytes=t.used_bytes,
+                free_bytes=t.free_bytes,
+                model_count=t.model_count,
+            )
+            for t in msg.tiers
+        ),
+        pulls=tuple(
+            PullStatus(
+                uri=p.uri,
+                key=p.key,
+                tier=_tier_from_proto(p.tier, f"the pull of {p.uri}"),
+                progress=progress_from_proto(p.progress),
+                waiters=p.waiters,
+                started=_timestamp(p.started),
+            )
+            for p in msg.pulls
+        ),
+        model_count=msg.model_count,
+        uptime_seconds=msg.uptime_seconds,
+        socket_path=msg.socket_path,
+        data_plane=msg.data_plane,
+        default_tier=_tier_from_proto(msg.default_tier, "the default tier"),
+    )
+
+
+def on_ensure_event(
+    event: pb.EnsureModelEvent, progress: Callable[[Progress], None] | None
+) -> ModelHandle | None:
+    """Feed one stream event to the caller; return the handle if this event carries it."""
+    kind = event.WhichOneof("event")
+    if kind == "handle":
+        return handle_from_proto(event.handle)
+    if kind == "progress" and progress is not None:
+        progress(progress_from_proto(event.progress))
+    # An empty event (a newer agent's kind this client does not know) is skipped.
+    return None

@@ -1,0 +1,94 @@
+"""grpc errors to the prewarm error tree, at the edge of the client."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import grpc
+
+from agent._exceptions import (
+    AccessDenied,
+    AgentUnavailable,
+    Conflict,
+    InvalidRequest,
+    NoSpace,
+    NotFound,
+    PrewarmError,
+    SourceChanged,
+    SourceUnavailable,
+)
+
+__all__ = ["missing_handle", "translate_rpc_error"]
+
+_BY_CODE: dict[grpc.StatusCode, type[PrewarmError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.PERMISSION_DENIED: AccessDenied,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: NoSpace,
+    grpc.StatusCode.FAILED_PRECONDITION: Conflict,
+    grpc.StatusCode.ABORTED: SourceChanged,
+}
+
+# UNAVAILABLE means two different things: the agent itself could not be
+# reached (grpc core says so, in these words, before any agent code ran), or
+# the agent answered that S3 is unreachable (a sentence the agent wrote).
+_TRANSPORT_FAILURE = re.compile(
+    r"^(failed to connect to all addresses|Stream removed|Socket closed|Broken pipe"
+    r"|GOAWAY received|Connection reset by peer)"
+)
+_START_HINT = "start it (systemctl start prewarmd) or pass --socket / PREWARM_SOCKET_PATH"
+
+
+def _agent_unavailable(socket_path: Path, details: str) -> AgentUnavailable:
+    if not socket_path.exists():
+        return AgentUnavailable(
+            f"no prewarm agent is listening on {socket_path} (the socket does not exist): "
+            f"{_START_HINT}."
+        )
+    if "Permission denied" in details:
+        return AgentUnavailable(
+            f"permission denied on the prewarm agent's socket {socket_path}: run as a member "
+            "of the socket's group (see socket_group in /etc/prewarm/agent.toml) or as root."
+        )
+    if details.startswith("failed to connect"):
+        return AgentUnavailable(
+            f"no prewarm agent is listening on {socket_path} (connection refused): {_START_HINT}."
+        )
+    return AgentUnavailable(
+        f"lost the connection to the prewarm agent on {socket_path} mid-call ({details}); "
+        "it may have stopped or restarted: check `systemctl status prewarmd` and retry."
+    )
+
+
+def translate_rpc_error(exc: grpc.RpcError, socket_path: Path) -> PrewarmError:
+    """The prewarm error for a failed call; the caller raises it ``from exc``."""
+    # Both the sync errors and grpc.aio.AioRpcError carry code() and details();
+    # grpc.RpcError itself declares neither.
+    code: grpc.StatusCode = exc.code()
+    details: str = exc.details() or ""
+    if code == grpc.StatusCode.UNAVAILABLE:
+        if _TRANSPORT_FAILURE.match(details) or not socket_path.exists():
+            return _agent_unavailable(socket_path, details)
+        return SourceUnavailable(details or "The agent reports that S3 is unavailable.")
+    message = details or f"The prewarm agent answered {code.name} without a message."
+    if code in _BY_CODE:
+        return _BY_CODE[code](message)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return PrewarmError(
+            f"The call to the prewarm agent on {socket_path} ran out of time ({details}); "
+            "raise the client's timeout or pass none."
+        )
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return PrewarmError(
+            f"The prewarm agent on {socket_path} does not implement this call ({details}); "
+            "the client and the agent may be different versions."
+        )
+    return PrewarmError(f"The prewarm agent failed ({code.name}): {message}")
+
+
+def missing_handle(uri: str, socket_path: Path) -> PrewarmError:
+    return PrewarmError(
+        f"The prewarm agent on {socket_path} ended EnsureModel for {uri} without a model "
+        "handle; the client and the agent may be different versions."
+    )

@@ -1,0 +1,149 @@
+"""The blocking client: one channel to the agent's socket, one method per RPC."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import grpc
+
+from agent._proto.prewarm.v1 import prewarm_pb2 as pb
+from agent._proto.prewarm.v1 import prewarm_pb2_grpc as pb_grpc
+
+from . import _convert as convert
+from ._errors import missing_handle, translate_rpc_error
+from ._types import AgentStatus, EvictResult, ModelHandle, ModelInfo, Progress, TierName
+
+__all__ = ["Client", "ensure"]
+
+
+class Client:
+    """A connection to the prewarm agent on this node.
+
+    ``socket_path`` defaults to ``$PREWARM_SOCKET_PATH``, else
+    ``/run/prewarm/agent.sock``. ``timeout`` (seconds) bounds every call,
+    including the whole of ``ensure``; ``None`` waits as long as it takes.
+    Nothing connects until the first call, so constructing a client never fails
+    because the agent is down.
+    """
+
+    def __init__(
+        self, socket_path: str | os.PathLike[str] | None = None, *, timeout: float | None = None
+    ) -> None:
+        self._socket_path = convert.resolve_socket_path(socket_path)
+        self._timeout = timeout
+        self._channel = grpc.insecure_channel(
+            convert.channel_target(self._socket_path), options=convert.CHANNEL_OPTIONS
+        )
+        self._stub = pb_grpc.PrewarmStub(self._channel)
+
+    @property
+    def socket_path(self) -> Path:
+        return self._socket_path
+
+    def __repr__(self) -> str:
+        return f"Client(socket_path={str(self._socket_path)!r}, timeout={self._timeout!r})"
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def ensure(
+        self,
+        uri: str,
+        *,
+        tier: TierName | None = None,
+        include: Iterable[str] = (),
+        exclude: Iterable[str] = (),
+        client_name: str = "",
+        progress: Callable[[Progress], None] | None = None,
+    ) -> ModelHandle:
+        """Make sure ``uri`` is cached on this node, pulling it if needed, and return it.
+
+        ``progress`` is called (in this thread) for every progress event of the pull.
+        """
+        request = convert.ensure_request(
+            uri, tier=tier, include=include, exclude=exclude, client_name=client_name
+        )
+        call = self._stub.EnsureModel(request, timeout=self._timeout)
+        handle: ModelHandle | None = None
+        try:
+            # Read to the end of the stream rather than stopping at the handle,
+            # so an error status the agent sends after it is not lost.
+            for event in call:
+                got = convert.on_ensure_event(event, progress)
+                if got is not None:
+                    handle = got
+        except grpc.RpcError as exc:
+            raise translate_rpc_error(exc, self._socket_path) from exc
+        finally:
+            # A no-op once the stream has ended; stops it when the progress
+            # callback raised or the user pressed Ctrl-C. The agent keeps
+            # pulling for any other caller.
+            call.cancel()
+        if handle is None:
+            raise missing_handle(uri, self._socket_path)
+        return handle
+
+    def get(self, ref: str) -> ModelInfo:
+        """One cached model, by URI (its newest snapshot), key, or unique key prefix."""
+        return convert.model_info_from_proto(
+            self._unary(self._stub.GetModel, convert.get_request(ref))
+        )
+
+    def list_models(self) -> list[ModelInfo]:
+        """Every published snapshot on the node."""
+        response = self._unary(self._stub.ListModels, pb.ListModelsRequest())
+        return [convert.model_info_from_proto(m) for m in response.models]
+
+    def evict(self, ref: str) -> EvictResult:
+        """Remove a snapshot (by key) or every snapshot of a URI from the cache."""
+        return convert.evict_result_from_proto(
+            self._unary(self._stub.EvictModel, convert.evict_request(ref))
+        )
+
+    def status(self) -> AgentStatus:
+        """Agent version, tiers, pulls in flight."""
+        return convert.status_from_proto(self._unary(self._stub.Status, pb.StatusRequest()))
+
+    def _unary(self, method: Any, request: Any) -> Any:
+        try:
+            return method(request, timeout=self._timeout)
+        except grpc.RpcError as exc:
+            raise translate_rpc_error(exc, self._socket_path) from exc
+
+
+def ensure(
+    uri: str,
+    *,
+    socket_path: str | os.PathLike[str] | None = None,
+    timeout: float | None = None,
+    tier: TierName | None = None,
+    include: Iterable[str] = (),
+    exclude: Iterable[str] = (),
+    client_name: str = "",
+    progress: Callable[[Progress], None] | None = None,
+) -> ModelHandle:
+    """Open a client, ensure ``uri`` is cached, close the client; see ``Client.ensure``."""
+    with Client(socket_path, timeout=timeout) as client:
+        return client.ensure(
+            uri,
+            tier=tier,
+            include=include,
+            exclude=exclude,
+            client_name=client_name,
+            progress=progress,
+        )

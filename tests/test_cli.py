@@ -1,0 +1,172 @@
+"""The ``prewarm`` command, run as a real process against the real daemon and S3 server."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from agent import __version__
+from agent.testing import AgentProcess, SampleModel
+
+_NUMBER = r"\d+(?:\.\d+)?"
+
+
+def prewarm(*args: str, socket: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}
+    env["PREWARM_SOCKET_PATH"] = str(socket)
+    return subprocess.run(
+        [sys.executable, "-m", "agent.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def prewarm_json(*args: str, socket: Path) -> Any:
+    done = prewarm(*args, "--json", socket=socket)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_pull_prints_phase_timings_then_a_hit(
+    agent_daemon: AgentProcess, small_model: SampleModel
+) -> None:
+    cold = prewarm("pull", small_model.uri, socket=agent_daemon.socket_path)
+    assert cold.returncode == 0, cold.stderr
+    match = re.fullmatch(
+        rf"cold pull of {re.escape(small_model.uri)} in {_NUMBER} s "
+        rf"\(resolve {_NUMBER} s, download {_NUMBER} s, verify {_NUMBER} s, "
+        rf"publish {_NUMBER} s\), {_NUMBER} MiB at {_NUMBER} MB/s -> (?P<path>\S+)\n",
+        cold.stdout,
+    )
+    assert match, cold.stdout
+    path = Path(match["path"])
+    assert path.is_relative_to(agent_daemon.shm_root)
+    assert sorted(p.name for p in path.iterdir()) == sorted(
+        k.rsplit("/", 1)[-1] for k in small_model.keys
+    )
+
+    warm = prewarm("pull", small_model.uri, socket=agent_daemon.socket_path)
+    assert warm.returncode == 0, warm.stderr
+    assert re.fullmatch(
+        rf"hit: {re.escape(small_model.uri)} in {_NUMBER} s -> {re.escape(str(path))}\n",
+        warm.stdout,
+    )
+
+
+def test_pull_json_honours_tier_and_include(
+    agent_daemon: AgentProcess, small_model: SampleModel
+) -> None:
+    handle = prewarm_json(
+        "pull",
+        small_model.uri,
+        "--tier",
+        "disk",
+        "--include",
+        "*.json",
+        socket=agent_daemon.socket_path,
+    )
+    assert handle["tier"] == "disk"
+    assert handle["hit"] is False
+    assert Path(handle["path"]).is_relative_to(agent_daemon.disk_root)
+    assert handle["files"]
+    assert all(f["path"].endswith(".json") for f in handle["files"])
+
+
+def test_ls_json_lists_the_pulled_model(
+    agent_daemon: AgentProcess, small_model: SampleModel
+) -> None:
+    assert prewarm_json("ls", socket=agent_daemon.socket_path) == []
+    handle = prewarm_json("pull", small_model.uri, socket=agent_daemon.socket_path)
+    [model] = prewarm_json("ls", socket=agent_daemon.socket_path)
+    assert model["key"] == handle["key"]
+    assert model["uri"] == small_model.uri
+    assert model["tier"] == "shm"
+    assert model["total_bytes"] == small_model.total_bytes
+    assert model["file_count"] == len(small_model.keys)
+
+
+def test_ls_shows_a_table_with_the_short_key(
+    agent_daemon: AgentProcess, small_model: SampleModel
+) -> None:
+    handle = prewarm_json("pull", small_model.uri, socket=agent_daemon.socket_path)
+    listing = prewarm("ls", socket=agent_daemon.socket_path)
+    assert listing.returncode == 0, listing.stderr
+    header, row = listing.stdout.splitlines()
+    assert header.split()[:3] == ["key", "uri", "tier"]
+    assert row.split()[:3] == [handle["key"][:12], small_model.uri, "shm"]
+
+
+def test_show_finds_a_model_by_key_prefix(
+    agent_daemon: AgentProcess, small_model: SampleModel
+) -> None:
+    handle = prewarm_json("pull", small_model.uri, socket=agent_daemon.socket_path)
+    shown = prewarm("show", handle["key"][:10], socket=agent_daemon.socket_path)
+    assert shown.returncode == 0, shown.stderr
+    assert handle["key"] in shown.stdout
+    assert handle["path"] in shown.stdout
+    for key in small_model.keys:
+        assert key.removeprefix(small_model.prefix) in shown.stdout
+
+
+def test_evict_removes_the_model(agent_daemon: AgentProcess, small_model: SampleModel) -> None:
+    handle = prewarm_json("pull", small_model.uri, socket=agent_daemon.socket_path)
+    evicted = prewarm("evict", handle["key"][:10], socket=agent_daemon.socket_path)
+    assert evicted.returncode == 0, evicted.stderr
+    assert evicted.stdout.startswith(f"evicted 1 snapshot of {small_model.uri}")
+    assert prewarm_json("ls", socket=agent_daemon.socket_path) == []
+    assert not Path(handle["path"]).exists()
+
+
+def test_status_json_reports_version_tiers_and_models(
+    agent_daemon: AgentProcess, small_model: SampleModel
+) -> None:
+    prewarm_json("pull", small_model.uri, socket=agent_daemon.socket_path)
+    status = prewarm_json("status", socket=agent_daemon.socket_path)
+    assert status["version"] == __version__
+    assert status["default_tier"] == "shm"
+    assert status["model_count"] == 1
+    assert status["pulls"] == []
+    roots = {t["tier"]: (t["root"], t["model_count"]) for t in status["tiers"]}
+    assert roots == {
+        "shm": (str(agent_daemon.shm_root), 1),
+        "disk": (str(agent_daemon.disk_root), 0),
+    }
+
+
+def test_bad_uri_exits_2_with_the_agents_message(agent_daemon: AgentProcess) -> None:
+    done = prewarm("pull", "http://example.com/model", socket=agent_daemon.socket_path)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr.startswith("error: ")
+    assert "is not an S3 URI" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_unknown_model_exits_1(agent_daemon: AgentProcess, bucket: str) -> None:
+    done = prewarm("show", f"s3://{bucket}/nothing/", socket=agent_daemon.socket_path)
+    assert done.returncode == 1
+    assert done.stderr.startswith("error: ")
+    assert "Traceback" not in done.stderr
+
+
+def test_missing_socket_exits_3_and_says_how_to_fix_it(tmp_path: Path) -> None:
+    missing = tmp_path / "agent.sock"
+    done = prewarm("status", "--socket", str(missing), socket=tmp_path / "ignored.sock")
+    assert done.returncode == 3
+    assert done.stderr.startswith(f"error: no prewarm agent is listening on {missing}")
+    assert "systemctl start prewarmd" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_version_flag_prints_the_version() -> None:
+    done = prewarm("--version", socket=Path("/nonexistent"))
+    assert done.returncode == 0
+    assert done.stdout == f"prewarm {__version__}\n"

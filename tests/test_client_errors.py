@@ -1,0 +1,204 @@
+"""The client over a real Unix socket: status codes to the error tree, stream handling.
+
+The server here is a stand-in that answers what the test asks for; the
+behaviour under test is the client's (tests/test_cli.py runs the real agent).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from agent._proto.prewarm.v1 import prewarm_pb2 as pb
+from agent._proto.prewarm.v1 import prewarm_pb2_grpc as pb_grpc
+from agent.client import (
+    AccessDenied,
+    AgentUnavailable,
+    AsyncClient,
+    Client,
+    Conflict,
+    InvalidRequest,
+    NoSpace,
+    NotFound,
+    PrewarmError,
+    Progress,
+    SourceChanged,
+    SourceUnavailable,
+    aensure,
+    ensure,
+)
+
+
+class _Scripted(pb_grpc.PrewarmServicer):
+    """``uri``/``ref`` "fail:CODE" aborts with CODE; "s3://b/nohandle/" ends without a handle."""
+
+    def EnsureModel(self, request: pb.EnsureModelRequest, context: Any) -> Iterator[Any]:
+        _maybe_abort(request.uri, context)
+        for done in (0, 50, 100):
+            yield pb.EnsureModelEvent(
+                progress=pb.Progress(
+                    phase=pb.PHASE_DOWNLOAD, bytes_done=done, bytes_total=100, key="k1"
+                )
+            )
+        if request.uri == "s3://b/nohandle/":
+            return
+        yield pb.EnsureModelEvent(
+            handle=pb.ModelHandle(
+                uri=request.uri,
+                key="k1",
+                path="/cache/k1",
+                tier=pb.TIER_DISK if request.tier == pb.TIER_DISK else pb.TIER_SHM,
+                total_bytes=100,
+                files=[pb.FileEntry(path="model.safetensors", size=100, etag='"e"')],
+                timings=pb.PhaseTimings(download_seconds=0.5, total_seconds=0.75),
+            )
+        )
+
+    def GetModel(self, request: pb.GetModelRequest, context: Any) -> pb.ModelInfo:
+        _maybe_abort(request.ref, context)
+        return pb.ModelInfo(uri="s3://b/m/", key=request.ref, tier=pb.TIER_SHM, hit_count=3)
+
+    def ListModels(self, request: pb.ListModelsRequest, context: Any) -> pb.ListModelsResponse:
+        return pb.ListModelsResponse()
+
+    def EvictModel(self, request: pb.EvictModelRequest, context: Any) -> pb.EvictModelResponse:
+        _maybe_abort(request.ref, context)
+        return pb.EvictModelResponse()
+
+    def Status(self, request: pb.StatusRequest, context: Any) -> pb.StatusResponse:
+        return pb.StatusResponse(version="9.9.9", default_tier=pb.TIER_SHM)
+
+
+def _maybe_abort(value: str, context: Any) -> None:
+    if value.startswith("fail:"):
+        code = grpc.StatusCode[value.removeprefix("fail:")]
+        context.abort(code, f"the agent says {code.name}")
+
+
+@pytest.fixture
+def socket_path(tmp_path: Path) -> Iterator[Path]:
+    path = tmp_path / "agent.sock"
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_PrewarmServicer_to_server(_Scripted(), server)
+    server.add_insecure_port(f"unix:{path}")
+    server.start()
+    yield path
+    server.stop(grace=None).wait()
+
+
+@pytest.mark.parametrize(
+    ("code", "error"),
+    [
+        ("INVALID_ARGUMENT", InvalidRequest),
+        ("NOT_FOUND", NotFound),
+        ("PERMISSION_DENIED", AccessDenied),
+        ("RESOURCE_EXHAUSTED", NoSpace),
+        ("FAILED_PRECONDITION", Conflict),
+        ("ABORTED", SourceChanged),
+        ("UNAVAILABLE", SourceUnavailable),
+    ],
+)
+def test_status_code_becomes_its_error_class_with_the_agents_message(
+    socket_path: Path, code: str, error: type[PrewarmError]
+) -> None:
+    with Client(socket_path) as client, pytest.raises(error) as info:
+        client.get(f"fail:{code}")
+    assert str(info.value) == f"the agent says {code}"
+    assert isinstance(info.value.__cause__, grpc.RpcError)
+
+
+def test_unmapped_status_code_is_a_plain_prewarm_error(socket_path: Path) -> None:
+    with Client(socket_path) as client, pytest.raises(PrewarmError) as info:
+        client.get("fail:INTERNAL")
+    assert type(info.value) is PrewarmError
+    assert "the agent says INTERNAL" in str(info.value)
+
+
+def test_error_in_the_stream_is_mapped_too(socket_path: Path) -> None:
+    with pytest.raises(NotFound, match="the agent says NOT_FOUND"):
+        ensure("fail:NOT_FOUND", socket_path=socket_path)
+
+
+def test_missing_socket_is_agent_unavailable_with_a_hint(tmp_path: Path) -> None:
+    missing = tmp_path / "nobody.sock"
+    with Client(missing) as client, pytest.raises(AgentUnavailable) as info:
+        client.status()
+    assert str(info.value).startswith(f"no prewarm agent is listening on {missing}")
+    assert "PREWARM_SOCKET_PATH" in str(info.value)
+
+
+def test_socket_nobody_listens_on_is_agent_unavailable(tmp_path: Path) -> None:
+    dead = tmp_path / "dead.sock"
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(dead))
+    with Client(dead) as client, pytest.raises(AgentUnavailable, match="connection refused"):
+        client.list_models()
+
+
+def test_socket_path_comes_from_the_environment(
+    socket_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PREWARM_SOCKET_PATH", str(socket_path))
+    with Client() as client:
+        assert client.socket_path == socket_path
+        assert client.get("abcdef12").hit_count == 3
+
+
+def test_ensure_reports_each_progress_event_and_returns_the_handle(socket_path: Path) -> None:
+    seen: list[Progress] = []
+    handle = ensure("s3://b/m/", socket_path=socket_path, tier="disk", progress=seen.append)
+    assert [p.bytes_done for p in seen] == [0, 50, 100]
+    assert {p.phase for p in seen} == {"download"}
+    assert handle.tier == "disk"
+    assert handle.path == Path("/cache/k1")
+    assert handle.files[0].etag == '"e"'
+    assert handle.timings.download == 0.5
+
+
+def test_stream_that_ends_without_a_handle_is_an_error(socket_path: Path) -> None:
+    with pytest.raises(PrewarmError, match="without a model handle"):
+        ensure("s3://b/nohandle/", socket_path=socket_path)
+
+
+def test_bare_string_as_include_is_refused_before_any_call(tmp_path: Path) -> None:
+    with pytest.raises(InvalidRequest, match="sequence of glob patterns"):
+        ensure("s3://b/m/", socket_path=tmp_path / "unused.sock", include="*.json")
+
+
+def test_unknown_tier_is_refused_before_any_call(tmp_path: Path) -> None:
+    with pytest.raises(InvalidRequest, match="choose 'shm' or 'disk'"):
+        ensure("s3://b/m/", socket_path=tmp_path / "unused.sock", tier="nvme")  # type: ignore[arg-type]
+
+
+async def test_async_client_streams_progress_and_maps_errors(socket_path: Path) -> None:
+    seen: list[Progress] = []
+    handle = await aensure("s3://b/m/", socket_path=socket_path, progress=seen.append)
+    assert handle.tier == "shm"
+    assert len(seen) == 3
+    async with AsyncClient(socket_path) as client:
+        assert (await client.get("abcdef12")).key == "abcdef12"
+        with pytest.raises(Conflict, match="the agent says FAILED_PRECONDITION"):
+            await client.get("fail:FAILED_PRECONDITION")
+
+
+async def test_async_client_on_missing_socket_is_agent_unavailable(tmp_path: Path) -> None:
+    async with AsyncClient(tmp_path / "nobody.sock") as client:
+        with pytest.raises(AgentUnavailable, match="no prewarm agent is listening"):
+            await client.status()
+
+
+def test_exception_from_the_progress_callback_reaches_the_caller(socket_path: Path) -> None:
+    class Stop(Exception):
+        pass
+
+    def on_progress(_: Progress) -> None:
+        raise Stop
+
+    with pytest.raises(Stop):
+        ensure("s3://b/m/", socket_path=socket_path, progress=on_progress)

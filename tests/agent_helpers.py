@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 
 from agent.testing import AgentProcess, RecordedRequest
+
+# start_agent(config_toml="", s3=None) -> a started AgentProcess (see conftest).
+AgentFactory = Callable[..., AgentProcess]
 
 
 def tree_digest(directory: Path) -> dict[str, str]:

@@ -14,6 +14,7 @@ from types import MappingProxyType
 from typing import Any
 
 import pytest
+from agent_helpers import AgentFactory
 
 from agent.testing import (
     AgentProcess,
@@ -105,4 +106,19 @@ def agent_daemon(s3_server: S3Server) -> Iterator[AgentProcess]:
         agent.start()
         yield agent
     finally:
+        agent.close()
+
+
+@pytest.fixture
+def start_agent(s3_server: S3Server) -> Iterator[AgentFactory]:
+    """Start real daemons against the shared S3 server; each is stopped at teardown."""
+    started: list[AgentProcess] = []
+
+    def start(config: str = "", s3: S3Server | None = None) -> AgentProcess:
+        agent = AgentProcess(env=(s3 or s3_server).env(), config=config)
+        started.append(agent)
+        return agent.start()
+
+    yield start
+    for agent in started:
         agent.close()

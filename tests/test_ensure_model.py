@@ -9,35 +9,18 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from agent_helpers import AgentFactory, cache_entries, object_gets, tree_digest
 
 from agent.client import Client, ModelHandle, Progress
-from agent.testing import AgentProcess, S3Server, SampleModel, make_safetensors_model, upload_model
-from agent_helpers import cache_entries, object_gets, tree_digest
-
-AgentFactory = Callable[..., AgentProcess]
+from agent.testing import S3Server, SampleModel, make_safetensors_model, upload_model
 
 
-@pytest.fixture
-def start_agent(s3_server: S3Server) -> Iterator[AgentFactory]:
-    """Start real daemons against the shared S3 server; each is stopped at teardown."""
-    started: list[AgentProcess] = []
-
-    def start(config: str = "", s3: S3Server | None = None) -> AgentProcess:
-        agent = AgentProcess(env=(s3 or s3_server).env(), config=config)
-        started.append(agent)
-        return agent.start()
-
-    yield start
-    for agent in started:
-        agent.close()
-
-
-def _model(s3: S3Server, bucket: str, tmp_path: Path, *, mib: int, shards: int,
-           prefix: str = "models/m") -> SampleModel:
+def _model(
+    s3: S3Server, bucket: str, tmp_path: Path, *, mib: int, shards: int, prefix: str = "models/m"
+) -> SampleModel:
     source = tmp_path / prefix.replace("/", "_")
     tensors = make_safetensors_model(source, total_bytes=mib * 1024**2, shards=shards)
     return upload_model(s3.client(), bucket, prefix, source, tensors)
@@ -84,7 +67,8 @@ def test_second_ensure_is_a_hit_that_fetches_no_object(
         s3_server.clear_requests()
         warm = client.ensure(model.uri)
         info = client.get(warm.key)
-    assert warm.hit and (warm.key, warm.path) == (cold.key, cold.path)
+    assert warm.hit
+    assert (warm.key, warm.path) == (cold.key, cold.path)
     assert object_gets(s3_server.requests(bucket=bucket)) == []
     assert info.hit_count == 1
 
@@ -99,7 +83,8 @@ def test_hit_works_with_the_s3_server_stopped(
         cold = client.ensure(model.uri)
         stoppable_s3.stop()
         warm = client.ensure(model.uri)
-    assert warm.hit and warm.resolved_offline
+    assert warm.hit
+    assert warm.resolved_offline
     assert warm.path == cold.path
     assert tree_digest(warm.path) == tree_digest(model.source_dir)
 
@@ -140,7 +125,8 @@ def test_concurrent_ensures_fetch_each_byte_range_once(
     assert len({(h.key, h.path) for h in handles}) == 1
     gets = object_gets(s3_server.requests(bucket=bucket))
     per_range = collections.Counter((g.key, g.range) for g in gets)
-    assert per_range and max(per_range.values()) == 1, per_range.most_common(3)
+    assert per_range
+    assert max(per_range.values()) == 1, per_range.most_common(3)
     assert sum(g.bytes_sent for g in gets) == model.total_bytes
     assert tree_digest(handles[0].path) == tree_digest(model.source_dir)
 
@@ -204,7 +190,8 @@ def test_published_models_survive_a_restart(
     agent.restart()
     with Client(agent.socket_path) as client:
         warm = client.ensure(model.uri)
-    assert warm.hit and warm.path == cold.path
+    assert warm.hit
+    assert warm.path == cold.path
     assert cache_entries(agent) == {
         "shm/snapshots": [cold.key],
         "shm/manifests": [f"{cold.key}.json"],

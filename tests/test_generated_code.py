@@ -24,6 +24,8 @@ def test_regenerating_the_protobuf_code_changes_nothing(tmp_path: Path) -> None:
         if p.is_file() and "__pycache__" not in p.parts
     )
     assert generated == existing, "run `make proto` and commit the result"
-    _, mismatch, errors = filecmp.cmpfiles(checked_in, tmp_path, [str(p) for p in generated],
-                                           shallow=False)
-    assert not mismatch and not errors, f"stale generated files {mismatch}: run `make proto`"
+    _, mismatch, errors = filecmp.cmpfiles(
+        checked_in, tmp_path, [str(p) for p in generated], shallow=False
+    )
+    assert not errors
+    assert not mismatch, f"stale generated files {mismatch}: run `make proto`"

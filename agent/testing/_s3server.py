@@ -24,6 +24,7 @@ import tempfile
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -117,8 +118,16 @@ class S3Server:
     """
 
     def __init__(
-        self, *, host: str = "127.0.0.1", port: int = 0, startup_timeout: float = 60.0
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        startup_timeout: float = 60.0,
+        env: Mapping[str, str] | None = None,
     ) -> None:
+        # env: extra variables for the server process, e.g. moto's
+        # INITIAL_NO_AUTH_ACTION_COUNT to make it check credentials.
+        self._extra_env = dict(env or {})
         self._host = host
         self._port = port
         self._startup_timeout = startup_timeout
@@ -135,8 +144,9 @@ class S3Server:
         self._log_path = Path(log_name)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_SOURCE_ROOT, env.get("PYTHONPATH")]))
+        env.update(self._extra_env)
         argv = [sys.executable, "-m", "agent.testing._moto_process", "--host", self._host]
-        argv += ["--port", str(self._port)]
+        argv += ["--port", str(self._port), "--log-file", log_name]
         # The child appends; we read the log by path, so our offset never moves its.
         with self._log_path.open("ab") as log:
             self._proc = subprocess.Popen(

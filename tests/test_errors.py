@@ -1,0 +1,215 @@
+"""Every bad input gets its status code and a message that says what to do,
+and leaves nothing behind in the cache."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from agent_helpers import AgentFactory, cache_entries
+
+from agent._proto.prewarm.v1 import prewarm_pb2 as pb
+from agent._proto.prewarm.v1 import prewarm_pb2_grpc as pb_grpc
+from agent.client import Client, Progress
+from agent.testing import AgentProcess, S3Server, make_safetensors_model, upload_model
+
+
+def _ensure_status(agent: AgentProcess, uri: str, **fields: object) -> grpc.RpcError:
+    with grpc.insecure_channel(agent.target) as channel:
+        stub = pb_grpc.PrewarmStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in stub.EnsureModel(pb.EnsureModelRequest(uri=uri, **fields), timeout=60):
+                pass
+    error = info.value
+    assert isinstance(error, grpc.Call)
+    return error  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(
+    ("uri", "fragment"),
+    [
+        ("https://example.com/model", "not an S3 URI"),
+        ("s3://Upper_Case/model", "not a valid S3 bucket name"),
+        ("s3://bucket/a/../b", "'..'"),
+        ("", "empty"),
+    ],
+)
+def test_bad_uri_is_invalid_argument(start_agent: AgentFactory, uri: str, fragment: str) -> None:
+    agent = start_agent()
+    error = _ensure_status(agent, uri)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert fragment in error.details()  # type: ignore[attr-defined]
+    assert "s3://bucket/prefix" in error.details()  # type: ignore[attr-defined]
+    assert cache_entries(agent) == {}
+
+
+def test_empty_include_glob_is_invalid_argument(start_agent: AgentFactory, bucket: str) -> None:
+    agent = start_agent()
+    error = _ensure_status(agent, f"s3://{bucket}/m/", include=[""])
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert "glob" in error.details()  # type: ignore[attr-defined]
+
+
+def test_missing_bucket_is_not_found(start_agent: AgentFactory) -> None:
+    agent = start_agent()
+    error = _ensure_status(agent, "s3://no-such-bucket-here/model/")
+    assert error.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
+    assert "'no-such-bucket-here' does not exist" in error.details()  # type: ignore[attr-defined]
+    assert cache_entries(agent) == {}
+
+
+def test_empty_prefix_is_not_found(start_agent: AgentFactory, bucket: str) -> None:
+    agent = start_agent()
+    error = _ensure_status(agent, f"s3://{bucket}/nothing-here/")
+    assert error.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
+    assert "No objects under" in error.details()  # type: ignore[attr-defined]
+    assert cache_entries(agent) == {}
+
+
+def test_filters_that_match_nothing_are_not_found(
+    start_agent: AgentFactory, s3_server: S3Server, bucket: str
+) -> None:
+    s3_server.client().put_object(Bucket=bucket, Key="m/config.json", Body=b"{}")
+    agent = start_agent()
+    error = _ensure_status(agent, f"s3://{bucket}/m/", include=["*.safetensors"])
+    assert error.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
+    assert "Loosen the filters" in error.details()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("bad_key", ["m/../evil.bin", "m//etc/passwd", "m/./x"])
+def test_object_key_that_escapes_the_model_dir_is_refused(
+    start_agent: AgentFactory, s3_server: S3Server, bucket: str, bad_key: str
+) -> None:
+    client = s3_server.client()
+    client.put_object(Bucket=bucket, Key="m/good.bin", Body=b"fine")
+    client.put_object(Bucket=bucket, Key=bad_key, Body=b"evil")
+    agent = start_agent()
+    error = _ensure_status(agent, f"s3://{bucket}/m/")
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert repr(bad_key) in error.details()  # type: ignore[attr-defined]
+    assert cache_entries(agent) == {}
+    assert not (agent.root / "evil.bin").exists()
+
+
+def test_file_and_directory_with_the_same_name_is_refused(
+    start_agent: AgentFactory, s3_server: S3Server, bucket: str
+) -> None:
+    client = s3_server.client()
+    client.put_object(Bucket=bucket, Key="m/a", Body=b"file")
+    client.put_object(Bucket=bucket, Key="m/a/b", Body=b"nested")
+    agent = start_agent()
+    error = _ensure_status(agent, f"s3://{bucket}/m/")
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert "both a file and the directory" in error.details()  # type: ignore[attr-defined]
+    assert cache_entries(agent) == {}
+
+
+def test_denied_credentials_are_permission_denied(start_agent: AgentFactory) -> None:
+    # moto checks credentials after its first N unauthenticated actions; ours are unknown to it.
+    with S3Server(env={"INITIAL_NO_AUTH_ACTION_COUNT": "2"}) as strict:
+        strict.client().create_bucket(Bucket="locked")
+        strict.client().put_object(Bucket="locked", Key="m/a.bin", Body=b"secret")
+        agent = start_agent(s3=strict)
+        error = _ensure_status(agent, "s3://locked/m/")
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
+    assert "s3:GetObject" in error.details()  # type: ignore[attr-defined]
+    assert cache_entries(agent) == {}
+
+
+@pytest.fixture
+def tiny_shm_agent(s3_server: S3Server) -> Iterator[AgentProcess]:
+    """An agent whose shm tier is a 1 MiB tmpfs (needs root to mount)."""
+    agent = AgentProcess(env=s3_server.env())
+    agent.shm_root.mkdir(parents=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(agent.shm_root)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        agent.close()
+        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()}); needs root")
+    try:
+        yield agent.start()
+    finally:
+        with contextlib.suppress(Exception):
+            agent.stop()
+        subprocess.run(["umount", str(agent.shm_root)], check=False)
+        agent.close()
+
+
+def test_model_larger_than_the_tier_is_resource_exhausted(
+    tiny_shm_agent: AgentProcess, s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    source = tmp_path / "big"
+    tensors = make_safetensors_model(source, total_bytes=3 * 1024**2, shards=2)
+    model = upload_model(s3_server.client(), bucket, "m", source, tensors)
+    error = _ensure_status(tiny_shm_agent, model.uri, tier=pb.TIER_SHM)
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+    assert "Tier shm" in error.details()  # type: ignore[attr-defined]
+    assert "prewarm evict" in error.details()  # type: ignore[attr-defined]
+    assert cache_entries(tiny_shm_agent) == {}
+    with Client(tiny_shm_agent.socket_path) as client:  # the other tier still works
+        assert client.ensure(model.uri, tier="disk").tier == "disk"
+
+
+def test_evicting_a_model_while_it_is_pulled_is_refused(
+    start_agent: AgentFactory, s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    source = tmp_path / "slow"
+    tensors = make_safetensors_model(source, total_bytes=32 * 1024**2, shards=4)
+    model = upload_model(s3_server.client(), bucket, "m", source, tensors)
+    agent = start_agent('[s3]\nchunk_size = "1MiB"\nconcurrency = 1\n')
+    moving = threading.Event()
+    outcome: list[object] = []
+
+    def on_progress(progress: Progress) -> None:
+        if progress.bytes_done:
+            moving.set()
+
+    def pull() -> None:
+        with Client(agent.socket_path) as client:
+            outcome.append(client.ensure(model.uri, progress=on_progress))
+
+    puller = threading.Thread(target=pull)
+    puller.start()
+    assert moving.wait(timeout=60)
+    from agent import Conflict
+
+    with Client(agent.socket_path) as client, pytest.raises(Conflict, match="being pulled"):
+        client.evict(model.uri)
+    puller.join()
+    assert len(outcome) == 1
+    with Client(agent.socket_path) as client:
+        assert client.evict(model.uri).bytes_freed == model.total_bytes
+
+
+@pytest.mark.parametrize(
+    ("ref", "code"),
+    [
+        ("not-a-key!", grpc.StatusCode.INVALID_ARGUMENT),
+        ("abc", grpc.StatusCode.INVALID_ARGUMENT),
+        ("0123456789abcdef", grpc.StatusCode.NOT_FOUND),
+        ("s3://bucket/never-pulled/", grpc.StatusCode.NOT_FOUND),
+    ],
+)
+def test_get_and_evict_with_a_bad_ref(
+    start_agent: AgentFactory, ref: str, code: grpc.StatusCode
+) -> None:
+    agent = start_agent()
+    with grpc.insecure_channel(agent.target) as channel:
+        stub = pb_grpc.PrewarmStub(channel)
+        for call in (
+            lambda: stub.GetModel(pb.GetModelRequest(ref=ref), timeout=30),
+            lambda: stub.EvictModel(pb.EvictModelRequest(ref=ref), timeout=30),
+        ):
+            with pytest.raises(grpc.RpcError) as info:
+                call()
+            assert info.value.code() == code  # type: ignore[attr-defined]
+            assert "prewarm ls" in info.value.details()  # type: ignore[attr-defined]

@@ -11,6 +11,7 @@ Kept apart from ``_s3server`` so ``agent.testing`` never imports moto, and so
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -21,6 +22,7 @@ import time
 import urllib.parse
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -211,12 +213,16 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(0)
 
 
-def _exit_on_stdin_eof() -> None:
+def _exit_on_stdin_eof(log_file: str | None) -> None:
     # The parent holds our stdin open; EOF means it closed it or died. Raw
     # reads: a daemon thread blocked inside sys.stdin's buffer holds its lock
     # and aborts interpreter shutdown.
     while os.read(sys.stdin.fileno(), 4096):
         pass
+    if log_file:
+        # A parent that stops us removes our log itself; one that died cannot.
+        with contextlib.suppress(OSError):
+            Path(log_file).unlink()
     os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -224,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--log-file", help="our stderr; removed if the parent dies")
     args = parser.parse_args(argv)
 
     from moto.moto_server.werkzeug_app import (
@@ -249,7 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
     # The parent stops reading stdout after the handshake; stray prints go to stderr.
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    threading.Thread(target=_exit_on_stdin_eof, name="stdin-eof", daemon=True).start()
+    watcher = threading.Thread(
+        target=_exit_on_stdin_eof, args=(args.log_file,), name="stdin-eof", daemon=True
+    )
+    watcher.start()
     try:
         server.serve_forever()
     finally:

@@ -21,7 +21,7 @@ from typing import Literal, Self
 
 from ._config import S3Settings
 from ._exceptions import NoSpace, PrewarmError, SourceUnavailable
-from ._s3 import ObjectSource
+from ._s3 import ObjectSource, RangeReader
 from ._snapshot import Snapshot, SourceObject, TierName
 from ._store import CachedFile, CachedModel, Store
 
@@ -245,9 +245,13 @@ class Puller:
 
     async def _download(self, flight: Flight, fds: dict[str, int]) -> None:
         ranges = iter(_plan(flight.snapshot, fds, int(self._settings.chunk_size)))
-        async with asyncio.TaskGroup() as workers:
-            for _ in range(self._settings.concurrency):
-                workers.create_task(self._worker(flight, ranges))
+        try:
+            async with asyncio.TaskGroup() as workers:
+                for _ in range(self._settings.concurrency):
+                    workers.create_task(self._worker(flight, ranges))
+        except ExceptionGroup as group:
+            # The first worker to fail cancels the rest; report its error, not the group.
+            raise _root_cause(group) from None
 
     async def _worker(self, flight: Flight, ranges: Iterator[_Range]) -> None:
         # A shared iterator hands out ranges lazily: no queue of the whole plan.
@@ -255,42 +259,21 @@ class Puller:
             await self._fetch(flight, byte_range)
 
     async def _fetch(self, flight: Flight, byte_range: _Range) -> None:
-        """Write one range at its offset, resuming from the last written byte on retry."""
+        """Write one range at its offset, resuming after the last good byte on retry."""
         obj = byte_range.obj
         bucket = flight.snapshot.uri.bucket
-        block = int(self._settings.io_block)
-        written = 0
+        cursor = _Cursor(byte_range)
         failures = 0
-        while written < byte_range.length:
+        while cursor.missing:
             try:
                 async with self._source.open_range(
-                    bucket,
-                    obj.key,
-                    etag=obj.etag,
-                    start=byte_range.start + written,
-                    length=byte_range.length - written,
+                    bucket, obj.key, etag=obj.etag, start=cursor.offset, length=cursor.missing
                 ) as reader:
-                    pending: list[bytes] = []
-                    pending_bytes = 0
-                    while True:
-                        data = await reader.read(block - pending_bytes)
-                        if data:
-                            pending.append(data)
-                            pending_bytes += len(data)
-                        if pending and (
-                            not data or pending_bytes >= block or len(pending) >= _MAX_IOVECS
-                        ):
-                            offset = byte_range.start + written
-                            await asyncio.to_thread(_write_at, byte_range.fd, pending, offset)
-                            written += pending_bytes
-                            flight.add_bytes(obj, pending_bytes)
-                            pending, pending_bytes = [], 0
-                        if not data:
-                            break
-                if written < byte_range.length:
+                    await self._copy(flight, reader, cursor)
+                if cursor.missing:
                     raise SourceUnavailable(
-                        f"s3://{bucket}/{obj.key} ended {byte_range.length - written} bytes "
-                        "short of the requested range."
+                        f"s3://{bucket}/{obj.key} ended {cursor.missing} bytes short of the "
+                        "requested range."
                     )
             except SourceUnavailable as exc:
                 failures += 1
@@ -301,6 +284,58 @@ class Puller:
                 delay = min(_BACKOFF_CAP_SECONDS, _BACKOFF_BASE_SECONDS * 2 ** (failures - 1))
                 log.info("retrying %s in %.2fs: %s", obj.key, delay, exc)
                 await asyncio.sleep(random.uniform(0, delay))  # full jitter
+
+    async def _copy(self, flight: Flight, reader: RangeReader, cursor: _Cursor) -> None:
+        """Copy a response body into the file, gathering ``io_block`` bytes per write."""
+        block = int(self._settings.io_block)
+        pending: list[bytes] = []
+        pending_bytes = 0
+
+        async def flush() -> None:
+            nonlocal pending, pending_bytes
+            if pending:
+                await asyncio.to_thread(_write_at, cursor.range.fd, pending, cursor.offset)
+                cursor.written += pending_bytes
+                flight.add_bytes(cursor.range.obj, pending_bytes)
+                pending, pending_bytes = [], 0
+
+        try:
+            while data := await reader.read(block - pending_bytes):
+                pending.append(data)
+                pending_bytes += len(data)
+                if pending_bytes >= block or len(pending) >= _MAX_IOVECS:
+                    await flush()
+        except SourceUnavailable:
+            # What arrived before the break is good; keep it so the retry asks for less.
+            await flush()
+            raise
+        await flush()
+
+
+@dataclass(slots=True)
+class _Cursor:
+    range: _Range
+    written: int = 0
+
+    @property
+    def offset(self) -> int:
+        return self.range.start + self.written
+
+    @property
+    def missing(self) -> int:
+        return self.range.length - self.written
+
+
+def _root_cause(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    leaves: list[BaseException] = []
+    pending: list[BaseException] = [group]
+    while pending:
+        current = pending.pop(0)
+        if isinstance(current, BaseExceptionGroup):
+            pending.extend(current.exceptions)
+        else:
+            leaves.append(current)
+    return next((e for e in leaves if isinstance(e, PrewarmError)), leaves[0])
 
 
 def _mark_retrieved(outcome: asyncio.Future[CachedModel]) -> None:

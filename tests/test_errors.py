@@ -7,7 +7,9 @@ import contextlib
 import subprocess
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -19,15 +21,24 @@ from agent.client import Client, Progress
 from agent.testing import AgentProcess, S3Server, make_safetensors_model, upload_model
 
 
-def _ensure_status(agent: AgentProcess, uri: str, **fields: object) -> grpc.RpcError:
+@dataclass(frozen=True)
+class Refusal:
+    code: grpc.StatusCode
+    details: str
+
+
+def _refusal(error: grpc.RpcError) -> Refusal:
+    assert isinstance(error, grpc.Call)
+    return Refusal(error.code(), error.details() or "")
+
+
+def _ensure_status(agent: AgentProcess, uri: str, **fields: Any) -> Refusal:
     with grpc.insecure_channel(agent.target) as channel:
         stub = pb_grpc.PrewarmStub(channel)
         with pytest.raises(grpc.RpcError) as info:
             for _ in stub.EnsureModel(pb.EnsureModelRequest(uri=uri, **fields), timeout=60):
                 pass
-    error = info.value
-    assert isinstance(error, grpc.Call)
-    return error  # type: ignore[return-value]
+    return _refusal(info.value)
 
 
 @pytest.mark.parametrize(
@@ -42,32 +53,32 @@ def _ensure_status(agent: AgentProcess, uri: str, **fields: object) -> grpc.RpcE
 def test_bad_uri_is_invalid_argument(start_agent: AgentFactory, uri: str, fragment: str) -> None:
     agent = start_agent()
     error = _ensure_status(agent, uri)
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
-    assert fragment in error.details()  # type: ignore[attr-defined]
-    assert "s3://bucket/prefix" in error.details()  # type: ignore[attr-defined]
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert fragment in error.details
+    assert "s3://bucket/prefix" in error.details
     assert cache_entries(agent) == {}
 
 
 def test_empty_include_glob_is_invalid_argument(start_agent: AgentFactory, bucket: str) -> None:
     agent = start_agent()
     error = _ensure_status(agent, f"s3://{bucket}/m/", include=[""])
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
-    assert "glob" in error.details()  # type: ignore[attr-defined]
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "glob" in error.details
 
 
 def test_missing_bucket_is_not_found(start_agent: AgentFactory) -> None:
     agent = start_agent()
     error = _ensure_status(agent, "s3://no-such-bucket-here/model/")
-    assert error.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
-    assert "'no-such-bucket-here' does not exist" in error.details()  # type: ignore[attr-defined]
+    assert error.code == grpc.StatusCode.NOT_FOUND
+    assert "'no-such-bucket-here' does not exist" in error.details
     assert cache_entries(agent) == {}
 
 
 def test_empty_prefix_is_not_found(start_agent: AgentFactory, bucket: str) -> None:
     agent = start_agent()
     error = _ensure_status(agent, f"s3://{bucket}/nothing-here/")
-    assert error.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
-    assert "No objects under" in error.details()  # type: ignore[attr-defined]
+    assert error.code == grpc.StatusCode.NOT_FOUND
+    assert "No objects under" in error.details
     assert cache_entries(agent) == {}
 
 
@@ -77,8 +88,8 @@ def test_filters_that_match_nothing_are_not_found(
     s3_server.client().put_object(Bucket=bucket, Key="m/config.json", Body=b"{}")
     agent = start_agent()
     error = _ensure_status(agent, f"s3://{bucket}/m/", include=["*.safetensors"])
-    assert error.code() == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
-    assert "Loosen the filters" in error.details()  # type: ignore[attr-defined]
+    assert error.code == grpc.StatusCode.NOT_FOUND
+    assert "Loosen the filters" in error.details
 
 
 @pytest.mark.parametrize("bad_key", ["m/../evil.bin", "m//etc/passwd", "m/./x"])
@@ -90,8 +101,8 @@ def test_object_key_that_escapes_the_model_dir_is_refused(
     client.put_object(Bucket=bucket, Key=bad_key, Body=b"evil")
     agent = start_agent()
     error = _ensure_status(agent, f"s3://{bucket}/m/")
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
-    assert repr(bad_key) in error.details()  # type: ignore[attr-defined]
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert repr(bad_key) in error.details
     assert cache_entries(agent) == {}
     assert not (agent.root / "evil.bin").exists()
 
@@ -104,8 +115,8 @@ def test_file_and_directory_with_the_same_name_is_refused(
     client.put_object(Bucket=bucket, Key="m/a/b", Body=b"nested")
     agent = start_agent()
     error = _ensure_status(agent, f"s3://{bucket}/m/")
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
-    assert "both a file and the directory" in error.details()  # type: ignore[attr-defined]
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "both a file and the directory" in error.details
     assert cache_entries(agent) == {}
 
 
@@ -116,8 +127,8 @@ def test_denied_credentials_are_permission_denied(start_agent: AgentFactory) -> 
         strict.client().put_object(Bucket="locked", Key="m/a.bin", Body=b"secret")
         agent = start_agent(s3=strict)
         error = _ensure_status(agent, "s3://locked/m/")
-    assert error.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
-    assert "s3:GetObject" in error.details()  # type: ignore[attr-defined]
+    assert error.code == grpc.StatusCode.PERMISSION_DENIED
+    assert "s3:GetObject" in error.details
     assert cache_entries(agent) == {}
 
 
@@ -151,9 +162,9 @@ def test_model_larger_than_the_tier_is_resource_exhausted(
     tensors = make_safetensors_model(source, total_bytes=3 * 1024**2, shards=2)
     model = upload_model(s3_server.client(), bucket, "m", source, tensors)
     error = _ensure_status(tiny_shm_agent, model.uri, tier=pb.TIER_SHM)
-    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
-    assert "Tier shm" in error.details()  # type: ignore[attr-defined]
-    assert "prewarm evict" in error.details()  # type: ignore[attr-defined]
+    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "Tier shm" in error.details
+    assert "prewarm evict" in error.details
     assert cache_entries(tiny_shm_agent) == {}
     with Client(tiny_shm_agent.socket_path) as client:  # the other tier still works
         assert client.ensure(model.uri, tier="disk").tier == "disk"
@@ -211,5 +222,5 @@ def test_get_and_evict_with_a_bad_ref(
         ):
             with pytest.raises(grpc.RpcError) as info:
                 call()
-            assert info.value.code() == code  # type: ignore[attr-defined]
-            assert "prewarm ls" in info.value.details()  # type: ignore[attr-defined]
+            assert _refusal(info.value).code == code
+            assert "prewarm ls" in _refusal(info.value).details

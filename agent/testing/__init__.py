@@ -6,12 +6,16 @@
   and private tier roots, ready when its gRPC health service says SERVING.
 - ``make_safetensors_model`` / ``upload_directory`` / ``upload_model``: sharded
   safetensors models in the Hugging Face layout, and putting them in a bucket.
+- ``MemorySource``: an in-memory stand-in for S3 behind the puller's
+  ObjectSource interface, with scripted mid-transfer failures (``RangeRead``
+  records what was asked of it).
 
 Importing this package needs only the agent's own dependencies; moto, boto3,
 numpy and safetensors (the ``dev`` extra) are imported when first used.
 """
 
 from ._daemon import AgentProcess, AgentStartupError
+from ._memory_source import MemorySource, RangeRead
 from ._models import SampleModel, make_safetensors_model, upload_directory, upload_model
 from ._s3server import CONTROL_PATH, RecordedRequest, S3Server, S3ServerError
 
@@ -19,6 +23,8 @@ __all__ = [
     "CONTROL_PATH",
     "AgentProcess",
     "AgentStartupError",
+    "MemorySource",
+    "RangeRead",
     "RecordedRequest",
     "S3Server",
     "S3ServerError",

@@ -1,0 +1,123 @@
+"""The puller against an in-memory source: retries resume, failures leave nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from agent import SourceChanged, SourceUnavailable
+from agent._config import S3Settings
+from agent._puller import Puller, PullProgress
+from agent._service import AgentService, EnsureResult
+from agent._store import Store
+from agent.testing import MemorySource
+
+MiB = 1024 * 1024
+
+
+def _settings(**overrides: object) -> S3Settings:
+    base: dict[str, object] = {"chunk_size": MiB, "io_block": 256 * 1024, "concurrency": 3}
+    base.update(overrides)
+    return S3Settings.model_validate(base)
+
+
+async def _ensure(service: AgentService, uri: str) -> EnsureResult:
+    result = None
+    async for event in service.ensure(uri, tier=None):
+        if isinstance(event, EnsureResult):
+            result = event
+    assert result is not None
+    return result
+
+
+def _service(tmp_path: Path, source: MemorySource, puller: Puller, store: Store) -> AgentService:
+    return AgentService(store, puller, source, default_tier="disk", offline_fallback=True)
+
+
+@pytest.fixture
+def source() -> MemorySource:
+    memory = MemorySource()
+    memory.put("models", "m/a.bin", os.urandom(3 * MiB + 17))
+    memory.put("models", "m/sub/b.bin", os.urandom(MiB // 2))
+    memory.put("models", "m/empty", b"")
+    return memory
+
+
+async def test_broken_transfers_resume_where_they_stopped(
+    tmp_path: Path, source: MemorySource
+) -> None:
+    # Two failures on a.bin: after 100 KiB of one range and after 700 KiB of another.
+    source.break_after["m/a.bin"] = [100 * 1024, 700 * 1024]
+    store = Store({"shm": tmp_path / "shm", "disk": tmp_path / "disk"})
+    await store.open()
+    async with Puller(store, source, _settings()) as puller:
+        result = await _ensure(_service(tmp_path, source, puller, store), "s3://models/m")
+    path = result.model.path
+    assert (path / "a.bin").read_bytes() == source.objects["models"]["m/a.bin"]
+    assert (path / "sub" / "b.bin").read_bytes() == source.objects["models"]["m/sub/b.bin"]
+    assert (path / "empty").read_bytes() == b""
+    # Each retry asked only for what was missing: no byte was delivered twice...
+    assert sum(read.delivered for read in source.reads) == 3 * MiB + 17 + MiB // 2
+    # ...and the two failures cost exactly two extra requests (4 ranges of a.bin + 2).
+    assert len([read for read in source.reads if read.key == "m/a.bin"]) == 6
+
+
+async def test_persistent_failure_names_the_object_and_leaves_no_staging(
+    tmp_path: Path, source: MemorySource
+) -> None:
+    source.break_after["m/a.bin"] = [10] * 50
+    store = Store({"shm": tmp_path / "shm", "disk": tmp_path / "disk"})
+    await store.open()
+    async with Puller(store, source, _settings(range_retries=2)) as puller:
+        service = _service(tmp_path, source, puller, store)
+        with pytest.raises(SourceUnavailable, match=r"m/a\.bin after 3 attempts"):
+            await _ensure(service, "s3://models/m")
+    assert list((tmp_path / "disk" / "staging").iterdir()) == []
+    assert store.models() == []
+
+
+async def test_object_replaced_mid_pull_aborts_without_publishing(
+    tmp_path: Path, source: MemorySource
+) -> None:
+    store = Store({"shm": tmp_path / "shm", "disk": tmp_path / "disk"})
+    await store.open()
+    original_open = source.open_range
+
+    def replacing_open(bucket: str, key: str, **kwargs: int | str):  # type: ignore[no-untyped-def]
+        source.put("models", "m/sub/b.bin", b"new content")
+        return original_open(bucket, key, **kwargs)  # type: ignore[arg-type]
+
+    source.open_range = replacing_open  # type: ignore[method-assign]
+    async with Puller(store, source, _settings()) as puller:
+        with pytest.raises(SourceChanged):
+            await _ensure(_service(tmp_path, source, puller, store), "s3://models/m")
+    assert store.models() == []
+    assert list((tmp_path / "disk" / "snapshots").iterdir()) == []
+
+
+async def test_a_watcher_leaving_does_not_cancel_the_pull(
+    tmp_path: Path, source: MemorySource
+) -> None:
+    store = Store({"shm": tmp_path / "shm", "disk": tmp_path / "disk"})
+    await store.open()
+    async with Puller(store, source, _settings(concurrency=1)) as puller:
+        service = _service(tmp_path, source, puller, store)
+        moving = asyncio.Event()
+
+        async def leave_after_first_bytes() -> None:
+            async for event in service.ensure("s3://models/m", tier=None):
+                if isinstance(event, PullProgress) and event.bytes_done:
+                    moving.set()
+
+        first = asyncio.create_task(leave_after_first_bytes())
+        await moving.wait()
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        second = await _ensure(service, "s3://models/m")
+    assert (second.model.path / "a.bin").read_bytes() == source.objects["models"]["m/a.bin"]
+    # One pull: a.bin was read once, in ranges, however the two requests overlapped.
+    assert sum(r.delivered for r in source.reads if r.key == "m/a.bin") == 3 * MiB + 17

@@ -57,9 +57,7 @@ def status_code_for(error: PrewarmError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-async def _abort(
-    context: grpc.aio.ServicerContext[Any, Any], error: PrewarmError
-) -> NoReturn:
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: PrewarmError) -> NoReturn:
     await context.abort(status_code_for(error), str(error))
     raise AssertionError("unreachable: abort raises")  # pragma: no cover
 

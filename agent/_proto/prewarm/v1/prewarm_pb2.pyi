@@ -88,12 +88,26 @@ class EnsureModelRequest(_message.Message):
     INCLUDE_FIELD_NUMBER: _builtins.int
     EXCLUDE_FIELD_NUMBER: _builtins.int
     CLIENT_NAME_FIELD_NUMBER: _builtins.int
+    LEASE_FIELD_NUMBER: _builtins.int
+    LEASE_TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    PIN_FIELD_NUMBER: _builtins.int
+    STRICT_TIER_FIELD_NUMBER: _builtins.int
     uri: _builtins.str
     """s3://bucket/prefix ; the prefix is treated as a directory."""
     tier: Global___Tier.ValueType
     """Where to place the model if it has to be pulled."""
     client_name: _builtins.str
     """Free-form name of the caller (e.g. "namespace/pod"), for logs and listings."""
+    lease: _builtins.bool
+    """Take a lease on the snapshot: it is not evicted while the lease lives."""
+    lease_ttl_seconds: _builtins.float
+    """TTL of the lease; 0 means the agent's default. Hold the lease open on the
+    lease socket (see Lease.socket_path) or renew it before it expires.
+    """
+    pin: _builtins.bool
+    """Pin the snapshot (never evicted by pressure) once it is cached."""
+    strict_tier: _builtins.bool
+    """When true, do not fall back to the other tier if the hinted one is full."""
     @_builtins.property
     def include(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Glob patterns on paths relative to the prefix. Empty include means "all"."""
@@ -108,10 +122,14 @@ class EnsureModelRequest(_message.Message):
         include: _abc.Iterable[_builtins.str] | None = ...,
         exclude: _abc.Iterable[_builtins.str] | None = ...,
         client_name: _builtins.str = ...,
+        lease: _builtins.bool = ...,
+        lease_ttl_seconds: _builtins.float = ...,
+        pin: _builtins.bool = ...,
+        strict_tier: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_name", b"client_name", "exclude", b"exclude", "include", b"include", "tier", b"tier", "uri", b"uri"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_name", b"client_name", "exclude", b"exclude", "include", b"include", "lease", b"lease", "lease_ttl_seconds", b"lease_ttl_seconds", "pin", b"pin", "strict_tier", b"strict_tier", "tier", b"tier", "uri", b"uri"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -227,6 +245,8 @@ class ModelHandle(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
     RESOLVED_OFFLINE_FIELD_NUMBER: _builtins.int
+    LEASE_FIELD_NUMBER: _builtins.int
+    RESUMED_BYTES_FIELD_NUMBER: _builtins.int
     uri: _builtins.str
     key: _builtins.str
     path: _builtins.str
@@ -239,10 +259,16 @@ class ModelHandle(_message.Message):
     """True when S3 could not be reached and the newest cached snapshot of the
     URI was served without checking that it is still current.
     """
+    resumed_bytes: _builtins.int
+    """Bytes that a resumed pull did not have to fetch again."""
     @_builtins.property
     def files(self) -> _containers.RepeatedCompositeFieldContainer[Global___FileEntry]: ...
     @_builtins.property
     def timings(self) -> Global___PhaseTimings: ...
+    @_builtins.property
+    def lease(self) -> Global___Lease:
+        """Set when the request asked for a lease."""
+
     def __init__(
         self,
         *,
@@ -255,14 +281,97 @@ class ModelHandle(_message.Message):
         total_bytes: _builtins.int = ...,
         timings: Global___PhaseTimings | None = ...,
         resolved_offline: _builtins.bool = ...,
+        lease: Global___Lease | None = ...,
+        resumed_bytes: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["files", b"files", "hit", b"hit", "key", b"key", "path", b"path", "resolved_offline", b"resolved_offline", "tier", b"tier", "timings", b"timings", "total_bytes", b"total_bytes", "uri", b"uri"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["files", b"files", "hit", b"hit", "key", b"key", "lease", b"lease", "path", b"path", "resolved_offline", b"resolved_offline", "resumed_bytes", b"resumed_bytes", "tier", b"tier", "timings", b"timings", "total_bytes", b"total_bytes", "uri", b"uri"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ModelHandle: _TypeAlias = ModelHandle  # noqa: Y015
+
+@_typing.final
+class Lease(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    EXPIRES_FIELD_NUMBER: _builtins.int
+    SOCKET_PATH_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    key: _builtins.str
+    socket_path: _builtins.str
+    """Connect here and send the lease id to hold it for as long as the
+    connection stays open (the agent reads the holder's pid/uid/gid).
+    """
+    @_builtins.property
+    def expires(self) -> _timestamp_pb2.Timestamp:
+        """When the lease ends unless renewed or held open on the lease socket."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        key: _builtins.str = ...,
+        expires: _timestamp_pb2.Timestamp | None = ...,
+        socket_path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["expires", b"expires"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires", b"expires", "id", b"id", "key", b"key", "socket_path", b"socket_path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Lease: _TypeAlias = Lease  # noqa: Y015
+
+@_typing.final
+class LeaseInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    CLIENT_NAME_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    UID_FIELD_NUMBER: _builtins.int
+    GID_FIELD_NUMBER: _builtins.int
+    ACQUIRED_FIELD_NUMBER: _builtins.int
+    EXPIRES_FIELD_NUMBER: _builtins.int
+    HELD_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    client_name: _builtins.str
+    pid: _builtins.int
+    """Peer credentials (SO_PEERCRED) of the process holding the lease
+    connection; 0/unset while nobody holds it open.
+    """
+    uid: _builtins.int
+    gid: _builtins.int
+    held: _builtins.bool
+    @_builtins.property
+    def acquired(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def expires(self) -> _timestamp_pb2.Timestamp:
+        """Unset while the lease is held open by a connection."""
+
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        client_name: _builtins.str = ...,
+        pid: _builtins.int = ...,
+        uid: _builtins.int = ...,
+        gid: _builtins.int = ...,
+        acquired: _timestamp_pb2.Timestamp | None = ...,
+        expires: _timestamp_pb2.Timestamp | None = ...,
+        held: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["acquired", b"acquired", "expires", b"expires"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acquired", b"acquired", "client_name", b"client_name", "expires", b"expires", "gid", b"gid", "held", b"held", "id", b"id", "pid", b"pid", "uid", b"uid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaseInfo: _TypeAlias = LeaseInfo  # noqa: Y015
 
 @_typing.final
 class EnsureModelEvent(_message.Message):
@@ -306,6 +415,8 @@ class ModelInfo(_message.Message):
     FILES_FIELD_NUMBER: _builtins.int
     INCLUDE_FIELD_NUMBER: _builtins.int
     EXCLUDE_FIELD_NUMBER: _builtins.int
+    LEASES_FIELD_NUMBER: _builtins.int
+    PINNED_FIELD_NUMBER: _builtins.int
     uri: _builtins.str
     key: _builtins.str
     path: _builtins.str
@@ -313,6 +424,7 @@ class ModelInfo(_message.Message):
     total_bytes: _builtins.int
     file_count: _builtins.int
     hit_count: _builtins.int
+    pinned: _builtins.bool
     @_builtins.property
     def created(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -323,6 +435,8 @@ class ModelInfo(_message.Message):
     def include(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
     def exclude(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def leases(self) -> _containers.RepeatedCompositeFieldContainer[Global___LeaseInfo]: ...
     def __init__(
         self,
         *,
@@ -338,10 +452,12 @@ class ModelInfo(_message.Message):
         files: _abc.Iterable[Global___FileEntry] | None = ...,
         include: _abc.Iterable[_builtins.str] | None = ...,
         exclude: _abc.Iterable[_builtins.str] | None = ...,
+        leases: _abc.Iterable[Global___LeaseInfo] | None = ...,
+        pinned: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "last_used", b"last_used"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "exclude", b"exclude", "file_count", b"file_count", "files", b"files", "hit_count", b"hit_count", "include", b"include", "key", b"key", "last_used", b"last_used", "path", b"path", "tier", b"tier", "total_bytes", b"total_bytes", "uri", b"uri"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "exclude", b"exclude", "file_count", b"file_count", "files", b"files", "hit_count", b"hit_count", "include", b"include", "key", b"key", "last_used", b"last_used", "leases", b"leases", "path", b"path", "pinned", b"pinned", "tier", b"tier", "total_bytes", b"total_bytes", "uri", b"uri"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -407,16 +523,22 @@ class EvictModelRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REF_FIELD_NUMBER: _builtins.int
+    FORCE_FIELD_NUMBER: _builtins.int
     ref: _builtins.str
     """A URI evicts every cached snapshot of it; a key evicts that snapshot."""
+    force: _builtins.bool
+    """Evict even leased or pinned snapshots (pods that mapped the files keep
+    their pages; new requests pull again).
+    """
     def __init__(
         self,
         *,
         ref: _builtins.str = ...,
+        force: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["force", b"force", "ref", b"ref"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -470,6 +592,11 @@ class TierStatus(_message.Message):
     USED_BYTES_FIELD_NUMBER: _builtins.int
     FREE_BYTES_FIELD_NUMBER: _builtins.int
     MODEL_COUNT_FIELD_NUMBER: _builtins.int
+    BUDGET_BYTES_FIELD_NUMBER: _builtins.int
+    RESERVE_BYTES_FIELD_NUMBER: _builtins.int
+    STAGING_BYTES_FIELD_NUMBER: _builtins.int
+    LEASED_COUNT_FIELD_NUMBER: _builtins.int
+    PINNED_COUNT_FIELD_NUMBER: _builtins.int
     tier: Global___Tier.ValueType
     root: _builtins.str
     capacity_bytes: _builtins.int
@@ -479,6 +606,14 @@ class TierStatus(_message.Message):
     free_bytes: _builtins.int
     """Free bytes on the filesystem."""
     model_count: _builtins.int
+    budget_bytes: _builtins.int
+    """Most bytes the cache may hold on this tier."""
+    reserve_bytes: _builtins.int
+    """Free space always left on the filesystem."""
+    staging_bytes: _builtins.int
+    """Bytes held by pulls in progress (and resumable leftovers)."""
+    leased_count: _builtins.int
+    pinned_count: _builtins.int
     def __init__(
         self,
         *,
@@ -488,10 +623,15 @@ class TierStatus(_message.Message):
         used_bytes: _builtins.int = ...,
         free_bytes: _builtins.int = ...,
         model_count: _builtins.int = ...,
+        budget_bytes: _builtins.int = ...,
+        reserve_bytes: _builtins.int = ...,
+        staging_bytes: _builtins.int = ...,
+        leased_count: _builtins.int = ...,
+        pinned_count: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity_bytes", b"capacity_bytes", "free_bytes", b"free_bytes", "model_count", b"model_count", "root", b"root", "tier", b"tier", "used_bytes", b"used_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget_bytes", b"budget_bytes", "capacity_bytes", b"capacity_bytes", "free_bytes", b"free_bytes", "leased_count", b"leased_count", "model_count", b"model_count", "pinned_count", b"pinned_count", "reserve_bytes", b"reserve_bytes", "root", b"root", "staging_bytes", b"staging_bytes", "tier", b"tier", "used_bytes", b"used_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -546,6 +686,7 @@ class StatusResponse(_message.Message):
     SOCKET_PATH_FIELD_NUMBER: _builtins.int
     DATA_PLANE_FIELD_NUMBER: _builtins.int
     DEFAULT_TIER_FIELD_NUMBER: _builtins.int
+    LEASE_COUNT_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     model_count: _builtins.int
     uptime_seconds: _builtins.float
@@ -553,6 +694,7 @@ class StatusResponse(_message.Message):
     data_plane: _builtins.str
     """Data plane that moves bytes ("aiobotocore" for now)."""
     default_tier: Global___Tier.ValueType
+    lease_count: _builtins.int
     @_builtins.property
     def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierStatus]: ...
     @_builtins.property
@@ -568,11 +710,245 @@ class StatusResponse(_message.Message):
         socket_path: _builtins.str = ...,
         data_plane: _builtins.str = ...,
         default_tier: Global___Tier.ValueType = ...,
+        lease_count: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_plane", b"data_plane", "default_tier", b"default_tier", "model_count", b"model_count", "pulls", b"pulls", "socket_path", b"socket_path", "tiers", b"tiers", "uptime_seconds", b"uptime_seconds", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_plane", b"data_plane", "default_tier", b"default_tier", "lease_count", b"lease_count", "model_count", b"model_count", "pulls", b"pulls", "socket_path", b"socket_path", "tiers", b"tiers", "uptime_seconds", b"uptime_seconds", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatusResponse: _TypeAlias = StatusResponse  # noqa: Y015
+
+@_typing.final
+class RenewLeaseRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    ttl_seconds: _builtins.float
+    """New TTL from now; 0 means the agent's default."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        ttl_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RenewLeaseRequest: _TypeAlias = RenewLeaseRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseLeaseRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseLeaseRequest: _TypeAlias = ReleaseLeaseRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseLeaseResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseLeaseResponse: _TypeAlias = ReleaseLeaseResponse  # noqa: Y015
+
+@_typing.final
+class PinModelRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REF_FIELD_NUMBER: _builtins.int
+    PINNED_FIELD_NUMBER: _builtins.int
+    ref: _builtins.str
+    pinned: _builtins.bool
+    def __init__(
+        self,
+        *,
+        ref: _builtins.str = ...,
+        pinned: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pinned", b"pinned", "ref", b"ref"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PinModelRequest: _TypeAlias = PinModelRequest  # noqa: Y015
+
+@_typing.final
+class CollectGarbageRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIER_FIELD_NUMBER: _builtins.int
+    tier: Global___Tier.ValueType
+    """Only this tier; unspecified means both."""
+    def __init__(
+        self,
+        *,
+        tier: Global___Tier.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tier", b"tier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CollectGarbageRequest: _TypeAlias = CollectGarbageRequest  # noqa: Y015
+
+@_typing.final
+class CollectGarbageResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVICTED_FIELD_NUMBER: _builtins.int
+    BYTES_FREED_FIELD_NUMBER: _builtins.int
+    bytes_freed: _builtins.int
+    @_builtins.property
+    def evicted(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelInfo]: ...
+    def __init__(
+        self,
+        *,
+        evicted: _abc.Iterable[Global___ModelInfo] | None = ...,
+        bytes_freed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_freed", b"bytes_freed", "evicted", b"evicted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CollectGarbageResponse: _TypeAlias = CollectGarbageResponse  # noqa: Y015
+
+@_typing.final
+class VerifyModelsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REF_FIELD_NUMBER: _builtins.int
+    ALL_FIELD_NUMBER: _builtins.int
+    REPORT_ONLY_FIELD_NUMBER: _builtins.int
+    ref: _builtins.str
+    """A URI or key; empty with all=true checks every snapshot."""
+    all: _builtins.bool
+    report_only: _builtins.bool
+    """Only report; do not evict snapshots that fail."""
+    def __init__(
+        self,
+        *,
+        ref: _builtins.str = ...,
+        all: _builtins.bool = ...,
+        report_only: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all", b"all", "ref", b"ref", "report_only", b"report_only"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VerifyModelsRequest: _TypeAlias = VerifyModelsRequest  # noqa: Y015
+
+@_typing.final
+class FileProblem(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    CHECK_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    check: _builtins.str
+    """What failed: "missing", "size", "hash"."""
+    detail: _builtins.str
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+        check: _builtins.str = ...,
+        detail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["check", b"check", "detail", b"detail", "path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FileProblem: _TypeAlias = FileProblem  # noqa: Y015
+
+@_typing.final
+class ModelVerification(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    URI_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    OK_FIELD_NUMBER: _builtins.int
+    PROBLEMS_FIELD_NUMBER: _builtins.int
+    EVICTED_FIELD_NUMBER: _builtins.int
+    BYTES_CHECKED_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    uri: _builtins.str
+    key: _builtins.str
+    ok: _builtins.bool
+    evicted: _builtins.bool
+    bytes_checked: _builtins.int
+    seconds: _builtins.float
+    @_builtins.property
+    def problems(self) -> _containers.RepeatedCompositeFieldContainer[Global___FileProblem]: ...
+    def __init__(
+        self,
+        *,
+        uri: _builtins.str = ...,
+        key: _builtins.str = ...,
+        ok: _builtins.bool = ...,
+        problems: _abc.Iterable[Global___FileProblem] | None = ...,
+        evicted: _builtins.bool = ...,
+        bytes_checked: _builtins.int = ...,
+        seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_checked", b"bytes_checked", "evicted", b"evicted", "key", b"key", "ok", b"ok", "problems", b"problems", "seconds", b"seconds", "uri", b"uri"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelVerification: _TypeAlias = ModelVerification  # noqa: Y015
+
+@_typing.final
+class VerifyModelsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelVerification]: ...
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___ModelVerification] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VerifyModelsResponse: _TypeAlias = VerifyModelsResponse  # noqa: Y015

@@ -59,6 +59,31 @@ class PrewarmStub:
                 request_serializer=prewarm_dot_v1_dot_prewarm__pb2.StatusRequest.SerializeToString,
                 response_deserializer=prewarm_dot_v1_dot_prewarm__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.RenewLease = channel.unary_unary(
+                '/prewarm.v1.Prewarm/RenewLease',
+                request_serializer=prewarm_dot_v1_dot_prewarm__pb2.RenewLeaseRequest.SerializeToString,
+                response_deserializer=prewarm_dot_v1_dot_prewarm__pb2.Lease.FromString,
+                _registered_method=True)
+        self.ReleaseLease = channel.unary_unary(
+                '/prewarm.v1.Prewarm/ReleaseLease',
+                request_serializer=prewarm_dot_v1_dot_prewarm__pb2.ReleaseLeaseRequest.SerializeToString,
+                response_deserializer=prewarm_dot_v1_dot_prewarm__pb2.ReleaseLeaseResponse.FromString,
+                _registered_method=True)
+        self.PinModel = channel.unary_unary(
+                '/prewarm.v1.Prewarm/PinModel',
+                request_serializer=prewarm_dot_v1_dot_prewarm__pb2.PinModelRequest.SerializeToString,
+                response_deserializer=prewarm_dot_v1_dot_prewarm__pb2.ModelInfo.FromString,
+                _registered_method=True)
+        self.CollectGarbage = channel.unary_unary(
+                '/prewarm.v1.Prewarm/CollectGarbage',
+                request_serializer=prewarm_dot_v1_dot_prewarm__pb2.CollectGarbageRequest.SerializeToString,
+                response_deserializer=prewarm_dot_v1_dot_prewarm__pb2.CollectGarbageResponse.FromString,
+                _registered_method=True)
+        self.VerifyModels = channel.unary_unary(
+                '/prewarm.v1.Prewarm/VerifyModels',
+                request_serializer=prewarm_dot_v1_dot_prewarm__pb2.VerifyModelsRequest.SerializeToString,
+                response_deserializer=prewarm_dot_v1_dot_prewarm__pb2.VerifyModelsResponse.FromString,
+                _registered_method=True)
 
 
 class PrewarmServicer:
@@ -102,6 +127,41 @@ class PrewarmServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewLease(self, request, context):
+        """Extend a lease's TTL (for clients that cannot keep a lease connection open).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseLease(self, request, context):
+        """End a lease now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PinModel(self, request, context):
+        """Pin or unpin a snapshot: pinned snapshots are never evicted by pressure.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CollectGarbage(self, request, context):
+        """Run an eviction pass now (normally it runs at the high watermark).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def VerifyModels(self, request, context):
+        """Re-hash cached files and report (and by default evict) snapshots that changed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrewarmServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +189,31 @@ def add_PrewarmServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=prewarm_dot_v1_dot_prewarm__pb2.StatusRequest.FromString,
                     response_serializer=prewarm_dot_v1_dot_prewarm__pb2.StatusResponse.SerializeToString,
+            ),
+            'RenewLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLease,
+                    request_deserializer=prewarm_dot_v1_dot_prewarm__pb2.RenewLeaseRequest.FromString,
+                    response_serializer=prewarm_dot_v1_dot_prewarm__pb2.Lease.SerializeToString,
+            ),
+            'ReleaseLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseLease,
+                    request_deserializer=prewarm_dot_v1_dot_prewarm__pb2.ReleaseLeaseRequest.FromString,
+                    response_serializer=prewarm_dot_v1_dot_prewarm__pb2.ReleaseLeaseResponse.SerializeToString,
+            ),
+            'PinModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinModel,
+                    request_deserializer=prewarm_dot_v1_dot_prewarm__pb2.PinModelRequest.FromString,
+                    response_serializer=prewarm_dot_v1_dot_prewarm__pb2.ModelInfo.SerializeToString,
+            ),
+            'CollectGarbage': grpc.unary_unary_rpc_method_handler(
+                    servicer.CollectGarbage,
+                    request_deserializer=prewarm_dot_v1_dot_prewarm__pb2.CollectGarbageRequest.FromString,
+                    response_serializer=prewarm_dot_v1_dot_prewarm__pb2.CollectGarbageResponse.SerializeToString,
+            ),
+            'VerifyModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.VerifyModels,
+                    request_deserializer=prewarm_dot_v1_dot_prewarm__pb2.VerifyModelsRequest.FromString,
+                    response_serializer=prewarm_dot_v1_dot_prewarm__pb2.VerifyModelsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -266,6 +351,141 @@ class Prewarm:
             '/prewarm.v1.Prewarm/Status',
             prewarm_dot_v1_dot_prewarm__pb2.StatusRequest.SerializeToString,
             prewarm_dot_v1_dot_prewarm__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prewarm.v1.Prewarm/RenewLease',
+            prewarm_dot_v1_dot_prewarm__pb2.RenewLeaseRequest.SerializeToString,
+            prewarm_dot_v1_dot_prewarm__pb2.Lease.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prewarm.v1.Prewarm/ReleaseLease',
+            prewarm_dot_v1_dot_prewarm__pb2.ReleaseLeaseRequest.SerializeToString,
+            prewarm_dot_v1_dot_prewarm__pb2.ReleaseLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prewarm.v1.Prewarm/PinModel',
+            prewarm_dot_v1_dot_prewarm__pb2.PinModelRequest.SerializeToString,
+            prewarm_dot_v1_dot_prewarm__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CollectGarbage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prewarm.v1.Prewarm/CollectGarbage',
+            prewarm_dot_v1_dot_prewarm__pb2.CollectGarbageRequest.SerializeToString,
+            prewarm_dot_v1_dot_prewarm__pb2.CollectGarbageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prewarm.v1.Prewarm/VerifyModels',
+            prewarm_dot_v1_dot_prewarm__pb2.VerifyModelsRequest.SerializeToString,
+            prewarm_dot_v1_dot_prewarm__pb2.VerifyModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -50,6 +50,16 @@ class PrewarmStub:
     """Remove snapshots from the cache. Refused while a pull of that snapshot runs."""
     Status: _grpc.UnaryUnaryMultiCallable[_prewarm_pb2.StatusRequest, _prewarm_pb2.StatusResponse]
     """Agent version, tiers, in-flight pulls."""
+    RenewLease: _grpc.UnaryUnaryMultiCallable[_prewarm_pb2.RenewLeaseRequest, _prewarm_pb2.Lease]
+    """Extend a lease's TTL (for clients that cannot keep a lease connection open)."""
+    ReleaseLease: _grpc.UnaryUnaryMultiCallable[_prewarm_pb2.ReleaseLeaseRequest, _prewarm_pb2.ReleaseLeaseResponse]
+    """End a lease now."""
+    PinModel: _grpc.UnaryUnaryMultiCallable[_prewarm_pb2.PinModelRequest, _prewarm_pb2.ModelInfo]
+    """Pin or unpin a snapshot: pinned snapshots are never evicted by pressure."""
+    CollectGarbage: _grpc.UnaryUnaryMultiCallable[_prewarm_pb2.CollectGarbageRequest, _prewarm_pb2.CollectGarbageResponse]
+    """Run an eviction pass now (normally it runs at the high watermark)."""
+    VerifyModels: _grpc.UnaryUnaryMultiCallable[_prewarm_pb2.VerifyModelsRequest, _prewarm_pb2.VerifyModelsResponse]
+    """Re-hash cached files and report (and by default evict) snapshots that changed."""
 
 @_typing.type_check_only
 class PrewarmAsyncStub(PrewarmStub):
@@ -68,6 +78,16 @@ class PrewarmAsyncStub(PrewarmStub):
     """Remove snapshots from the cache. Refused while a pull of that snapshot runs."""
     Status: _aio.UnaryUnaryMultiCallable[_prewarm_pb2.StatusRequest, _prewarm_pb2.StatusResponse]  # type: ignore[assignment]
     """Agent version, tiers, in-flight pulls."""
+    RenewLease: _aio.UnaryUnaryMultiCallable[_prewarm_pb2.RenewLeaseRequest, _prewarm_pb2.Lease]  # type: ignore[assignment]
+    """Extend a lease's TTL (for clients that cannot keep a lease connection open)."""
+    ReleaseLease: _aio.UnaryUnaryMultiCallable[_prewarm_pb2.ReleaseLeaseRequest, _prewarm_pb2.ReleaseLeaseResponse]  # type: ignore[assignment]
+    """End a lease now."""
+    PinModel: _aio.UnaryUnaryMultiCallable[_prewarm_pb2.PinModelRequest, _prewarm_pb2.ModelInfo]  # type: ignore[assignment]
+    """Pin or unpin a snapshot: pinned snapshots are never evicted by pressure."""
+    CollectGarbage: _aio.UnaryUnaryMultiCallable[_prewarm_pb2.CollectGarbageRequest, _prewarm_pb2.CollectGarbageResponse]  # type: ignore[assignment]
+    """Run an eviction pass now (normally it runs at the high watermark)."""
+    VerifyModels: _aio.UnaryUnaryMultiCallable[_prewarm_pb2.VerifyModelsRequest, _prewarm_pb2.VerifyModelsResponse]  # type: ignore[assignment]
+    """Re-hash cached files and report (and by default evict) snapshots that changed."""
 
 class PrewarmServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -113,5 +133,45 @@ class PrewarmServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_prewarm_pb2.StatusResponse, _abc.Awaitable[_prewarm_pb2.StatusResponse]]:
         """Agent version, tiers, in-flight pulls."""
+
+    @_abc_1.abstractmethod
+    def RenewLease(
+        self,
+        request: _prewarm_pb2.RenewLeaseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_prewarm_pb2.Lease, _abc.Awaitable[_prewarm_pb2.Lease]]:
+        """Extend a lease's TTL (for clients that cannot keep a lease connection open)."""
+
+    @_abc_1.abstractmethod
+    def ReleaseLease(
+        self,
+        request: _prewarm_pb2.ReleaseLeaseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_prewarm_pb2.ReleaseLeaseResponse, _abc.Awaitable[_prewarm_pb2.ReleaseLeaseResponse]]:
+        """End a lease now."""
+
+    @_abc_1.abstractmethod
+    def PinModel(
+        self,
+        request: _prewarm_pb2.PinModelRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_prewarm_pb2.ModelInfo, _abc.Awaitable[_prewarm_pb2.ModelInfo]]:
+        """Pin or unpin a snapshot: pinned snapshots are never evicted by pressure."""
+
+    @_abc_1.abstractmethod
+    def CollectGarbage(
+        self,
+        request: _prewarm_pb2.CollectGarbageRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_prewarm_pb2.CollectGarbageResponse, _abc.Awaitable[_prewarm_pb2.CollectGarbageResponse]]:
+        """Run an eviction pass now (normally it runs at the high watermark)."""
+
+    @_abc_1.abstractmethod
+    def VerifyModels(
+        self,
+        request: _prewarm_pb2.VerifyModelsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_prewarm_pb2.VerifyModelsResponse, _abc.Awaitable[_prewarm_pb2.VerifyModelsResponse]]:
+        """Re-hash cached files and report (and by default evict) snapshots that changed."""
 
 def add_PrewarmServicer_to_server(servicer: PrewarmServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -12,6 +12,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from ._exceptions import (
     AccessDenied,
     Conflict,
+    IntegrityError,
     InvalidRequest,
     NoSpace,
     NotFound,
@@ -38,6 +39,7 @@ _STATUS_BY_ERROR: tuple[tuple[type[PrewarmError], grpc.StatusCode], ...] = (
     (Conflict, grpc.StatusCode.FAILED_PRECONDITION),
     (SourceChanged, grpc.StatusCode.ABORTED),
     (SourceUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (IntegrityError, grpc.StatusCode.DATA_LOSS),
 )
 _TIER_TO_PB: dict[TierName, pb.Tier.ValueType] = {"shm": pb.TIER_SHM, "disk": pb.TIER_DISK}
 _PB_TO_TIER: dict[pb.Tier.ValueType, TierName] = {v: k for k, v in _TIER_TO_PB.items()}

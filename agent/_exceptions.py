@@ -13,6 +13,7 @@ so a caller can catch the same class on either side of the socket::
      ├── Conflict                  e.g. evicting a model mid-pull FAILED_PRECONDITION
      ├── SourceChanged             object changed during a pull   ABORTED
      ├── SourceUnavailable         S3 unreachable or failing      UNAVAILABLE
+     ├── IntegrityError            a file failed a check          DATA_LOSS
      └── AgentUnavailable          (client side) no agent on the socket
 
 Messages are full sentences that say what was wrong and what to do about it.
@@ -25,6 +26,7 @@ __all__ = [
     "AccessDenied",
     "AgentUnavailable",
     "Conflict",
+    "IntegrityError",
     "InvalidRequest",
     "NoSpace",
     "NotFound",
@@ -69,6 +71,19 @@ class SourceChanged(PrewarmError):
 
 class SourceUnavailable(PrewarmError):
     """S3 could not be reached or kept failing after retries."""
+
+
+class IntegrityError(PrewarmError):
+    """A file failed an integrity check (size, safetensors header, checksum, hash).
+
+    ``path`` names the file and ``check`` the check that failed, so an operator
+    can tell a truncated object from a corrupt header from a flipped byte.
+    """
+
+    def __init__(self, message: str, *, path: str = "", check: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+        self.check = check
 
 
 class AgentUnavailable(PrewarmError):

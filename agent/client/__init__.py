@@ -1,9 +1,12 @@
 """The prewarm client: ask the node's agent for a model, get a local directory.
 
-    from agent.client import ensure, load_safetensors
+    from agent.client import Client, ensure, load_safetensors
 
     handle = ensure("s3://models/llama-3-8b/")
     weights = load_safetensors(handle)   # zero-copy, mapped from the cache
+
+    with Client() as agent, agent.leased("s3://models/llama-3-8b/") as handle:
+        weights = load_safetensors(handle)   # not evicted while the block runs
 
 Imports only grpc, protobuf and the standard library; torch is imported by
 ``load_safetensors`` when it runs.
@@ -13,6 +16,7 @@ from agent._exceptions import (
     AccessDenied,
     AgentUnavailable,
     Conflict,
+    IntegrityError,
     InvalidRequest,
     NoSpace,
     NotFound,
@@ -23,13 +27,17 @@ from agent._exceptions import (
 )
 
 from ._async import AsyncClient, aensure
-from ._convert import DEFAULT_SOCKET_PATH, SOCKET_ENV
+from ._convert import DEFAULT_LEASE_SOCKET_PATH, DEFAULT_SOCKET_PATH, SOCKET_ENV
+from ._hold import AsyncLeaseHold, LeaseHold
 from ._sync import Client, ensure
 from ._tensors import SafetensorsError, load_safetensors
 from ._types import (
     AgentStatus,
     EvictResult,
     FileEntry,
+    FileProblem,
+    LeaseGrant,
+    LeaseInfo,
     ModelHandle,
     ModelInfo,
     PhaseName,
@@ -38,20 +46,28 @@ from ._types import (
     PullStatus,
     TierName,
     TierStatus,
+    Verification,
 )
 
 __all__ = [
+    "DEFAULT_LEASE_SOCKET_PATH",
     "DEFAULT_SOCKET_PATH",
     "SOCKET_ENV",
     "AccessDenied",
     "AgentStatus",
     "AgentUnavailable",
     "AsyncClient",
+    "AsyncLeaseHold",
     "Client",
     "Conflict",
     "EvictResult",
     "FileEntry",
+    "FileProblem",
+    "IntegrityError",
     "InvalidRequest",
+    "LeaseGrant",
+    "LeaseHold",
+    "LeaseInfo",
     "ModelHandle",
     "ModelInfo",
     "NoSpace",
@@ -67,6 +83,7 @@ __all__ = [
     "TierName",
     "TierStatus",
     "UnsafeObjectKey",
+    "Verification",
     "aensure",
     "ensure",
     "load_safetensors",

@@ -2,20 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
 import grpc
 
+from agent._exceptions import AgentUnavailable, NotFound
 from agent._proto.prewarm.v1 import prewarm_pb2 as pb
 from agent._proto.prewarm.v1 import prewarm_pb2_grpc as pb_grpc
 
 from . import _convert as convert
-from ._errors import missing_handle, translate_rpc_error
-from ._types import AgentStatus, EvictResult, ModelHandle, ModelInfo, Progress, TierName
+from ._errors import granted_lease, missing_handle, translate_rpc_error
+from ._hold import AsyncLeaseHold
+from ._types import (
+    AgentStatus,
+    EvictResult,
+    LeaseGrant,
+    ModelHandle,
+    ModelInfo,
+    Progress,
+    TierName,
+    Verification,
+)
 
 __all__ = ["AsyncClient", "aensure"]
 
@@ -76,13 +88,26 @@ class AsyncClient:
         exclude: Iterable[str] = (),
         client_name: str = "",
         progress: Callable[[Progress], None] | None = None,
+        lease: bool = False,
+        lease_ttl: float | None = None,
+        pin: bool = False,
+        strict_tier: bool = False,
     ) -> ModelHandle:
         """Make sure ``uri`` is cached on this node, pulling it if needed, and return it.
 
-        ``progress`` is a plain function, called in the event loop for every progress event.
+        ``progress`` is a plain function, called in the event loop for every
+        progress event. The other options are those of ``Client.ensure``.
         """
         request = convert.ensure_request(
-            uri, tier=tier, include=include, exclude=exclude, client_name=client_name
+            uri,
+            tier=tier,
+            include=include,
+            exclude=exclude,
+            client_name=client_name,
+            lease=lease,
+            lease_ttl=lease_ttl,
+            pin=pin,
+            strict_tier=strict_tier,
         )
         call = self._get_stub().EnsureModel(request, timeout=self._timeout)
         handle: ModelHandle | None = None
@@ -101,6 +126,61 @@ class AsyncClient:
             raise missing_handle(uri, self._socket_path)
         return handle
 
+    @contextlib.asynccontextmanager
+    async def leased(
+        self,
+        uri: str,
+        *,
+        tier: TierName | None = None,
+        include: Iterable[str] = (),
+        exclude: Iterable[str] = (),
+        client_name: str = "",
+        progress: Callable[[Progress], None] | None = None,
+        lease_ttl: float | None = None,
+        pin: bool = False,
+        strict_tier: bool = False,
+    ) -> AsyncIterator[ModelHandle]:
+        """``ensure(uri, lease=True)``, with the lease held for the life of the block.
+
+        ``async with client.leased(uri) as handle:``; see ``Client.leased``.
+        """
+        handle = await self.ensure(
+            uri,
+            tier=tier,
+            include=include,
+            exclude=exclude,
+            client_name=client_name,
+            progress=progress,
+            lease=True,
+            lease_ttl=lease_ttl,
+            pin=pin,
+            strict_tier=strict_tier,
+        )
+        grant = granted_lease(handle, self._socket_path)
+        try:
+            async with AsyncLeaseHold(
+                grant,
+                name=client_name,
+                socket_path=convert.lease_socket_for(grant, self._socket_path),
+                timeout=self._timeout or 5.0,
+            ):
+                yield handle
+        finally:
+            # As in Client.leased. On cancellation this release is cut short,
+            # but the hold's connection is already closed, which ends the lease.
+            with contextlib.suppress(NotFound, AgentUnavailable):
+                await self.release_lease(grant.id)
+
+    async def renew_lease(self, lease_id: str, ttl: float | None = None) -> LeaseGrant:
+        """Extend a lease to ``ttl`` seconds from now; see ``Client.renew_lease``."""
+        return convert.lease_from_proto(
+            await self._unary(self._get_stub().RenewLease, convert.renew_request(lease_id, ttl))
+        )
+
+    async def release_lease(self, lease_id: str) -> None:
+        """End a lease now."""
+        await self._unary(self._get_stub().ReleaseLease, convert.release_request(lease_id))
+
     async def get(self, ref: str) -> ModelInfo:
         """One cached model, by URI (its newest snapshot), key, or unique key prefix."""
         response = await self._unary(self._get_stub().GetModel, convert.get_request(ref))
@@ -111,10 +191,30 @@ class AsyncClient:
         response = await self._unary(self._get_stub().ListModels, pb.ListModelsRequest())
         return [convert.model_info_from_proto(m) for m in response.models]
 
-    async def evict(self, ref: str) -> EvictResult:
-        """Remove a snapshot (by key) or every snapshot of a URI from the cache."""
-        response = await self._unary(self._get_stub().EvictModel, convert.evict_request(ref))
+    async def evict(self, ref: str, *, force: bool = False) -> EvictResult:
+        """Remove a snapshot (by key) or every snapshot of a URI; see ``Client.evict``."""
+        response = await self._unary(
+            self._get_stub().EvictModel, convert.evict_request(ref, force=force)
+        )
         return convert.evict_result_from_proto(response)
+
+    async def pin(self, ref: str, pinned: bool = True) -> ModelInfo:
+        """Pin a snapshot (``pinned=False``: unpin it); pressure never evicts a pinned one."""
+        response = await self._unary(self._get_stub().PinModel, convert.pin_request(ref, pinned))
+        return convert.model_info_from_proto(response)
+
+    async def collect_garbage(self, tier: TierName | None = None) -> EvictResult:
+        """Run an eviction pass now, on one tier or (None) both."""
+        response = await self._unary(self._get_stub().CollectGarbage, convert.gc_request(tier))
+        return convert.gc_result_from_proto(response)
+
+    async def verify(
+        self, ref: str | None = None, *, all: bool = False, report_only: bool = False
+    ) -> list[Verification]:
+        """Re-hash one cached model or every one; see ``Client.verify``."""
+        request = convert.verify_request(ref, all=all, report_only=report_only)
+        response = await self._unary(self._get_stub().VerifyModels, request)
+        return convert.verifications_from_proto(response)
 
     async def status(self) -> AgentStatus:
         """Agent version, tiers, pulls in flight."""

@@ -16,6 +16,9 @@ from ._types import (
     AgentStatus,
     EvictResult,
     FileEntry,
+    FileProblem,
+    LeaseGrant,
+    LeaseInfo,
     ModelHandle,
     ModelInfo,
     PhaseName,
@@ -24,27 +27,40 @@ from ._types import (
     PullStatus,
     TierName,
     TierStatus,
+    Verification,
 )
 
 __all__ = [
     "CHANNEL_OPTIONS",
+    "DEFAULT_LEASE_SOCKET_PATH",
     "DEFAULT_SOCKET_PATH",
     "SOCKET_ENV",
     "channel_target",
     "ensure_request",
     "evict_request",
     "evict_result_from_proto",
+    "gc_request",
+    "gc_result_from_proto",
     "get_request",
     "handle_from_proto",
+    "lease_from_proto",
+    "lease_info_from_proto",
+    "lease_socket_for",
     "model_info_from_proto",
     "on_ensure_event",
+    "pin_request",
     "progress_from_proto",
+    "release_request",
+    "renew_request",
     "resolve_socket_path",
     "status_from_proto",
     "tier_to_proto",
+    "verifications_from_proto",
+    "verify_request",
 ]
 
 DEFAULT_SOCKET_PATH = Path("/run/prewarm/agent.sock")
+DEFAULT_LEASE_SOCKET_PATH = Path("/run/prewarm/lease.sock")
 SOCKET_ENV = "PREWARM_SOCKET_PATH"
 # A model with many thousands of files lists them all in one answer, and
 # ListModels answers for every model at once: 4 MiB (grpc's default) is too low.
@@ -104,6 +120,11 @@ def _patterns(patterns: Iterable[str], option: str) -> list[str]:
     return list(patterns)
 
 
+def _ttl_seconds(ttl: float | None) -> float:
+    # 0 on the wire means "the agent's default"; the agent refuses negative TTLs.
+    return 0.0 if ttl is None else float(ttl)
+
+
 def ensure_request(
     uri: str,
     *,
@@ -111,13 +132,23 @@ def ensure_request(
     include: Iterable[str],
     exclude: Iterable[str],
     client_name: str,
+    lease: bool = False,
+    lease_ttl: float | None = None,
+    pin: bool = False,
+    strict_tier: bool = False,
 ) -> pb.EnsureModelRequest:
+    if lease_ttl is not None and not lease:
+        raise InvalidRequest("lease_ttl only applies to a lease; pass lease=True with it.")
     return pb.EnsureModelRequest(
         uri=str(uri),
         tier=tier_to_proto(tier),
         include=_patterns(include, "include"),
         exclude=_patterns(exclude, "exclude"),
         client_name=client_name,
+        lease=lease,
+        lease_ttl_seconds=_ttl_seconds(lease_ttl),
+        pin=pin,
+        strict_tier=strict_tier,
     )
 
 
@@ -125,12 +156,79 @@ def get_request(ref: str) -> pb.GetModelRequest:
     return pb.GetModelRequest(ref=str(ref))
 
 
-def evict_request(ref: str) -> pb.EvictModelRequest:
-    return pb.EvictModelRequest(ref=str(ref))
+def evict_request(ref: str, *, force: bool = False) -> pb.EvictModelRequest:
+    return pb.EvictModelRequest(ref=str(ref), force=force)
+
+
+def renew_request(lease_id: str, ttl: float | None) -> pb.RenewLeaseRequest:
+    return pb.RenewLeaseRequest(id=str(lease_id), ttl_seconds=_ttl_seconds(ttl))
+
+
+def release_request(lease_id: str) -> pb.ReleaseLeaseRequest:
+    return pb.ReleaseLeaseRequest(id=str(lease_id))
+
+
+def pin_request(ref: str, pinned: bool) -> pb.PinModelRequest:
+    return pb.PinModelRequest(ref=str(ref), pinned=pinned)
+
+
+def gc_request(tier: str | None) -> pb.CollectGarbageRequest:
+    return pb.CollectGarbageRequest(tier=tier_to_proto(tier))
+
+
+def verify_request(ref: str | None, *, all: bool, report_only: bool) -> pb.VerifyModelsRequest:
+    if all == bool(ref):
+        raise InvalidRequest(
+            "Verify either one model (a URI or a key) or every one (all=True), not "
+            + ("both." if all else "neither.")
+        )
+    return pb.VerifyModelsRequest(ref=str(ref or ""), all=all, report_only=report_only)
+
+
+def lease_socket_for(grant: LeaseGrant, api_socket: Path) -> Path:
+    """Where this process reaches the agent's lease socket.
+
+    The agent names the path as it is on the node; a pod that mounts the
+    agent's directory elsewhere reaches the API socket (and the lease socket
+    next to it) under another path. So the lease socket next to the API
+    socket this client uses wins when it exists, else the agent's path.
+    """
+    sibling = api_socket.parent / grant.socket_path.name
+    return sibling if sibling.exists() else grant.socket_path
 
 
 def _timestamp(ts: Timestamp) -> datetime:
     return ts.ToDatetime(tzinfo=UTC)
+
+
+def _optional_timestamp(msg: pb.Lease | pb.LeaseInfo) -> datetime | None:
+    # Unset (not the epoch) means the lease is held open and has no expiry.
+    return _timestamp(msg.expires) if msg.HasField("expires") else None
+
+
+def lease_from_proto(msg: pb.Lease) -> LeaseGrant:
+    return LeaseGrant(
+        id=msg.id,
+        key=msg.key,
+        expires=_optional_timestamp(msg),
+        # An agent that names no path serves it at the conventional place.
+        socket_path=Path(msg.socket_path) if msg.socket_path else DEFAULT_LEASE_SOCKET_PATH,
+    )
+
+
+def lease_info_from_proto(msg: pb.LeaseInfo) -> LeaseInfo:
+    # pid/uid/gid are 0 on the wire when nobody holds the lease, and uid 0 is
+    # root: only a held lease has credentials.
+    return LeaseInfo(
+        id=msg.id,
+        client_name=msg.client_name,
+        pid=msg.pid if msg.held else None,
+        uid=msg.uid if msg.held else None,
+        gid=msg.gid if msg.held else None,
+        acquired=_timestamp(msg.acquired),
+        expires=_optional_timestamp(msg),
+        held=msg.held,
+    )
 
 
 def _files(entries: Iterable[pb.FileEntry]) -> tuple[FileEntry, ...]:
@@ -173,6 +271,8 @@ def handle_from_proto(msg: pb.ModelHandle) -> ModelHandle:
             total=t.total_seconds,
         ),
         resolved_offline=msg.resolved_offline,
+        lease=lease_from_proto(msg.lease) if msg.HasField("lease") else None,
+        resumed_bytes=msg.resumed_bytes,
     )
 
 
@@ -190,6 +290,8 @@ def model_info_from_proto(msg: pb.ModelInfo) -> ModelInfo:
         files=_files(msg.files),
         include=tuple(msg.include),
         exclude=tuple(msg.exclude),
+        leases=tuple(lease_info_from_proto(lease) for lease in msg.leases),
+        pinned=msg.pinned,
     )
 
 
@@ -198,6 +300,30 @@ def evict_result_from_proto(msg: pb.EvictModelResponse) -> EvictResult:
         evicted=tuple(model_info_from_proto(m) for m in msg.evicted),
         bytes_freed=msg.bytes_freed,
     )
+
+
+def gc_result_from_proto(msg: pb.CollectGarbageResponse) -> EvictResult:
+    return EvictResult(
+        evicted=tuple(model_info_from_proto(m) for m in msg.evicted),
+        bytes_freed=msg.bytes_freed,
+    )
+
+
+def verifications_from_proto(msg: pb.VerifyModelsResponse) -> list[Verification]:
+    return [
+        Verification(
+            uri=r.uri,
+            key=r.key,
+            ok=r.ok,
+            problems=tuple(
+                FileProblem(path=p.path, check=p.check, detail=p.detail) for p in r.problems
+            ),
+            evicted=r.evicted,
+            bytes_checked=r.bytes_checked,
+            seconds=r.seconds,
+        )
+        for r in msg.results
+    ]
 
 
 def status_from_proto(msg: pb.StatusResponse) -> AgentStatus:
@@ -211,6 +337,11 @@ def status_from_proto(msg: pb.StatusResponse) -> AgentStatus:
                 used_bytes=t.used_bytes,
                 free_bytes=t.free_bytes,
                 model_count=t.model_count,
+                budget_bytes=t.budget_bytes,
+                reserve_bytes=t.reserve_bytes,
+                staging_bytes=t.staging_bytes,
+                leased_count=t.leased_count,
+                pinned_count=t.pinned_count,
             )
             for t in msg.tiers
         ),
@@ -230,6 +361,7 @@ def status_from_proto(msg: pb.StatusResponse) -> AgentStatus:
         socket_path=msg.socket_path,
         data_plane=msg.data_plane,
         default_tier=_tier_from_proto(msg.default_tier, "the default tier"),
+        lease_count=msg.lease_count,
     )
 
 

@@ -11,6 +11,7 @@ from agent._exceptions import (
     AccessDenied,
     AgentUnavailable,
     Conflict,
+    IntegrityError,
     InvalidRequest,
     NoSpace,
     NotFound,
@@ -19,7 +20,9 @@ from agent._exceptions import (
     SourceUnavailable,
 )
 
-__all__ = ["missing_handle", "translate_rpc_error"]
+from ._types import LeaseGrant, ModelHandle
+
+__all__ = ["error_for_code", "granted_lease", "missing_handle", "translate_rpc_error"]
 
 _BY_CODE: dict[grpc.StatusCode, type[PrewarmError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
@@ -28,6 +31,7 @@ _BY_CODE: dict[grpc.StatusCode, type[PrewarmError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: NoSpace,
     grpc.StatusCode.FAILED_PRECONDITION: Conflict,
     grpc.StatusCode.ABORTED: SourceChanged,
+    grpc.StatusCode.DATA_LOSS: IntegrityError,
 }
 
 # UNAVAILABLE means two different things: the agent itself could not be
@@ -87,8 +91,30 @@ def translate_rpc_error(exc: grpc.RpcError, socket_path: Path) -> PrewarmError:
     return PrewarmError(f"The prewarm agent failed ({code.name}): {message}")
 
 
+def error_for_code(code_name: str, message: str) -> PrewarmError:
+    """The error for a failure the agent reported by status name outside gRPC.
+
+    The lease socket answers errors with the gRPC status name of the same
+    failure, so it maps to the same class as over the API.
+    """
+    code = grpc.StatusCode.__members__.get(code_name)
+    if code is not None and code in _BY_CODE:
+        return _BY_CODE[code](message)
+    return PrewarmError(message)
+
+
 def missing_handle(uri: str, socket_path: Path) -> PrewarmError:
     return PrewarmError(
         f"The prewarm agent on {socket_path} ended EnsureModel for {uri} without a model "
         "handle; the client and the agent may be different versions."
     )
+
+
+def granted_lease(handle: ModelHandle, socket_path: Path) -> LeaseGrant:
+    """The lease an EnsureModel(lease=true) answer must carry."""
+    if handle.lease is None:
+        raise PrewarmError(
+            f"The prewarm agent on {socket_path} answered EnsureModel(lease=true) for "
+            f"{handle.uri} without a lease; it is older than this client: upgrade it."
+        )
+    return handle.lease

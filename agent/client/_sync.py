@@ -2,20 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
 import grpc
 
+from agent._exceptions import AgentUnavailable, NotFound
 from agent._proto.prewarm.v1 import prewarm_pb2 as pb
 from agent._proto.prewarm.v1 import prewarm_pb2_grpc as pb_grpc
 
 from . import _convert as convert
-from ._errors import missing_handle, translate_rpc_error
-from ._types import AgentStatus, EvictResult, ModelHandle, ModelInfo, Progress, TierName
+from ._errors import granted_lease, missing_handle, translate_rpc_error
+from ._hold import LeaseHold
+from ._types import (
+    AgentStatus,
+    EvictResult,
+    LeaseGrant,
+    ModelHandle,
+    ModelInfo,
+    Progress,
+    TierName,
+    Verification,
+)
 
 __all__ = ["Client", "ensure"]
 
@@ -70,13 +82,29 @@ class Client:
         exclude: Iterable[str] = (),
         client_name: str = "",
         progress: Callable[[Progress], None] | None = None,
+        lease: bool = False,
+        lease_ttl: float | None = None,
+        pin: bool = False,
+        strict_tier: bool = False,
     ) -> ModelHandle:
         """Make sure ``uri`` is cached on this node, pulling it if needed, and return it.
 
         ``progress`` is called (in this thread) for every progress event of the pull.
+        ``lease=True`` also grants a lease (``handle.lease``) for ``lease_ttl``
+        seconds (None: the agent's default); hold it with ``LeaseHold`` or renew
+        it, or use ``leased()``, which does both. ``pin=True`` pins the snapshot;
+        ``strict_tier=True`` fails rather than use the other tier when ``tier`` is full.
         """
         request = convert.ensure_request(
-            uri, tier=tier, include=include, exclude=exclude, client_name=client_name
+            uri,
+            tier=tier,
+            include=include,
+            exclude=exclude,
+            client_name=client_name,
+            lease=lease,
+            lease_ttl=lease_ttl,
+            pin=pin,
+            strict_tier=strict_tier,
         )
         call = self._stub.EnsureModel(request, timeout=self._timeout)
         handle: ModelHandle | None = None
@@ -98,6 +126,71 @@ class Client:
             raise missing_handle(uri, self._socket_path)
         return handle
 
+    @contextlib.contextmanager
+    def leased(
+        self,
+        uri: str,
+        *,
+        tier: TierName | None = None,
+        include: Iterable[str] = (),
+        exclude: Iterable[str] = (),
+        client_name: str = "",
+        progress: Callable[[Progress], None] | None = None,
+        lease_ttl: float | None = None,
+        pin: bool = False,
+        strict_tier: bool = False,
+    ) -> Iterator[ModelHandle]:
+        """``ensure(uri, lease=True)``, with the lease held for the life of the block::
+
+            with client.leased("s3://models/llama-3-8b/") as handle:
+                weights = load_safetensors(handle)
+
+        The snapshot is not evicted while the block runs; the lease ends when it
+        exits, or when this process dies, whichever comes first.
+        """
+        handle = self.ensure(
+            uri,
+            tier=tier,
+            include=include,
+            exclude=exclude,
+            client_name=client_name,
+            progress=progress,
+            lease=True,
+            lease_ttl=lease_ttl,
+            pin=pin,
+            strict_tier=strict_tier,
+        )
+        grant = granted_lease(handle, self._socket_path)
+        try:
+            with LeaseHold(
+                grant,
+                name=client_name,
+                socket_path=convert.lease_socket_for(grant, self._socket_path),
+                timeout=self._timeout or 5.0,
+            ):
+                yield handle
+        finally:
+            # Closing the hold already ended the lease; releasing as well makes
+            # that true by the time the block has exited (the agent may not
+            # have seen the close yet), and ends it when the hold never opened.
+            # Gone already (NotFound) or no agent to ask: nothing left to end.
+            with contextlib.suppress(NotFound, AgentUnavailable):
+                self.release_lease(grant.id)
+
+    def renew_lease(self, lease_id: str, ttl: float | None = None) -> LeaseGrant:
+        """Extend a lease to ``ttl`` seconds from now (None: the agent's default).
+
+        The agent clamps a TTL above its maximum. An expired lease is ``NotFound``:
+        ask for a new one with ``ensure(..., lease=True)``.
+        """
+        return convert.lease_from_proto(
+            self._unary(self._stub.RenewLease, convert.renew_request(lease_id, ttl))
+        )
+
+    def release_lease(self, lease_id: str) -> None:
+        """End a lease now."""
+        self._unary(self._stub.ReleaseLease, convert.release_request(lease_id))
+
     def get(self, ref: str) -> ModelInfo:
         """One cached model, by URI (its newest snapshot), key, or unique key prefix."""
         return convert.model_info_from_proto(
@@ -109,11 +202,37 @@ class Client:
         response = self._unary(self._stub.ListModels, pb.ListModelsRequest())
         return [convert.model_info_from_proto(m) for m in response.models]
 
-    def evict(self, ref: str) -> EvictResult:
-        """Remove a snapshot (by key) or every snapshot of a URI from the cache."""
+    def evict(self, ref: str, *, force: bool = False) -> EvictResult:
+        """Remove a snapshot (by key) or every snapshot of a URI from the cache.
+
+        Leased or pinned snapshots are refused (``Conflict``) unless ``force``.
+        """
         return convert.evict_result_from_proto(
-            self._unary(self._stub.EvictModel, convert.evict_request(ref))
+            self._unary(self._stub.EvictModel, convert.evict_request(ref, force=force))
         )
+
+    def pin(self, ref: str, pinned: bool = True) -> ModelInfo:
+        """Pin a snapshot (``pinned=False``: unpin it); pressure never evicts a pinned one."""
+        return convert.model_info_from_proto(
+            self._unary(self._stub.PinModel, convert.pin_request(ref, pinned))
+        )
+
+    def collect_garbage(self, tier: TierName | None = None) -> EvictResult:
+        """Run an eviction pass now, on one tier or (None) both."""
+        return convert.gc_result_from_proto(
+            self._unary(self._stub.CollectGarbage, convert.gc_request(tier))
+        )
+
+    def verify(
+        self, ref: str | None = None, *, all: bool = False, report_only: bool = False
+    ) -> list[Verification]:
+        """Re-hash one cached model (a URI or key) or, with ``all=True``, every one.
+
+        Snapshots that fail are evicted unless ``report_only``. Failures are
+        results (``ok=False``), not exceptions.
+        """
+        request = convert.verify_request(ref, all=all, report_only=report_only)
+        return convert.verifications_from_proto(self._unary(self._stub.VerifyModels, request))
 
     def status(self) -> AgentStatus:
         """Agent version, tiers, pulls in flight."""

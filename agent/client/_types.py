@@ -11,6 +11,9 @@ __all__ = [
     "AgentStatus",
     "EvictResult",
     "FileEntry",
+    "FileProblem",
+    "LeaseGrant",
+    "LeaseInfo",
     "ModelHandle",
     "ModelInfo",
     "PhaseName",
@@ -19,6 +22,7 @@ __all__ = [
     "PullStatus",
     "TierName",
     "TierStatus",
+    "Verification",
 ]
 
 TierName = Literal["shm", "disk"]
@@ -49,6 +53,40 @@ class PhaseTimings:
 
 
 @dataclass(frozen=True, slots=True)
+class LeaseGrant:
+    """A lease the agent granted: the snapshot is not evicted while it lives.
+
+    Hold it open with ``LeaseHold`` (or use ``Client.leased``), or renew it
+    with ``Client.renew_lease`` before ``expires``.
+    """
+
+    id: str
+    key: str
+    # When the lease ends unless renewed or held open; None while a
+    # connection holds it open (it then ends when that connection closes).
+    expires: datetime | None
+    # The agent's lease socket, as a path on the node.
+    socket_path: Path
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseInfo:
+    """A live lease on a cached snapshot, as the agent lists it."""
+
+    id: str
+    client_name: str
+    # The process holding the lease connection (SO_PEERCRED); None while
+    # nobody holds it open. uid 0 is root, not "unknown".
+    pid: int | None
+    uid: int | None
+    gid: int | None
+    acquired: datetime
+    # None while the lease is held open by a connection.
+    expires: datetime | None
+    held: bool
+
+
+@dataclass(frozen=True, slots=True)
 class ModelHandle:
     """A complete, published snapshot on this node, ready to be mapped."""
 
@@ -64,6 +102,10 @@ class ModelHandle:
     # True when S3 was unreachable and the newest cached snapshot was served
     # without checking that it is still current.
     resolved_offline: bool
+    # Set when ensure() asked for a lease.
+    lease: LeaseGrant | None = None
+    # Bytes that a resumed pull did not have to fetch again.
+    resumed_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,11 +137,14 @@ class ModelInfo:
     files: tuple[FileEntry, ...]
     include: tuple[str, ...]
     exclude: tuple[str, ...]
+    leases: tuple[LeaseInfo, ...] = ()
+    # Pinned snapshots are never evicted by pressure.
+    pinned: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class EvictResult:
-    """What an eviction removed."""
+    """What an eviction (or a garbage collection) removed."""
 
     evicted: tuple[ModelInfo, ...]
     bytes_freed: int
@@ -118,6 +163,14 @@ class TierStatus:
     # Free bytes on the filesystem.
     free_bytes: int
     model_count: int
+    # Most bytes the cache may hold on this tier.
+    budget_bytes: int = 0
+    # Free space always left on the filesystem.
+    reserve_bytes: int = 0
+    # Bytes held by pulls in progress (and resumable leftovers).
+    staging_bytes: int = 0
+    leased_count: int = 0
+    pinned_count: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,3 +199,28 @@ class AgentStatus:
     # Data plane that moves bytes (e.g. "aiobotocore").
     data_plane: str
     default_tier: TierName
+    lease_count: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class FileProblem:
+    """One file of a snapshot that failed verification."""
+
+    path: str
+    # What failed: "missing", "size", "hash".
+    check: str
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class Verification:
+    """The result of re-checking one cached snapshot against its manifest."""
+
+    uri: str
+    key: str
+    ok: bool
+    problems: tuple[FileProblem, ...]
+    # True when the agent evicted the snapshot because it failed.
+    evicted: bool
+    bytes_checked: int
+    seconds: float

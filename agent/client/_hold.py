@@ -1,0 +1,267 @@
+"""Holding a lease open on the agent's lease socket, for as long as a block runs.
+
+The protocol: connect to the lease socket, send one JSON line
+``{"lease": "<id>", "name": "<client name>"}``, read one JSON line back,
+``{"ok": true, "key": ...}`` or ``{"ok": false, "error": ..., "code": ...}``.
+From then on the lease lives exactly as long as the connection: when this
+process closes it, exits or is killed, the kernel closes the socket and the
+agent ends the lease at once. Nothing is sent after the hello, so holding
+costs no thread and no timer: the open socket is the whole mechanism.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+from agent._exceptions import AgentUnavailable, PrewarmError
+
+from ._errors import error_for_code
+from ._types import LeaseGrant
+
+__all__ = ["AsyncLeaseHold", "LeaseHold"]
+
+# The agent reads at most this much of a hello, and answers in one short line.
+_LINE_LIMIT = 4096
+_DEFAULT_TIMEOUT = 5.0
+
+
+class _Hold:
+    """What the sync and async holders share: the hello, the reply, the errors."""
+
+    def __init__(
+        self,
+        lease: LeaseGrant,
+        *,
+        name: str = "",
+        socket_path: str | os.PathLike[str] | None = None,
+        timeout: float = _DEFAULT_TIMEOUT,
+    ) -> None:
+        self._lease = lease
+        self._name = name
+        self._socket_path = Path(socket_path) if socket_path is not None else lease.socket_path
+        self._timeout = timeout
+
+    @property
+    def lease(self) -> LeaseGrant:
+        return self._lease
+
+    @property
+    def socket_path(self) -> Path:
+        return self._socket_path
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(lease={self._lease.id!r}, key={self._lease.key!r}, "
+            f"socket_path={str(self._socket_path)!r})"
+        )
+
+    def _hello(self) -> bytes:
+        return json.dumps({"lease": self._lease.id, "name": self._name}).encode() + b"\n"
+
+    def _check_reply(self, line: bytes) -> None:
+        where = f"the prewarm agent's lease socket {self._socket_path}"
+        if not line.endswith(b"\n") and len(line) < _LINE_LIMIT:
+            raise AgentUnavailable(
+                f"{where} closed the connection without answering the hello for lease "
+                f"{self._lease.id}; the agent may be stopping: check `systemctl status prewarmd`."
+            )
+        try:
+            reply = json.loads(line)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            reply = None
+        if not isinstance(reply, dict) or not isinstance(reply.get("ok"), bool):
+            raise PrewarmError(
+                f"{where} answered {line[:200]!r}, not a lease reply; the client and the "
+                "agent may be different versions."
+            )
+        if not reply["ok"]:
+            message = str(reply.get("error") or "the agent refused the lease without a reason")
+            raise error_for_code(str(reply.get("code", "")), message)
+
+    def _connect_error(self, exc: OSError) -> AgentUnavailable:
+        path = self._socket_path
+        if isinstance(exc, FileNotFoundError):
+            return AgentUnavailable(
+                f"there is no prewarm lease socket at {path}: the agent is not running, or it "
+                "is older than this client, or its directory is mounted elsewhere in this "
+                "pod (pass socket_path)."
+            )
+        if isinstance(exc, PermissionError):
+            return AgentUnavailable(
+                f"permission denied on the prewarm lease socket {path}: run as a member of "
+                "the socket's group (see socket_group in /etc/prewarm/agent.toml) or as root."
+            )
+        if isinstance(exc, ConnectionRefusedError):
+            return AgentUnavailable(
+                f"nobody is listening on the prewarm lease socket {path} (connection refused): "
+                "start the agent (systemctl start prewarmd)."
+            )
+        if isinstance(exc, TimeoutError):
+            return AgentUnavailable(
+                f"the prewarm agent did not answer on its lease socket {path} within "
+                f"{self._timeout:g} s; it may be overloaded or stuck."
+            )
+        return AgentUnavailable(f"cannot hold the lease on {path}: {exc}.")
+
+
+class LeaseHold(_Hold):
+    """Holds a lease open on the agent's lease socket until closed; blocking.
+
+    ``with LeaseHold(handle.lease, name="ns/pod"):`` the snapshot is not evicted
+    inside the block, and the lease ends when the block exits (or when this
+    process dies, whichever comes first). ``socket_path`` overrides the path
+    the agent named (``Client.leased`` finds it next to the API socket);
+    ``timeout`` bounds the connect and the reply. An unknown or expired lease
+    raises ``NotFound``, one already held elsewhere ``Conflict``.
+
+    A child made by ``fork()`` without ``exec`` shares the open connection, so
+    the lease then lasts until both processes have closed it or exited.
+    """
+
+    def __init__(
+        self,
+        lease: LeaseGrant,
+        *,
+        name: str = "",
+        socket_path: str | os.PathLike[str] | None = None,
+        timeout: float = _DEFAULT_TIMEOUT,
+    ) -> None:
+        super().__init__(lease, name=name, socket_path=socket_path, timeout=timeout)
+        self._sock: socket.socket | None = None
+
+    @property
+    def held(self) -> bool:
+        """True from a successful ``open()`` until ``close()``."""
+        return self._sock is not None
+
+    def __enter__(self) -> Self:
+        self.open()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def open(self) -> None:
+        """Connect, send the hello, check the reply; the lease is held when this returns."""
+        if self._sock is not None:
+            raise PrewarmError(f"lease {self._lease.id} is already held by this LeaseHold.")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self._timeout)
+            try:
+                sock.connect(str(self._socket_path))
+                sock.sendall(self._hello())
+                line = self._read_line(sock)
+            except OSError as exc:
+                raise self._connect_error(exc) from exc
+            self._check_reply(line)
+            # From here on nothing is read or written: the socket only has to
+            # stay open. Blocking mode, so nothing times out while held.
+            sock.settimeout(None)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+
+    def close(self) -> None:
+        """End the lease (the agent sees the connection close). Safe to call twice."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+    @staticmethod
+    def _read_line(sock: socket.socket) -> bytes:
+        line = b""
+        while not line.endswith(b"\n") and len(line) < _LINE_LIMIT:
+            chunk = sock.recv(_LINE_LIMIT - len(line))
+            if not chunk:
+                break
+            line += chunk
+        return line
+
+
+class AsyncLeaseHold(_Hold):
+    """``LeaseHold`` for asyncio code: ``async with AsyncLeaseHold(lease): ...``."""
+
+    def __init__(
+        self,
+        lease: LeaseGrant,
+        *,
+        name: str = "",
+        socket_path: str | os.PathLike[str] | None = None,
+        timeout: float = _DEFAULT_TIMEOUT,
+    ) -> None:
+        super().__init__(lease, name=name, socket_path=socket_path, timeout=timeout)
+        self._writer: asyncio.StreamWriter | None = None
+
+    @property
+    def held(self) -> bool:
+        """True from a successful ``open()`` until ``close()``."""
+        return self._writer is not None
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def open(self) -> None:
+        """Connect, send the hello, check the reply; the lease is held when this returns."""
+        if self._writer is not None:
+            raise PrewarmError(f"lease {self._lease.id} is already held by this AsyncLeaseHold.")
+        writer: asyncio.StreamWriter | None = None
+        try:
+            try:
+                async with asyncio.timeout(self._timeout):
+                    reader, writer = await asyncio.open_unix_connection(
+                        self._socket_path, limit=_LINE_LIMIT
+                    )
+                    writer.write(self._hello())
+                    await writer.drain()
+                    line = await _read_line(reader)
+            except OSError as exc:
+                raise self._connect_error(exc) from exc
+            self._check_reply(line)
+        except BaseException:
+            if writer is not None:
+                # Closing is enough to end the connection; not waiting keeps
+                # this path free of awaits that a cancellation could cut.
+                writer.close()
+            raise
+        self._writer = writer
+
+    async def close(self) -> None:
+        """End the lease (the agent sees the connection close). Safe to call twice."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+
+async def _read_line(reader: asyncio.StreamReader) -> bytes:
+    try:
+        return await reader.readuntil(b"\n")
+    except asyncio.IncompleteReadError as exc:
+        return exc.partial
+    except asyncio.LimitOverrunError:
+        # Longer than any reply: hand back what there is; the check reports it.
+        return await reader.read(_LINE_LIMIT)

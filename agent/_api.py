@@ -20,10 +20,11 @@ from ._exceptions import (
     SourceChanged,
     SourceUnavailable,
 )
+from ._flight import Flight, PullProgress
+from ._leases import LeaseRecord
 from ._proto.prewarm.v1 import prewarm_pb2 as pb
 from ._proto.prewarm.v1 import prewarm_pb2_grpc as pb_grpc
-from ._puller import Flight, PullProgress
-from ._service import AgentService, EnsureResult
+from ._service import AgentService, EnsureResult, EvictResult
 from ._snapshot import TierName
 from ._store import CachedModel, TierUsage
 
@@ -77,6 +78,8 @@ class PrewarmServicer(pb_grpc.PrewarmServicer):
         tier = _PB_TO_TIER.get(request.tier) if request.tier else None
         if request.tier and tier is None:
             await _abort(context, InvalidRequest(f"Unknown tier {request.tier}; use shm or disk."))
+        if request.lease_ttl_seconds < 0:
+            await _abort(context, InvalidRequest("lease_ttl_seconds must not be negative."))
         yield pb.EnsureModelEvent(progress=pb.Progress(phase=pb.PHASE_RESOLVE))
         try:
             async for event in self._service.ensure(
@@ -85,11 +88,15 @@ class PrewarmServicer(pb_grpc.PrewarmServicer):
                 include=list(request.include),
                 exclude=list(request.exclude),
                 client_name=request.client_name,
+                lease=request.lease,
+                lease_ttl=request.lease_ttl_seconds or None,
+                pin=request.pin,
+                strict_tier=request.strict_tier,
             ):
                 if isinstance(event, PullProgress):
                     yield pb.EnsureModelEvent(progress=_progress(event))
                 else:
-                    yield pb.EnsureModelEvent(handle=_handle(event))
+                    yield pb.EnsureModelEvent(handle=self._handle(event))
         except PrewarmError as exc:
             log.info("EnsureModel %s: %s", request.uri, exc)
             await _abort(context, exc)
@@ -119,7 +126,7 @@ class PrewarmServicer(pb_grpc.PrewarmServicer):
         context: grpc.aio.ServicerContext[pb.EvictModelRequest, pb.EvictModelResponse],
     ) -> pb.EvictModelResponse:
         try:
-            result = await self._service.evict(request.ref)
+            result = await self._service.evict(request.ref, force=request.force)
         except PrewarmError as exc:
             await _abort(context, exc)
         log.info(
@@ -128,9 +135,81 @@ class PrewarmServicer(pb_grpc.PrewarmServicer):
             len(result.evicted),
             result.bytes_freed,
         )
-        return pb.EvictModelResponse(
+        return self._evict_response(result)
+
+    async def RenewLease(
+        self,
+        request: pb.RenewLeaseRequest,
+        context: grpc.aio.ServicerContext[pb.RenewLeaseRequest, pb.Lease],
+    ) -> pb.Lease:
+        try:
+            if request.ttl_seconds < 0:
+                raise InvalidRequest("ttl_seconds must not be negative.")
+            return self._lease(self._service.renew_lease(request.id, request.ttl_seconds or None))
+        except PrewarmError as exc:
+            await _abort(context, exc)
+
+    async def ReleaseLease(
+        self,
+        request: pb.ReleaseLeaseRequest,
+        context: grpc.aio.ServicerContext[pb.ReleaseLeaseRequest, pb.ReleaseLeaseResponse],
+    ) -> pb.ReleaseLeaseResponse:
+        try:
+            self._service.release_lease(request.id)
+        except PrewarmError as exc:
+            await _abort(context, exc)
+        return pb.ReleaseLeaseResponse()
+
+    async def PinModel(
+        self,
+        request: pb.PinModelRequest,
+        context: grpc.aio.ServicerContext[pb.PinModelRequest, pb.ModelInfo],
+    ) -> pb.ModelInfo:
+        try:
+            model = await self._service.pin(request.ref, request.pinned)
+        except PrewarmError as exc:
+            await _abort(context, exc)
+        return self._model_info(model, with_files=False)
+
+    async def CollectGarbage(
+        self,
+        request: pb.CollectGarbageRequest,
+        context: grpc.aio.ServicerContext[pb.CollectGarbageRequest, pb.CollectGarbageResponse],
+    ) -> pb.CollectGarbageResponse:
+        tier = _PB_TO_TIER.get(request.tier) if request.tier else None
+        result = await self._service.collect_garbage(tier)
+        return pb.CollectGarbageResponse(
             evicted=[self._model_info(m, with_files=False) for m in result.evicted],
             bytes_freed=result.bytes_freed,
+        )
+
+    async def VerifyModels(
+        self,
+        request: pb.VerifyModelsRequest,
+        context: grpc.aio.ServicerContext[pb.VerifyModelsRequest, pb.VerifyModelsResponse],
+    ) -> pb.VerifyModelsResponse:
+        try:
+            results = await self._service.verify(
+                request.ref, every=request.all, report_only=request.report_only
+            )
+        except PrewarmError as exc:
+            await _abort(context, exc)
+        return pb.VerifyModelsResponse(
+            results=[
+                pb.ModelVerification(
+                    uri=r.model.uri,
+                    key=r.model.key,
+                    ok=not r.problems,
+                    problems=[
+                        pb.FileProblem(path=p.path, check=p.check, detail=p.detail)
+                        for p in r.problems
+                    ],
+                    evicted=r.evicted,
+                    bytes_checked=r.model.total_bytes,
+                    seconds=r.seconds,
+                )
+                for r in results
+            ]
         )
 
     async def Status(
@@ -141,17 +220,24 @@ class PrewarmServicer(pb_grpc.PrewarmServicer):
         status = self._service.status()
         return pb.StatusResponse(
             version=status.version,
-            tiers=[_tier_status(t) for t in status.tiers],
+            tiers=[_tier_status(t, status.leased_per_tier.get(t.tier, 0)) for t in status.tiers],
             pulls=[_pull_status(f) for f in status.pulls],
             model_count=status.model_count,
             uptime_seconds=status.uptime_seconds,
             data_plane=status.data_plane,
             socket_path=self._socket_path,
             default_tier=_TIER_TO_PB[status.default_tier],
+            lease_count=status.lease_count,
+        )
+
+    def _evict_response(self, result: EvictResult) -> pb.EvictModelResponse:
+        return pb.EvictModelResponse(
+            evicted=[self._model_info(m, with_files=False) for m in result.evicted],
+            bytes_freed=result.bytes_freed,
         )
 
     def _model_info(self, model: CachedModel, *, with_files: bool) -> pb.ModelInfo:
-        last_used, hits = self._service.usage(model.key)
+        usage = self._service.usage(model.key)
         info = pb.ModelInfo(
             uri=model.uri,
             key=model.key,
@@ -160,14 +246,47 @@ class PrewarmServicer(pb_grpc.PrewarmServicer):
             total_bytes=model.total_bytes,
             file_count=len(model.files),
             created=_timestamp(model.created),
-            last_used=_timestamp(last_used),
-            hit_count=hits,
+            last_used=_timestamp(usage.last_used),
+            hit_count=usage.hit_count,
             include=model.include,
             exclude=model.exclude,
+            leases=[_lease_info(lease) for lease in self._service.leases_for(model.key)],
+            pinned=usage.pinned,
         )
         if with_files:
             info.files.extend(_files(model))
         return info
+
+    def _lease(self, lease: LeaseRecord) -> pb.Lease:
+        granted = pb.Lease(id=lease.id, key=lease.key, socket_path=self._service.lease_socket_path)
+        if lease.expires is not None:
+            granted.expires.CopyFrom(_timestamp(lease.expires))
+        return granted
+
+    def _handle(self, result: EnsureResult) -> pb.ModelHandle:
+        model, t = result.model, result.timings
+        handle = pb.ModelHandle(
+            uri=model.uri,
+            key=model.key,
+            path=str(model.path),
+            tier=_TIER_TO_PB[model.tier],
+            hit=result.hit,
+            files=_files(model),
+            total_bytes=model.total_bytes,
+            timings=pb.PhaseTimings(
+                resolve_seconds=t.resolve,
+                wait_seconds=t.wait,
+                download_seconds=t.download,
+                verify_seconds=t.verify,
+                publish_seconds=t.publish,
+                total_seconds=t.total,
+            ),
+            resolved_offline=result.resolved_offline,
+            resumed_bytes=result.resumed_bytes,
+        )
+        if result.lease is not None:
+            handle.lease.CopyFrom(self._lease(result.lease))
+        return handle
 
 
 def _timestamp(seconds: float) -> Timestamp:
@@ -191,29 +310,7 @@ def _progress(progress: PullProgress) -> pb.Progress:
     )
 
 
-def _handle(result: EnsureResult) -> pb.ModelHandle:
-    model, t = result.model, result.timings
-    return pb.ModelHandle(
-        uri=model.uri,
-        key=model.key,
-        path=str(model.path),
-        tier=_TIER_TO_PB[model.tier],
-        hit=result.hit,
-        files=_files(model),
-        total_bytes=model.total_bytes,
-        timings=pb.PhaseTimings(
-            resolve_seconds=t.resolve,
-            wait_seconds=t.wait,
-            download_seconds=t.download,
-            verify_seconds=t.verify,
-            publish_seconds=t.publish,
-            total_seconds=t.total,
-        ),
-        resolved_offline=result.resolved_offline,
-    )
-
-
-def _tier_status(usage: TierUsage) -> pb.TierStatus:
+def _tier_status(usage: TierUsage, leased: int) -> pb.TierStatus:
     return pb.TierStatus(
         tier=_TIER_TO_PB[usage.tier],
         root=str(usage.root),
@@ -221,7 +318,26 @@ def _tier_status(usage: TierUsage) -> pb.TierStatus:
         used_bytes=usage.used_bytes,
         free_bytes=usage.free_bytes,
         model_count=usage.model_count,
+        budget_bytes=usage.budget_bytes,
+        reserve_bytes=usage.reserve_bytes,
+        staging_bytes=usage.staging_bytes,
+        leased_count=leased,
+        pinned_count=usage.pinned_count,
     )
+
+
+def _lease_info(lease: LeaseRecord) -> pb.LeaseInfo:
+    info = pb.LeaseInfo(
+        id=lease.id,
+        client_name=lease.client_name,
+        acquired=_timestamp(lease.acquired),
+        held=lease.held,
+    )
+    if lease.holder is not None:
+        info.pid, info.uid, info.gid = lease.holder.pid, lease.holder.uid, lease.holder.gid
+    if lease.expires is not None:
+        info.expires.CopyFrom(_timestamp(lease.expires))
+    return info
 
 
 def _pull_status(flight: Flight) -> pb.PullStatus:

@@ -7,7 +7,16 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ByteSize, Field, PlainSerializer, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ByteSize,
+    Field,
+    PlainSerializer,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from ._exceptions import InvalidRequest
@@ -15,10 +24,13 @@ from ._exceptions import InvalidRequest
 __all__ = [
     "DEFAULT_CONFIG_PATH",
     "ConfigError",
+    "IntegritySettings",
+    "LeaseSettings",
     "S3Settings",
     "Settings",
     "TierSettings",
     "load_settings",
+    "parse_size_or_percent",
     "render_toml",
 ]
 
@@ -75,13 +87,88 @@ class S3Settings(BaseModel):
     read_timeout_seconds: float = Field(default=60.0, gt=0)
 
 
+def _check_size_or_percent(value: object) -> object:
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        parse_size_or_percent(value)  # raises ValueError with the reason
+    return value
+
+
+# "40%" (of RAM for shm, of the filesystem for disk) or a size: "200GiB", "500000000".
+SizeOrPercent = Annotated[str, BeforeValidator(_check_size_or_percent)]
+
+
+def parse_size_or_percent(spec: str) -> tuple[float, int]:
+    """(fraction, bytes): exactly one of them is non-zero... or both zero for "0"."""
+    text = spec.strip()
+    if text.endswith("%"):
+        try:
+            percent = float(text[:-1])
+        except ValueError:
+            raise ValueError(f"{spec!r} is not a percentage like '40%'") from None
+        if not 0 <= percent <= 100:
+            raise ValueError(f"{spec!r} must be between 0% and 100%")
+        return percent / 100, 0
+    try:
+        return 0.0, int(TypeAdapter(ByteSize).validate_python(text))
+    except ValidationError:
+        raise ValueError(f"{spec!r} is neither a size like '200GiB' nor a percentage") from None
+
+
 class TierSettings(BaseModel):
-    """Where each cache tier keeps its files."""
+    """Where each cache tier keeps its files, and how much it may hold."""
 
     model_config = {"extra": "forbid"}
 
     shm_root: Path = Path("/dev/shm/prewarm")
     disk_root: Path = Path("/var/lib/prewarm")
+    # Most the cache may hold: a size, or a percentage of RAM (shm) / of the filesystem (disk).
+    shm_budget: SizeOrPercent = "50%"
+    disk_budget: SizeOrPercent = "80%"
+    # Free space always left on the tier's filesystem (size or % of the filesystem).
+    shm_reserve: SizeOrPercent = "1GiB"
+    disk_reserve: SizeOrPercent = "5%"
+    # Eviction starts when a tier holds more than high x budget and stops at low x budget.
+    high_watermark: float = Field(default=0.9, gt=0, le=1)
+    low_watermark: float = Field(default=0.8, gt=0, le=1)
+    # If the hinted tier cannot hold a model even after eviction, use the other one.
+    fallback: bool = True
+
+    @model_validator(mode="after")
+    def _watermarks_in_order(self) -> TierSettings:
+        if self.low_watermark > self.high_watermark:
+            raise ValueError(
+                f"low_watermark ({self.low_watermark}) must not exceed high_watermark "
+                f"({self.high_watermark})"
+            )
+        return self
+
+
+class LeaseSettings(BaseModel):
+    """Leases keep a snapshot from being evicted while a pod uses it."""
+
+    model_config = {"extra": "forbid"}
+
+    # Where clients hold leases open (a connection per lease; we read SO_PEERCRED).
+    # Unset: lease.sock next to the API socket, so one mounted directory has both.
+    socket_path: Path | None = None
+    # TTL of a lease nobody holds open, unless the request asks for another.
+    default_ttl_seconds: float = Field(default=60.0, gt=0)
+    # Longest TTL a request may ask for (longer ones are clamped).
+    max_ttl_seconds: float = Field(default=24 * 3600.0, gt=0)
+
+
+class IntegritySettings(BaseModel):
+    """Checks run before a snapshot is published."""
+
+    model_config = {"extra": "forbid"}
+
+    # Validate the header of every *.safetensors file.
+    safetensors_headers: bool = True
+    # Compare objects' full-object S3 checksums (ChecksumMode) when they have them;
+    # costs one HEAD per object and one read of the file.
+    s3_checksums: bool = True
 
 
 class Settings(BaseSettings):
@@ -109,7 +196,13 @@ class Settings(BaseSettings):
     # Seconds a SIGTERM waits for RPCs to finish before cancelling them.
     shutdown_grace_seconds: float = Field(default=10.0, ge=0)
     tiers: TierSettings = TierSettings()
+    leases: LeaseSettings = LeaseSettings()
+    integrity: IntegritySettings = IntegritySettings()
     s3: S3Settings = S3Settings()
+
+    @property
+    def lease_socket_path(self) -> Path:
+        return self.leases.socket_path or self.socket_path.parent / "lease.sock"
 
     @classmethod
     def settings_customise_sources(

@@ -20,12 +20,13 @@ from grpc_reflection.v1alpha import reflection
 from ._api import PrewarmServicer
 from ._config import ConfigError, Settings, load_settings, render_toml
 from ._exceptions import PrewarmError
+from ._leases import LeaseServer, LeaseTable
 from ._logging import configure_logging
 from ._proto.prewarm.v1 import prewarm_pb2, prewarm_pb2_grpc
 from ._puller import Puller
 from ._s3 import S3Source
 from ._service import AgentService
-from ._store import Store
+from ._store import Store, TierBudget
 from ._version import __version__
 
 __all__ = ["main", "serve"]
@@ -80,19 +81,27 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     socket_path = settings.socket_path
-    store = Store({"shm": settings.tiers.shm_root, "disk": settings.tiers.disk_root})
+    tiers = settings.tiers
+    store = Store(
+        {"shm": tiers.shm_root, "disk": tiers.disk_root},
+        {
+            "shm": TierBudget(tiers.shm_budget, tiers.shm_reserve),
+            "disk": TierBudget(tiers.disk_budget, tiers.disk_reserve),
+        },
+    )
     await store.open()
     prepare_socket_path(socket_path)
+    leases = LeaseTable(settings.leases.default_ttl_seconds, settings.leases.max_ttl_seconds)
 
-    async with S3Source(settings.s3) as source, Puller(store, source, settings.s3) as puller:
-        service = AgentService(
-            store,
-            puller,
-            source,
-            default_tier=settings.default_tier,
-            offline_fallback=settings.offline_fallback,
-            offline_after_seconds=settings.offline_after_seconds,
-        )
+    async with (
+        S3Source(settings.s3) as source,
+        Puller(store, source, settings.s3, settings.integrity) as puller,
+        LeaseServer(
+            leases, settings.lease_socket_path, settings.socket_mode, settings.socket_group
+        ),
+    ):
+        service = AgentService(store, puller, source, leases, settings)
+        await service.start()
         server = grpc.aio.server()
         prewarm_pb2_grpc.add_PrewarmServicer_to_server(
             PrewarmServicer(service, socket_path=str(socket_path)), server

@@ -1,160 +1,78 @@
-"""Pulls: a snapshot's objects into a staging directory, then published. One flight per key.
+"""Pulls: a snapshot's objects into a staging directory, checked, then published.
 
-Memory stays bounded whatever the model size: ``concurrency`` workers each
-hold at most ``io_block`` bytes before a positional write, which runs in a
-worker thread so the event loop never blocks on the page cache.
+One flight per snapshot key. Memory stays bounded whatever the model size:
+``concurrency`` workers each hold at most ``io_block`` bytes before a
+positional write, which runs in a worker thread so the event loop never blocks
+on the page cache. Completed ranges are journaled, so a pull interrupted by a
+crash or a shutdown resumes instead of starting over.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
-import os
 import random
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
-from typing import Literal, Self
+from typing import Self
 
-from ._config import S3Settings
-from ._exceptions import NoSpace, PrewarmError, SourceUnavailable
+from ._config import IntegritySettings, S3Settings
+from ._exceptions import IntegrityError, PrewarmError, SourceUnavailable
+from ._flight import Flight
+from ._integrity import ChunkHasher
 from ._s3 import ObjectSource, RangeReader
 from ._snapshot import Snapshot, SourceObject, TierName
+from ._staging import StagingFiles, open_staging, verify_before_publish
 from ._store import CachedFile, CachedModel, Store
 
-__all__ = ["Flight", "PhaseName", "PullProgress", "PullTimings", "Puller"]
+__all__ = ["Puller"]
 
 log = logging.getLogger(__name__)
 
-PhaseName = Literal["resolve", "download", "verify", "publish", "done"]
 _MAX_IOVECS = 512  # well under IOV_MAX (1024 on Linux)
 _BACKOFF_BASE_SECONDS = 0.2
 _BACKOFF_CAP_SECONDS = 5.0
 
 
 @dataclass(frozen=True, slots=True)
-class PullProgress:
-    phase: PhaseName
-    bytes_done: int
-    bytes_total: int
-    files_done: int
-    files_total: int
-    key: str
-
-
-@dataclass(frozen=True, slots=True)
-class PullTimings:
-    download: float = 0.0
-    verify: float = 0.0
-    publish: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
 class _Range:
     obj: SourceObject
-    fd: int
     start: int
     length: int
 
 
-class Flight:
-    """One pull in progress; any number of requests may watch it."""
-
-    def __init__(self, snapshot: Snapshot, tier: TierName) -> None:
-        self.snapshot = snapshot
-        self.tier = tier
-        self.started = time.time()
-        self.timings = PullTimings()
-        self.waiters = 0
-        self.progress = PullProgress(
-            phase="download",
-            bytes_done=0,
-            bytes_total=snapshot.total_bytes,
-            files_done=0,
-            files_total=len(snapshot.objects),
-            key=snapshot.key,
-        )
-        self._changed = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        # The pull's outcome lives in a future, not in the task, so that a
-        # failed pull never propagates into (and tears down) the task group.
-        self._outcome: asyncio.Future[CachedModel] = asyncio.get_running_loop().create_future()
-        self._outcome.add_done_callback(_mark_retrieved)
-        self._bytes_left = {obj.relative_path: obj.size for obj in snapshot.objects}
+@dataclass(slots=True)
+class _Cursor:
+    range: _Range
+    hasher: ChunkHasher
+    written: int = 0
 
     @property
-    def key(self) -> str:
-        return self.snapshot.key
+    def offset(self) -> int:
+        return self.range.start + self.written
 
     @property
-    def done(self) -> bool:
-        return self._outcome.done()
-
-    async def result(self) -> CachedModel:
-        """The published model; shielded so a departing watcher never cancels the pull."""
-        return await asyncio.shield(self._outcome)
-
-    def cancel(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-
-    def _settle(self, model: CachedModel | None, error: BaseException | None) -> None:
-        if not self._outcome.done():
-            if isinstance(error, asyncio.CancelledError):
-                self._outcome.cancel()
-            elif error is not None:
-                self._outcome.set_exception(error)
-            else:
-                assert model is not None
-                self._outcome.set_result(model)
-        self._notify()
-
-    async def watch(self, min_interval: float = 0.05) -> AsyncIterator[PullProgress]:
-        """Yield progress until the pull ends, at most one event per ``min_interval``."""
-        self.waiters += 1
-        try:
-            last_sent = 0.0
-            while True:
-                changed = self._changed
-                now = time.monotonic()
-                if now - last_sent >= min_interval or self.done:
-                    last_sent = now
-                    yield self.progress
-                if self.done:
-                    return
-                await changed.wait()
-        finally:
-            self.waiters -= 1
-
-    def set_phase(self, phase: PhaseName) -> None:
-        self.progress = replace(self.progress, phase=phase)
-        self._notify()
-
-    def add_bytes(self, obj: SourceObject, count: int) -> None:
-        left = self._bytes_left[obj.relative_path] - count
-        self._bytes_left[obj.relative_path] = left
-        files_done = self.progress.files_done + (1 if left == 0 else 0)
-        self.progress = replace(
-            self.progress, bytes_done=self.progress.bytes_done + count, files_done=files_done
-        )
-        self._notify()
-
-    def _notify(self) -> None:
-        # Wake everyone waiting on the current event and start a fresh one.
-        self._changed.set()
-        self._changed = asyncio.Event()
+    def missing(self) -> int:
+        return self.range.length - self.written
 
 
 class Puller:
     """Owns every pull task; pulls outlive the requests that started them."""
 
-    def __init__(self, store: Store, source: ObjectSource, settings: S3Settings) -> None:
+    def __init__(
+        self,
+        store: Store,
+        source: ObjectSource,
+        settings: S3Settings,
+        integrity: IntegritySettings | None = None,
+    ) -> None:
         self._store = store
         self._source = source
         self._settings = settings
+        self._integrity = integrity or IntegritySettings()
         self._flights: dict[str, Flight] = {}
         self._tasks: asyncio.TaskGroup | None = None
 
@@ -172,7 +90,12 @@ class Puller:
         assert self._tasks is not None
         for flight in list(self._flights.values()):
             flight.cancel()
-        await self._tasks.__aexit__(exc_type, exc, tb)
+        try:
+            await self._tasks.__aexit__(exc_type, exc, tb)
+        finally:
+            # A flight cancelled before its task ever ran never settled itself.
+            for flight in list(self._flights.values()):
+                self._finish(flight, None, asyncio.CancelledError(), keep_staging=True)
 
     def flights(self) -> list[Flight]:
         return list(self._flights.values())
@@ -188,88 +111,142 @@ class Puller:
         assert self._tasks is not None, "Puller used outside its context"
         flight = Flight(snapshot, tier)
         self._flights[snapshot.key] = flight
+        # Counted against the tier from now on, so concurrent placements see it.
+        self._store.begin_staging(tier, snapshot.key, snapshot.total_bytes)
         flight._task = self._tasks.create_task(self._run(flight), name=f"pull-{snapshot.key}")
         return flight, True
 
     async def _run(self, flight: Flight) -> None:
+        keep_staging = False
         try:
             model = await self._pull(flight)
         except asyncio.CancelledError as exc:
-            self._flights.pop(flight.key, None)
-            flight._settle(None, exc)
+            keep_staging = True  # shutdown: the journal lets the next pull resume
+            self._finish(flight, None, exc, keep_staging)
             raise
+        except SourceUnavailable as exc:
+            keep_staging = True  # S3 trouble is transient; resume once it is back
+            log.warning("pull of %s stopped, resumable: %s", flight.snapshot.uri, exc)
+            self._finish(flight, None, exc, keep_staging)
         except PrewarmError as exc:
             log.warning("pull of %s failed: %s", flight.snapshot.uri, exc)
-            self._flights.pop(flight.key, None)
-            flight._settle(None, exc)
+            self._finish(flight, None, exc, keep_staging)
         except Exception as exc:
             log.exception("pull of %s failed unexpectedly", flight.snapshot.uri)
-            self._flights.pop(flight.key, None)
-            flight._settle(None, exc)
+            self._finish(flight, None, exc, keep_staging)
         else:
-            self._flights.pop(flight.key, None)
-            flight._settle(model, None)
+            self._finish(flight, model, None, keep_staging)
+
+    def _finish(
+        self,
+        flight: Flight,
+        model: CachedModel | None,
+        error: BaseException | None,
+        keep_staging: bool,
+    ) -> None:
+        self._flights.pop(flight.key, None)
+        self._store.end_staging(flight.key, keep=keep_staging)
+        flight._settle(model, error)
 
     async def _pull(self, flight: Flight) -> CachedModel:
         snapshot = flight.snapshot
-        staging = self._store.create_staging(flight.tier, snapshot.key)
-        fds: dict[str, int] = {}
+        chunk = int(self._settings.chunk_size)
+        root = self._store.staging_path(flight.tier, snapshot.key)
+        staging = await asyncio.to_thread(open_staging, root, snapshot, chunk, flight.tier)
         try:
-            _check_room(staging, snapshot, flight.tier)
             started = time.monotonic()
-            fds = await asyncio.to_thread(_preallocate, staging, snapshot, flight.tier)
             for obj in snapshot.objects:
-                if obj.size == 0:
-                    flight.add_bytes(obj, 0)
-            await self._download(flight, fds)
+                done = sum(
+                    min(chunk, obj.size - index * chunk)
+                    for index in staging.digests.get(obj.relative_path, {})
+                )
+                if done or obj.size == 0:
+                    flight.add_resumed(obj, done)
+            if flight.resumed_bytes:
+                log.info(
+                    "resuming %s: %d of %d bytes already here",
+                    snapshot.uri,
+                    flight.resumed_bytes,
+                    snapshot.total_bytes,
+                )
+            await self._download(flight, staging)
             downloaded = time.monotonic()
             flight.timings = replace(flight.timings, download=downloaded - started)
             flight.set_phase("verify")
-            owned, fds = fds, {}  # _verify_and_close closes them, even when it raises
-            await asyncio.to_thread(
-                _verify_and_close, owned, snapshot, durable=flight.tier == "disk"
-            )
+            digests = await self._verify(flight, staging)
             verified = time.monotonic()
             flight.timings = replace(flight.timings, verify=verified - downloaded)
             flight.set_phase("publish")
-            model = await self._store.publish(staging, _model_for(snapshot, flight.tier, staging))
+            staging.close()
+            model = await self._store.publish(root, _model_for(flight, digests, chunk))
             flight.timings = replace(flight.timings, publish=time.monotonic() - verified)
             flight.set_phase("done")
             log.info("published %s as %s", snapshot.uri, snapshot.key)
             return model
         finally:
-            for fd in fds.values():
-                os.close(fd)
-            if staging.exists():
-                self._store.discard_staging(staging)
+            staging.close()
 
-    async def _download(self, flight: Flight, fds: dict[str, int]) -> None:
-        ranges = iter(_plan(flight.snapshot, fds, int(self._settings.chunk_size)))
+    async def _verify(self, flight: Flight, staging: StagingFiles) -> dict[str, str]:
+        await asyncio.to_thread(
+            verify_before_publish,
+            staging,
+            safetensors_headers=self._integrity.safetensors_headers,
+            durable=flight.tier == "disk",
+        )
+        if self._integrity.s3_checksums:
+            await self._check_s3_checksums(flight, staging)
+        return staging.file_digests()
+
+    async def _check_s3_checksums(self, flight: Flight, staging: StagingFiles) -> None:
+        """Compare full-object checksums S3 holds with what landed on disk."""
+        bucket = flight.snapshot.uri.bucket
+        for obj in flight.snapshot.objects:
+            if not obj.checksum_algorithm:
+                continue
+            checksum = await self._source.head_checksum(bucket, obj.key, etag=obj.etag)
+            if checksum is None:
+                continue
+            matches = await asyncio.to_thread(
+                checksum.matches, staging.data_dir / obj.relative_path
+            )
+            if matches is False:
+                raise IntegrityError(
+                    f"{obj.relative_path}: its {checksum.algorithm} checksum differs from the "
+                    f"one S3 holds for s3://{bucket}/{obj.key}; not publishing. Pull it again; "
+                    "if it repeats, the object or the network path is corrupting data.",
+                    path=obj.relative_path,
+                    check=f"s3-{checksum.algorithm.lower()}",
+                )
+
+    async def _download(self, flight: Flight, staging: StagingFiles) -> None:
+        ranges = iter(_plan(flight.snapshot, staging))
         try:
             async with asyncio.TaskGroup() as workers:
                 for _ in range(self._settings.concurrency):
-                    workers.create_task(self._worker(flight, ranges))
+                    workers.create_task(self._worker(flight, staging, ranges))
         except ExceptionGroup as group:
             # The first worker to fail cancels the rest; report its error, not the group.
             raise _root_cause(group) from None
 
-    async def _worker(self, flight: Flight, ranges: Iterator[_Range]) -> None:
+    async def _worker(
+        self, flight: Flight, staging: StagingFiles, ranges: Iterator[_Range]
+    ) -> None:
         # A shared iterator hands out ranges lazily: no queue of the whole plan.
         for byte_range in ranges:
-            await self._fetch(flight, byte_range)
+            await self._fetch(flight, staging, byte_range)
 
-    async def _fetch(self, flight: Flight, byte_range: _Range) -> None:
+    async def _fetch(self, flight: Flight, staging: StagingFiles, byte_range: _Range) -> None:
         """Write one range at its offset, resuming after the last good byte on retry."""
         obj = byte_range.obj
         bucket = flight.snapshot.uri.bucket
-        cursor = _Cursor(byte_range)
+        cursor = _Cursor(byte_range, ChunkHasher())
         failures = 0
         while cursor.missing:
             try:
                 async with self._source.open_range(
                     bucket, obj.key, etag=obj.etag, start=cursor.offset, length=cursor.missing
                 ) as reader:
-                    await self._copy(flight, reader, cursor)
+                    await self._copy(flight, staging, reader, cursor)
                 if cursor.missing:
                     raise SourceUnavailable(
                         f"s3://{bucket}/{obj.key} ended {cursor.missing} bytes short of the "
@@ -284,17 +261,25 @@ class Puller:
                 delay = min(_BACKOFF_CAP_SECONDS, _BACKOFF_BASE_SECONDS * 2 ** (failures - 1))
                 log.info("retrying %s in %.2fs: %s", obj.key, delay, exc)
                 await asyncio.sleep(random.uniform(0, delay))  # full jitter
+        staging.complete_range(
+            obj.relative_path, byte_range.start, byte_range.length, cursor.hasher.digest()
+        )
 
-    async def _copy(self, flight: Flight, reader: RangeReader, cursor: _Cursor) -> None:
+    async def _copy(
+        self, flight: Flight, staging: StagingFiles, reader: RangeReader, cursor: _Cursor
+    ) -> None:
         """Copy a response body into the file, gathering ``io_block`` bytes per write."""
         block = int(self._settings.io_block)
+        path = cursor.range.obj.relative_path
         pending: list[bytes] = []
         pending_bytes = 0
 
         async def flush() -> None:
             nonlocal pending, pending_bytes
             if pending:
-                await asyncio.to_thread(_write_at, cursor.range.fd, pending, cursor.offset)
+                await asyncio.to_thread(
+                    staging.write_at, path, pending, cursor.offset, cursor.hasher
+                )
                 cursor.written += pending_bytes
                 flight.add_bytes(cursor.range.obj, pending_bytes)
                 pending, pending_bytes = [], 0
@@ -312,18 +297,12 @@ class Puller:
         await flush()
 
 
-@dataclass(slots=True)
-class _Cursor:
-    range: _Range
-    written: int = 0
-
-    @property
-    def offset(self) -> int:
-        return self.range.start + self.written
-
-    @property
-    def missing(self) -> int:
-        return self.range.length - self.written
+def _plan(snapshot: Snapshot, staging: StagingFiles) -> Iterator[_Range]:
+    chunk = staging.chunk_size
+    for obj in snapshot.objects:
+        for start in range(0, obj.size, chunk):
+            if not staging.is_done(obj.relative_path, start):
+                yield _Range(obj, start, min(chunk, obj.size - start))
 
 
 def _root_cause(group: BaseExceptionGroup[BaseException]) -> BaseException:
@@ -338,89 +317,19 @@ def _root_cause(group: BaseExceptionGroup[BaseException]) -> BaseException:
     return next((e for e in leaves if isinstance(e, PrewarmError)), leaves[0])
 
 
-def _mark_retrieved(outcome: asyncio.Future[CachedModel]) -> None:
-    # A pull nobody waits for any more may fail; that is logged, not a leak warning.
-    if not outcome.cancelled():
-        outcome.exception()
-
-
-def _plan(snapshot: Snapshot, fds: dict[str, int], chunk: int) -> Iterator[_Range]:
-    for obj in snapshot.objects:
-        for start in range(0, obj.size, chunk):
-            yield _Range(obj, fds[obj.relative_path], start, min(chunk, obj.size - start))
-
-
-def _check_room(staging: Path, snapshot: Snapshot, tier: TierName) -> None:
-    stats = os.statvfs(staging)
-    free = stats.f_bavail * stats.f_frsize
-    if snapshot.total_bytes > free:
-        raise NoSpace(
-            f"Tier {tier} ({staging.parent.parent}) has {_gib(free)} free but "
-            f"{snapshot.uri} needs {_gib(snapshot.total_bytes)}. Evict models "
-            "(`prewarm ls`, `prewarm evict`) or request the other tier."
-        )
-
-
-def _gib(count: int) -> str:
-    return f"{count / 1024**3:.2f} GiB"
-
-
-def _preallocate(staging: Path, snapshot: Snapshot, tier: TierName) -> dict[str, int]:
-    fds: dict[str, int] = {}
-    try:
-        for obj in snapshot.objects:
-            path = staging / obj.relative_path
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            fds[obj.relative_path] = fd
-            if obj.size:
-                # Reserve the blocks now: a full tier fails here, not 90 % into the pull.
-                os.posix_fallocate(fd, 0, obj.size)
-    except OSError as exc:
-        for fd in fds.values():
-            os.close(fd)
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise NoSpace(
-                f"Tier {tier} ran out of space reserving {snapshot.total_bytes} bytes for "
-                f"{snapshot.uri}. Evict models or request the other tier."
-            ) from exc
-        raise
-    return fds
-
-
-def _write_at(fd: int, buffers: list[bytes], offset: int) -> None:
-    total = sum(len(b) for b in buffers)
-    done = os.pwritev(fd, buffers, offset)
-    while done < total:  # pwritev may write less than asked; finish the tail
-        tail = b"".join(buffers)[done:]
-        done += os.pwrite(fd, tail, offset + done)
-
-
-def _verify_and_close(fds: dict[str, int], snapshot: Snapshot, *, durable: bool) -> None:
-    try:
-        for obj in snapshot.objects:
-            fd = fds[obj.relative_path]
-            size = os.fstat(fd).st_size
-            if size != obj.size:
-                raise SourceUnavailable(
-                    f"{obj.relative_path} has {size} bytes after the pull, the listing said "
-                    f"{obj.size}; not publishing."
-                )
-            if durable:
-                os.fsync(fd)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-
-
-def _model_for(snapshot: Snapshot, tier: TierName, staging: Path) -> CachedModel:
+def _model_for(flight: Flight, digests: dict[str, str], chunk_size: int) -> CachedModel:
+    snapshot = flight.snapshot
     return CachedModel(
         key=snapshot.key,
         uri=str(snapshot.uri),
-        tier=tier,
-        path=staging,
-        files=tuple(CachedFile(o.relative_path, o.size, o.etag) for o in snapshot.objects),
+        tier=flight.tier,
+        path=Path(),  # the store sets the published path
+        files=tuple(
+            CachedFile(o.relative_path, o.size, o.etag, digests[o.relative_path])
+            for o in snapshot.objects
+        ),
         include=snapshot.include,
         exclude=snapshot.exclude,
         created=time.time(),
+        hash_chunk_size=chunk_size,
     )

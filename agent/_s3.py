@@ -21,9 +21,16 @@ from botocore import exceptions as boto
 
 from ._config import S3Settings
 from ._exceptions import AccessDenied, NotFound, SourceChanged, SourceUnavailable
+from ._integrity import S3Checksum, s3_checksum_of
 from ._uri import ModelUri
 
-__all__ = ["ListedObject", "ObjectSource", "RangeReadError", "RangeReader", "S3Source"]
+__all__ = [
+    "ListedObject",
+    "ObjectSource",
+    "RangeReadError",
+    "RangeReader",
+    "S3Source",
+]
 
 _DENIED_CODES = frozenset(
     {
@@ -44,6 +51,7 @@ class ListedObject:
     key: str
     size: int
     etag: str
+    checksum_algorithm: str = ""
 
 
 class RangeReadError(SourceUnavailable):
@@ -66,6 +74,10 @@ class ObjectSource(Protocol):
     def open_range(
         self, bucket: str, key: str, *, etag: str, start: int, length: int
     ) -> contextlib.AbstractAsyncContextManager[RangeReader]: ...
+
+    async def head_checksum(self, bucket: str, key: str, *, etag: str) -> S3Checksum | None:
+        """The checksum S3 holds for the object, or None if it has none."""
+        ...
 
 
 class S3Source:
@@ -115,7 +127,12 @@ class S3Source:
         try:
             async for page in paginator.paginate(Bucket=uri.bucket, Prefix=uri.prefix):
                 listed.extend(
-                    ListedObject(key=item["Key"], size=int(item["Size"]), etag=item["ETag"])
+                    ListedObject(
+                        key=item["Key"],
+                        size=int(item["Size"]),
+                        etag=item["ETag"],
+                        checksum_algorithm=",".join(item.get("ChecksumAlgorithm", ())),
+                    )
                     for item in page.get("Contents", ())
                 )
         except Exception as exc:
@@ -143,6 +160,15 @@ class S3Source:
             yield _BodyReader(body, where, self)
         finally:
             body.close()
+
+    async def head_checksum(self, bucket: str, key: str, *, etag: str) -> S3Checksum | None:
+        try:
+            response = await self._client.head_object(
+                Bucket=bucket, Key=key, IfMatch=etag, ChecksumMode="ENABLED"
+            )
+        except Exception as exc:
+            raise self._translate(exc, f"reading the checksum of s3://{bucket}/{key}") from exc
+        return s3_checksum_of(response)
 
     def _translate(self, exc: Exception, doing: str, *, bucket: str = "") -> Exception:
         """Map a botocore/aiohttp failure onto the prewarm error tree."""

@@ -8,22 +8,28 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-from ._exceptions import Conflict, InvalidRequest, NotFound, SourceUnavailable
-from ._puller import Flight, Puller, PullProgress
+from ._config import Settings
+from ._eviction import Evictor
+from ._exceptions import Conflict, NotFound, SourceUnavailable
+from ._flight import Flight, PullProgress
+from ._integrity import FileProblem, verify_files
+from ._leases import LeaseRecord, LeaseTable
+from ._puller import Puller
+from ._resolver import resolve
 from ._s3 import ObjectSource
-from ._snapshot import (
-    Snapshot,
-    SourceObject,
-    TierName,
-    check_globs,
-    select_objects,
-    snapshot_key,
-)
-from ._store import CachedModel, Store, TierUsage
-from ._uri import ModelUri, parse_uri, safe_relative_path
+from ._snapshot import TierName, check_globs
+from ._store import CachedModel, Store, TierUsage, Usage
+from ._uri import parse_uri
 from ._version import __version__
 
-__all__ = ["AgentService", "AgentStatus", "EnsureResult", "EvictResult", "RequestTimings"]
+__all__ = [
+    "AgentService",
+    "AgentStatus",
+    "EnsureResult",
+    "EvictResult",
+    "RequestTimings",
+    "Verification",
+]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +50,8 @@ class EnsureResult:
     hit: bool
     resolved_offline: bool
     timings: RequestTimings
+    lease: LeaseRecord | None = None
+    resumed_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,76 +61,56 @@ class EvictResult:
 
 
 @dataclass(frozen=True, slots=True)
+class Verification:
+    model: CachedModel
+    problems: tuple[FileProblem, ...]
+    evicted: bool
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class AgentStatus:
     version: str
     tiers: tuple[TierUsage, ...]
+    leased_per_tier: dict[TierName, int]
     pulls: tuple[Flight, ...]
     model_count: int
+    lease_count: int
     uptime_seconds: float
     data_plane: str
     default_tier: TierName
 
 
 class AgentService:
-    """Resolve, hit or pull, list, evict: every RPC's behaviour lives here."""
+    """Resolve, hit or pull, lease, list, evict, verify: every RPC's behaviour lives here."""
 
     def __init__(
         self,
         store: Store,
         puller: Puller,
         source: ObjectSource,
-        *,
-        default_tier: TierName,
-        offline_fallback: bool,
-        offline_after_seconds: float = 2.0,
+        leases: LeaseTable,
+        settings: Settings,
     ) -> None:
         self._store = store
         self._puller = puller
         self._source = source
-        self._default_tier: TierName = default_tier
-        self._offline_fallback = offline_fallback
-        self._offline_after = offline_after_seconds
+        self._leases = leases
+        self._settings = settings
+        self._evictor = Evictor(store, leases, settings.tiers)
         self._started = time.monotonic()
 
     @property
     def default_tier(self) -> TierName:
-        return self._default_tier
+        return self._settings.default_tier
 
-    async def resolve(
-        self, uri: ModelUri, include: tuple[str, ...], exclude: tuple[str, ...]
-    ) -> Snapshot:
-        """List the prefix and pin down exactly which bytes make this snapshot."""
-        listed = await self._source.list_objects(uri)
-        objects = [
-            SourceObject(
-                key=item.key,
-                relative_path=safe_relative_path(uri, item.key),
-                size=item.size,
-                etag=item.etag,
-            )
-            for item in listed
-            # Zero-byte keys ending in "/" are folder markers made by consoles, not files.
-            if not (item.key.endswith("/") and item.size == 0)
-        ]
-        if not objects:
-            raise NotFound(
-                f"No objects under {uri}. Check the prefix: it names a directory, "
-                "e.g. s3://bucket/models/llama-3-8b/."
-            )
-        selected = sorted(select_objects(objects, include, exclude), key=lambda o: o.relative_path)
-        if not selected:
-            raise NotFound(
-                f"{len(objects)} objects under {uri}, but none passes the include/exclude "
-                f"filters {list(include)} / {list(exclude)}. Loosen the filters."
-            )
-        _check_no_clashes(uri, selected)
-        return Snapshot(
-            uri=uri,
-            include=include,
-            exclude=exclude,
-            objects=tuple(selected),
-            key=snapshot_key(uri, include, exclude, selected),
-        )
+    @property
+    def lease_socket_path(self) -> str:
+        return str(self._settings.lease_socket_path)
+
+    async def start(self) -> None:
+        """Bring the cache within its budgets after a restart (budgets may have shrunk)."""
+        await self._evictor.enforce_watermarks()
 
     async def ensure(
         self,
@@ -132,6 +120,10 @@ class AgentService:
         include: Sequence[str] = (),
         exclude: Sequence[str] = (),
         client_name: str = "",
+        lease: bool = False,
+        lease_ttl: float | None = None,
+        pin: bool = False,
+        strict_tier: bool = False,
     ) -> AsyncIterator[PullProgress | EnsureResult]:
         """Progress events, then exactly one EnsureResult (or an exception)."""
         started = time.monotonic()
@@ -139,54 +131,79 @@ class AgentService:
         includes = check_globs(include, what="Include")
         excludes = check_globs(exclude, what="Exclude")
         fallback = (
-            self._store.newest_for(str(uri), includes, excludes) if self._offline_fallback else None
+            self._store.newest_for(str(uri), includes, excludes)
+            if self._settings.offline_fallback
+            else None
         )
         try:
             # With a cached snapshot to fall back on, a pod should not sit through
             # botocore's whole retry schedule against an unreachable endpoint.
-            async with asyncio.timeout(self._offline_after if fallback else None):
-                snapshot = await self.resolve(uri, includes, excludes)
+            async with asyncio.timeout(self._settings.offline_after_seconds if fallback else None):
+                snapshot = await resolve(self._source, uri, includes, excludes)
         except (SourceUnavailable, TimeoutError):
-            cached = fallback
-            if cached is None:
+            if fallback is None:
                 raise
-            log.warning("S3 unreachable; serving cached %s (%s) unchecked", uri, cached.key)
-            await self._store.record_use(cached.key, hit=True)
+            log.warning("S3 unreachable; serving cached %s (%s) unchecked", uri, fallback.key)
             elapsed = time.monotonic() - started
-            yield EnsureResult(cached, True, True, RequestTimings(resolve=elapsed, total=elapsed))
+            yield await self._answer(
+                fallback,
+                hit=True,
+                offline=True,
+                timings=RequestTimings(resolve=elapsed, total=elapsed),
+                lease=lease,
+                lease_ttl=lease_ttl,
+                client_name=client_name,
+                pin=pin,
+            )
             return
         resolved = time.monotonic()
         cached = self._store.get(snapshot.key)
         if cached is not None:
-            await self._store.record_use(cached.key, hit=True)
-            done = time.monotonic()
-            yield EnsureResult(
+            yield await self._answer(
                 cached,
                 hit=True,
-                resolved_offline=False,
-                timings=RequestTimings(resolve=resolved - started, total=done - started),
+                offline=False,
+                timings=RequestTimings(
+                    resolve=resolved - started, total=time.monotonic() - started
+                ),
+                lease=lease,
+                lease_ttl=lease_ttl,
+                client_name=client_name,
+                pin=pin,
             )
             return
-        flight, started_it = self._puller.join(snapshot, tier or self._default_tier)
+        async with self._evictor.lock:
+            flight = self._puller.flight_for(snapshot.key)
+            started_it = flight is None
+            if flight is None:
+                placed, victims = self._evictor.place(
+                    snapshot, tier or self.default_tier, strict=strict_tier
+                )
+                await self._evictor.evict(victims, f"making room for {snapshot.uri}")
+                self._store.discard_leftovers_of(str(snapshot.uri), keep=snapshot.key)
+                flight, _ = self._puller.join(snapshot, placed)
         log.info(
-            "%s pull of %s (%s) for %s",
+            "%s pull of %s (%s) on %s for %s",
             "starting" if started_it else "joining",
             uri,
             snapshot.key,
+            flight.tier,
             client_name or "anonymous",
+            extra={"uri": str(uri), "key": snapshot.key, "client": client_name},
         )
         joined = time.monotonic()
         async for progress in flight.watch():
             yield progress
         model = await flight.result()
-        await self._store.record_use(model.key, hit=False)
+        if started_it:
+            await self._evictor.enforce_watermarks([model.tier])
         done = time.monotonic()
         pulled = flight.timings
         waited = 0.0 if started_it else max(0.0, (done - joined) - _pull_seconds(flight))
-        yield EnsureResult(
+        yield await self._answer(
             model,
             hit=False,
-            resolved_offline=False,
+            offline=False,
             timings=RequestTimings(
                 resolve=resolved - started,
                 wait=waited,
@@ -195,7 +212,34 @@ class AgentService:
                 publish=pulled.publish,
                 total=done - started,
             ),
+            lease=lease,
+            lease_ttl=lease_ttl,
+            client_name=client_name,
+            pin=pin,
+            resumed_bytes=flight.resumed_bytes,
         )
+
+    async def _answer(
+        self,
+        model: CachedModel,
+        *,
+        hit: bool,
+        offline: bool,
+        timings: RequestTimings,
+        lease: bool,
+        lease_ttl: float | None,
+        client_name: str,
+        pin: bool,
+        resumed_bytes: int = 0,
+    ) -> EnsureResult:
+        granted = self._leases.grant(model.key, client_name, lease_ttl) if lease else None
+        if pin:
+            await self._store.set_pinned(model.key, True)
+        if hit:
+            await self._store.record_use(model.key, hit=True)
+        return EnsureResult(model, hit, offline, timings, granted, resumed_bytes)
+
+    # -- inspection -----------------------------------------------------------------------
 
     def get(self, ref: str) -> CachedModel:
         """The newest snapshot a ref names."""
@@ -204,7 +248,33 @@ class AgentService:
     def list_models(self) -> list[CachedModel]:
         return self._store.models()
 
-    async def evict(self, ref: str) -> EvictResult:
+    def usage(self, key: str) -> Usage:
+        return self._store.usage(key) or Usage(last_used=0.0)
+
+    def leases_for(self, key: str) -> list[LeaseRecord]:
+        return self._leases.for_key(key)
+
+    def status(self) -> AgentStatus:
+        leased = self._leases.leased_keys()
+        per_tier: dict[TierName, int] = {}
+        for model in self._store.models():
+            if model.key in leased:
+                per_tier[model.tier] = per_tier.get(model.tier, 0) + 1
+        return AgentStatus(
+            version=__version__,
+            tiers=tuple(self._store.tier_usage(t) for t in self._store.roots()),
+            leased_per_tier=per_tier,
+            pulls=tuple(self._puller.flights()),
+            model_count=len(self._store.models()),
+            lease_count=len(self._leases.active()),
+            uptime_seconds=time.monotonic() - self._started,
+            data_plane=self._source.name,
+            default_tier=self.default_tier,
+        )
+
+    # -- management -----------------------------------------------------------------------
+
+    async def evict(self, ref: str, *, force: bool = False) -> EvictResult:
         in_flight = self._flights_matching(ref)
         if in_flight:
             raise Conflict(
@@ -212,8 +282,57 @@ class AgentService:
                 "after the pull ends."
             )
         targets = self._store.find(ref)
-        evicted = [await self._store.evict(model.key) for model in targets]
+        async with self._evictor.lock:
+            self._evictor.check_evictable(targets, force=force)
+            evicted = [await self._store.evict(model.key) for model in targets]
+        for model in evicted:
+            for lease in self._leases.for_key(model.key):
+                self._leases.release(lease.id)  # nothing left to protect
         return EvictResult(tuple(evicted), sum(m.total_bytes for m in evicted))
+
+    async def collect_garbage(self, tier: TierName | None = None) -> EvictResult:
+        async with self._evictor.lock:
+            evicted = await self._evictor.collect_garbage([tier] if tier else ["shm", "disk"])
+        return EvictResult(tuple(evicted), sum(m.total_bytes for m in evicted))
+
+    async def pin(self, ref: str, pinned: bool) -> CachedModel:
+        return await self._store.set_pinned(self.get(ref).key, pinned)
+
+    def renew_lease(self, lease_id: str, ttl: float | None) -> LeaseRecord:
+        return self._leases.renew(lease_id, ttl)
+
+    def release_lease(self, lease_id: str) -> None:
+        self._leases.release(lease_id)
+
+    async def verify(self, ref: str, *, every: bool, report_only: bool) -> list[Verification]:
+        """Re-hash cached files; a snapshot that changed is evicted unless report_only."""
+        if every:
+            models = self._store.models()
+        elif ref:
+            models = self._store.find(ref)
+        else:
+            raise NotFound("Name a model to verify (URI or key), or ask for --all.")
+        results: list[Verification] = []
+        for model in models:
+            started = time.monotonic()
+            expected = [(f.path, f.size, f.digest) for f in model.files]
+            problems = await asyncio.to_thread(
+                verify_files, model.path, expected, model.hash_chunk_size
+            )
+            evicted = False
+            if problems and not report_only and self._store.get(model.key) is not None:
+                log.error(
+                    "snapshot %s of %s failed verification; evicting it",
+                    model.key,
+                    model.uri,
+                    extra={"key": model.key, "problems": [p.path for p in problems]},
+                )
+                await self._store.evict(model.key)
+                evicted = True
+            results.append(
+                Verification(model, tuple(problems), evicted, time.monotonic() - started)
+            )
+        return results
 
     def _flights_matching(self, ref: str) -> list[Flight]:
         if "://" in ref:
@@ -222,36 +341,7 @@ class AgentService:
         key = ref.lower()
         return [f for f in self._puller.flights() if key and f.key.startswith(key)]
 
-    def status(self) -> AgentStatus:
-        return AgentStatus(
-            version=__version__,
-            tiers=tuple(self._store.tier_usage(t) for t in self._store.roots()),
-            pulls=tuple(self._puller.flights()),
-            model_count=len(self._store.models()),
-            uptime_seconds=time.monotonic() - self._started,
-            data_plane=self._source.name,
-            default_tier=self._default_tier,
-        )
-
-    def usage(self, key: str) -> tuple[float, int]:
-        usage = self._store.usage(key)
-        return (usage.last_used, usage.hit_count) if usage else (0.0, 0)
-
 
 def _pull_seconds(flight: Flight) -> float:
     t = flight.timings
     return t.download + t.verify + t.publish
-
-
-def _check_no_clashes(uri: ModelUri, objects: Sequence[SourceObject]) -> None:
-    """Refuse listings where one object's path is another's directory ("a" and "a/b")."""
-    paths = {obj.relative_path for obj in objects}
-    for obj in objects:
-        parts = obj.relative_path.split("/")
-        for depth in range(1, len(parts)):
-            parent = "/".join(parts[:depth])
-            if parent in paths:
-                raise InvalidRequest(
-                    f"Under {uri}, {parent!r} is both a file and the directory of "
-                    f"{obj.relative_path!r}; a local directory cannot hold both. Exclude one."
-                )

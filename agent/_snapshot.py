@@ -34,6 +34,8 @@ class SourceObject:
     relative_path: str
     size: int
     etag: str
+    # S3's checksum algorithm for the object ("" if it has none); not part of the key.
+    checksum_algorithm: str = ""
 
 
 @dataclass(frozen=True, slots=True)

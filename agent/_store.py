@@ -5,7 +5,7 @@ Layout of each tier root::
     snapshots/<key>/...     published model files (what clients map)
     manifests/<key>.json    written last, atomically; a snapshot exists iff this does
     usage/<key>.json        last use and hit count (best effort, rewritten on use)
-    staging/<key>.<nonce>/  pulls in progress; never visible to clients
+    staging/<key>/          pulls in progress or interrupted (see _journal); never visible
     trash/                  evicted snapshots on their way out
 
 Only the event loop thread mutates the in-memory index; file work that can be
@@ -22,16 +22,18 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Set
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ._budget import Candidate, TierLimits, measure_limits
 from ._exceptions import InvalidRequest, NotFound
+from ._journal import DATA_DIR, read_header
 from ._snapshot import KEY_LENGTH, TierName
 from ._uri import parse_uri
 
-__all__ = ["CachedFile", "CachedModel", "Store", "TierUsage", "Usage"]
+__all__ = ["CachedFile", "CachedModel", "Leftover", "Store", "TierBudget", "TierUsage", "Usage"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,8 @@ class CachedFile:
     path: str
     size: int
     etag: str
+    # Content digest computed while writing (see _integrity); "" if unknown.
+    digest: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +63,8 @@ class CachedModel:
     include: tuple[str, ...]
     exclude: tuple[str, ...]
     created: float
+    # Bytes per hashed chunk of each file's digest (0: files carry no digest).
+    hash_chunk_size: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -69,6 +75,17 @@ class CachedModel:
 class Usage:
     last_used: float
     hit_count: int = 0
+    pinned: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Leftover:
+    """A staging directory an interrupted pull left behind; a later pull may resume it."""
+
+    key: str
+    tier: TierName
+    path: Path
+    total_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +96,10 @@ class TierUsage:
     free_bytes: int
     used_bytes: int
     model_count: int
+    budget_bytes: int
+    reserve_bytes: int
+    staging_bytes: int
+    pinned_count: int
 
 
 @dataclass(slots=True)
@@ -87,33 +108,54 @@ class _Entry:
     usage: Usage = field(default_factory=lambda: Usage(last_used=time.time()))
 
 
+@dataclass(frozen=True, slots=True)
+class TierBudget:
+    """A tier's budget and reserve as configured: sizes or percentages."""
+
+    budget: str = "100%"
+    reserve: str = "0"
+
+
 class Store:
     """Published snapshots across tiers, indexed by key."""
 
-    def __init__(self, roots: Mapping[TierName, Path]) -> None:
+    def __init__(
+        self,
+        roots: Mapping[TierName, Path],
+        budgets: Mapping[TierName, TierBudget] | None = None,
+    ) -> None:
         self._roots: dict[TierName, Path] = {tier: Path(root) for tier, root in roots.items()}
+        self._budgets = {tier: (budgets or {}).get(tier, TierBudget()) for tier in self._roots}
         self._entries: dict[str, _Entry] = {}
+        self._leftovers: dict[str, Leftover] = {}
+        # Bytes reserved by pulls in progress, by key (their staging directories).
+        self._in_flight: dict[str, tuple[TierName, int]] = {}
 
     # -- start-up ------------------------------------------------------------------
 
     async def open(self) -> None:
         """Create the tier layout and rebuild the index from disk."""
-        entries = await asyncio.to_thread(self._scan_all)
+        entries, leftovers = await asyncio.to_thread(self._scan_all)
         self._entries = {entry.model.key: entry for entry in entries}
-        log.info("store ready", extra={"models": len(self._entries)})
+        self._leftovers = {leftover.key: leftover for leftover in leftovers}
+        log.info(
+            "store ready",
+            extra={"models": len(self._entries), "resumable_pulls": len(self._leftovers)},
+        )
 
-    def _scan_all(self) -> list[_Entry]:
+    def _scan_all(self) -> tuple[list[_Entry], list[Leftover]]:
         found: list[_Entry] = []
+        leftovers: list[Leftover] = []
         for tier, root in self._roots.items():
             for sub in ("snapshots", "manifests", "usage", "staging", "trash"):
                 (root / sub).mkdir(parents=True, exist_ok=True)
-            # A pull interrupted by a crash cannot be resumed yet: start it over.
-            for leftover in (root / "staging").iterdir():
-                _remove_tree(leftover)
             for leftover in (root / "trash").iterdir():
                 _remove_tree(leftover)
-            found.extend(self._scan_tier(tier, root))
-        return found
+            entries = self._scan_tier(tier, root)
+            published = {entry.model.key for entry in entries}
+            leftovers.extend(_scan_staging(tier, root, published))
+            found.extend(entries)
+        return found, leftovers
 
     def _scan_tier(self, tier: TierName, root: Path) -> list[_Entry]:
         entries: list[_Entry] = []
@@ -152,7 +194,9 @@ class Store:
 
     def usage(self, key: str) -> Usage | None:
         entry = self._entries.get(key)
-        return Usage(entry.usage.last_used, entry.usage.hit_count) if entry else None
+        if entry is None:
+            return None
+        return Usage(entry.usage.last_used, entry.usage.hit_count, entry.usage.pinned)
 
     def models(self) -> list[CachedModel]:
         return sorted((e.model for e in self._entries.values()), key=lambda m: (m.uri, m.created))
@@ -197,17 +241,53 @@ class Store:
             )
         return matches
 
+    def limits(self, tier: TierName) -> TierLimits:
+        budget = self._budgets[tier]
+        return measure_limits(tier, self._roots[tier], budget.budget, budget.reserve)
+
+    def used_bytes(self, tier: TierName) -> int:
+        """Published bytes plus bytes held by pulls in progress and resumable leftovers."""
+        return self.published_bytes(tier) + self.staging_bytes(tier)
+
+    def published_bytes(self, tier: TierName) -> int:
+        return sum(e.model.total_bytes for e in self._entries.values() if e.model.tier == tier)
+
+    def staging_bytes(self, tier: TierName) -> int:
+        in_flight = sum(size for t, size in self._in_flight.values() if t == tier)
+        waiting = sum(
+            lo.total_bytes
+            for lo in self._leftovers.values()
+            if lo.tier == tier and lo.key not in self._in_flight
+        )
+        return in_flight + waiting
+
+    def candidates(self, tier: TierName, protected: Set[str]) -> list[Candidate]:
+        """Every snapshot of a tier as an eviction candidate, protection marked."""
+        return [
+            Candidate(
+                key=key,
+                size=entry.model.total_bytes,
+                last_used=entry.usage.last_used,
+                protected=entry.usage.pinned or key in protected,
+            )
+            for key, entry in self._entries.items()
+            if entry.model.tier == tier
+        ]
+
     def tier_usage(self, tier: TierName) -> TierUsage:
-        root = self._roots[tier]
-        stats = os.statvfs(root)
-        models = [e.model for e in self._entries.values() if e.model.tier == tier]
+        limits = self.limits(tier)
+        entries = [e for e in self._entries.values() if e.model.tier == tier]
         return TierUsage(
             tier=tier,
-            root=root,
-            capacity_bytes=stats.f_blocks * stats.f_frsize,
-            free_bytes=stats.f_bavail * stats.f_frsize,
-            used_bytes=sum(m.total_bytes for m in models),
-            model_count=len(models),
+            root=self._roots[tier],
+            capacity_bytes=limits.fs_total_bytes,
+            free_bytes=limits.fs_free_bytes,
+            used_bytes=sum(e.model.total_bytes for e in entries),
+            model_count=len(entries),
+            budget_bytes=limits.budget_bytes,
+            reserve_bytes=limits.reserve_bytes,
+            staging_bytes=self.staging_bytes(tier),
+            pinned_count=sum(1 for e in entries if e.usage.pinned),
         )
 
     # -- changes -----------------------------------------------------------------------
@@ -219,44 +299,82 @@ class Store:
         entry.usage.last_used = time.time()
         if hit:
             entry.usage.hit_count += 1
-        snapshot = {"last_used": entry.usage.last_used, "hit_count": entry.usage.hit_count}
-        root = self._roots[entry.model.tier]
+        await self._save_usage(entry)
+
+    async def set_pinned(self, key: str, pinned: bool) -> CachedModel:
+        entry = self._entries.get(key)
+        if entry is None:
+            raise NotFound(f"Snapshot {key} is not cached. See `prewarm ls`.")
+        entry.usage.pinned = pinned
+        await self._save_usage(entry, strict=True)
+        return entry.model
+
+    async def _save_usage(self, entry: _Entry, *, strict: bool = False) -> None:
+        document = {
+            "last_used": entry.usage.last_used,
+            "hit_count": entry.usage.hit_count,
+            "pinned": entry.usage.pinned,
+        }
+        path = self._roots[entry.model.tier] / "usage" / f"{entry.model.key}.json"
         try:
-            await asyncio.to_thread(_write_json_atomic, root / "usage" / f"{key}.json", snapshot)
-        except OSError as exc:  # usage is advisory; never fail a request over it
-            log.warning("could not record use of %s: %s", key, exc)
+            await asyncio.to_thread(_write_json_atomic, path, document, durable=strict)
+        except OSError as exc:
+            if strict:  # a pin must stick; say so if it cannot be saved
+                raise
+            log.warning("could not record use of %s: %s", entry.model.key, exc)
 
-    def create_staging(self, tier: TierName, key: str) -> Path:
-        staging = self._roots[tier] / "staging" / f"{key}.{secrets.token_hex(4)}"
-        staging.mkdir(parents=True)
-        return staging
+    def leftover(self, key: str) -> Leftover | None:
+        """A resumable staging directory for this snapshot, if a pull left one."""
+        return self._leftovers.get(key)
 
-    def discard_staging(self, staging: Path) -> None:
-        _remove_tree(staging)
+    def staging_path(self, tier: TierName, key: str) -> Path:
+        return self._roots[tier] / "staging" / key
+
+    def begin_staging(self, tier: TierName, key: str, total_bytes: int) -> None:
+        """A pull of ``key`` starts on ``tier``: count its bytes until it ends."""
+        self._in_flight[key] = (tier, total_bytes)
+        leftover = self._leftovers.get(key)
+        if leftover is not None and leftover.tier != tier:
+            self.discard_leftover(key)  # it lives on the other tier; this pull starts clean
+
+    def end_staging(self, key: str, *, keep: bool) -> None:
+        """A pull ended. ``keep`` leaves its directory for a later pull to resume."""
+        tier, total = self._in_flight.pop(key, (None, 0))
+        staging = self._roots[tier] / "staging" / key if tier else None
+        if keep and tier is not None and staging is not None and staging.exists():
+            self._leftovers[key] = Leftover(key, tier, staging, total)
+            return
+        leftover = self._leftovers.pop(key, None)
+        for path in {staging, leftover.path if leftover else None} - {None}:
+            assert path is not None
+            _remove_tree(path)
+
+    def discard_leftover(self, key: str) -> None:
+        leftover = self._leftovers.pop(key, None)
+        in_flight = self._in_flight.get(key)
+        if leftover is not None and (in_flight is None or in_flight[0] != leftover.tier):
+            _remove_tree(leftover.path)
+
+    def discard_leftovers_of(self, uri: str, keep: str) -> None:
+        """Drop resumable pulls of other snapshots of a URI: they can never resume now."""
+        for leftover in list(self._leftovers.values()):
+            header = read_header(leftover.path)
+            if leftover.key != keep and (header is None or header.uri == uri):
+                self.discard_leftover(leftover.key)
 
     async def publish(self, staging: Path, model: CachedModel) -> CachedModel:
-        """Move a complete staging directory into place, then write its manifest.
+        """Move a complete staging data directory into place, then write its manifest.
 
         The rename makes every file appear at once; the manifest, written last,
         is what makes the snapshot exist for clients and for reconcile.
         """
         existing = self.get(model.key)
         if existing is not None:
-            await asyncio.to_thread(_remove_tree, staging)
             return existing
         root = self._roots[model.tier]
         final = root / "snapshots" / model.key
-        published = CachedModel(
-            key=model.key,
-            uri=model.uri,
-            tier=model.tier,
-            path=final,
-            files=model.files,
-            include=model.include,
-            exclude=model.exclude,
-            created=time.time(),
-        )
-        await asyncio.to_thread(_publish_files, staging, final, root, published)
+        published = replace(model, path=final, created=time.time())
+        await asyncio.to_thread(_publish_files, staging / DATA_DIR, final, root, published)
         self._entries[model.key] = _Entry(model=published, usage=Usage(published.created))
         await self.record_use(model.key, hit=False)
         return published
@@ -335,7 +453,11 @@ def _manifest_document(model: CachedModel) -> dict[str, Any]:
         "include": list(model.include),
         "exclude": list(model.exclude),
         "created": model.created,
-        "files": [{"path": f.path, "size": f.size, "etag": f.etag} for f in model.files],
+        "hash_chunk_size": model.hash_chunk_size,
+        "files": [
+            {"path": f.path, "size": f.size, "etag": f.etag, "digest": f.digest}
+            for f in model.files
+        ],
     }
 
 
@@ -352,13 +474,40 @@ def _read_manifest(path: Path, *, tier: TierName, root: Path) -> CachedModel:
         tier=tier,
         path=root / "snapshots" / key,
         files=tuple(
-            CachedFile(path=str(f["path"]), size=int(f["size"]), etag=str(f["etag"]))
+            CachedFile(
+                path=_safe_manifest_path(str(f["path"])),
+                size=int(f["size"]),
+                etag=str(f["etag"]),
+                digest=str(f.get("digest", "")),
+            )
             for f in document["files"]
         ),
         include=tuple(document["include"]),
         exclude=tuple(document["exclude"]),
         created=float(document["created"]),
+        hash_chunk_size=int(document.get("hash_chunk_size", 0)),
     )
+
+
+def _safe_manifest_path(path: str) -> str:
+    # A manifest is ours, but a tampered one must not make us stat or hash outside the dir.
+    parts = path.split("/")
+    if path.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\x00" in path:
+        raise ValueError(f"unsafe path {path!r} in manifest")
+    return path
+
+
+def _scan_staging(tier: TierName, root: Path, published: set[str]) -> list[Leftover]:
+    """Keep staging directories a pull can resume; remove everything else."""
+    leftovers: list[Leftover] = []
+    for staging in (root / "staging").iterdir():
+        header = read_header(staging) if staging.is_dir() else None
+        if header is None or header.key != staging.name or staging.name in published:
+            log.warning("removing %s: not a resumable pull", staging)
+            _remove_tree(staging)
+            continue
+        leftovers.append(Leftover(header.key, tier, staging, header.total_bytes))
+    return leftovers
 
 
 def _files_present(model: CachedModel) -> bool:
@@ -374,6 +523,10 @@ def _files_present(model: CachedModel) -> bool:
 def _read_usage(root: Path, key: str, created: float) -> Usage:
     try:
         document = json.loads((root / "usage" / f"{key}.json").read_text())
-        return Usage(last_used=float(document["last_used"]), hit_count=int(document["hit_count"]))
+        return Usage(
+            last_used=float(document["last_used"]),
+            hit_count=int(document["hit_count"]),
+            pinned=bool(document.get("pinned", False)),
+        )
     except (OSError, ValueError, KeyError, TypeError):
         return Usage(last_used=created)

@@ -155,19 +155,29 @@ def tiny_shm_agent(s3_server: S3Server) -> Iterator[AgentProcess]:
         agent.close()
 
 
-def test_model_larger_than_the_tier_is_resource_exhausted(
+def test_model_larger_than_a_strict_tier_is_resource_exhausted(
     tiny_shm_agent: AgentProcess, s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
     source = tmp_path / "big"
     tensors = make_safetensors_model(source, total_bytes=3 * 1024**2, shards=2)
     model = upload_model(s3_server.client(), bucket, "m", source, tensors)
-    error = _ensure_status(tiny_shm_agent, model.uri, tier=pb.TIER_SHM)
+    error = _ensure_status(tiny_shm_agent, model.uri, tier=pb.TIER_SHM, strict_tier=True)
     assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "Tier shm" in error.details
     assert "prewarm evict" in error.details
     assert cache_entries(tiny_shm_agent) == {}
-    with Client(tiny_shm_agent.socket_path) as client:  # the other tier still works
-        assert client.ensure(model.uri, tier="disk").tier == "disk"
+
+
+def test_model_larger_than_the_hinted_tier_falls_back_to_the_other(
+    tiny_shm_agent: AgentProcess, s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    source = tmp_path / "big"
+    tensors = make_safetensors_model(source, total_bytes=3 * 1024**2, shards=2)
+    model = upload_model(s3_server.client(), bucket, "m", source, tensors)
+    with Client(tiny_shm_agent.socket_path) as client:
+        handle = client.ensure(model.uri, tier="shm")
+    assert handle.tier == "disk"
+    assert handle.path.parent == tiny_shm_agent.disk_root / "snapshots"
 
 
 def test_evicting_a_model_while_it_is_pulled_is_refused(

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 
 from agent import SourceChanged, SourceUnavailable
-from agent._config import S3Settings
-from agent._puller import Puller, PullProgress
+from agent._config import S3Settings, Settings
+from agent._flight import PullProgress
+from agent._leases import LeaseTable
+from agent._puller import Puller
 from agent._service import AgentService, EnsureResult
 from agent._store import Store
 from agent.testing import MemorySource
@@ -34,7 +36,14 @@ async def _ensure(service: AgentService, uri: str) -> EnsureResult:
 
 
 def _service(tmp_path: Path, source: MemorySource, puller: Puller, store: Store) -> AgentService:
-    return AgentService(store, puller, source, default_tier="disk", offline_fallback=True)
+    settings = Settings.model_validate(
+        {
+            "default_tier": "disk",
+            "socket_path": tmp_path / "agent.sock",
+            "tiers": {"shm_root": tmp_path / "shm", "disk_root": tmp_path / "disk"},
+        }
+    )
+    return AgentService(store, puller, source, LeaseTable(60, 3600), settings)
 
 
 @pytest.fixture
@@ -65,18 +74,29 @@ async def test_broken_transfers_resume_where_they_stopped(
     assert len([read for read in source.reads if read.key == "m/a.bin"]) == 6
 
 
-async def test_persistent_failure_names_the_object_and_leaves_no_staging(
+async def test_persistent_failure_names_the_object_and_keeps_the_pull_resumable(
     tmp_path: Path, source: MemorySource
 ) -> None:
-    source.break_after["m/a.bin"] = [10] * 50
+    # One worker, files in path order: a.bin completes, then sub/b.bin keeps breaking.
+    source.break_after["m/sub/b.bin"] = [10] * 50
     store = Store({"shm": tmp_path / "shm", "disk": tmp_path / "disk"})
     await store.open()
-    async with Puller(store, source, _settings(range_retries=2)) as puller:
+    async with Puller(store, source, _settings(range_retries=2, concurrency=1)) as puller:
         service = _service(tmp_path, source, puller, store)
-        with pytest.raises(SourceUnavailable, match=r"m/a\.bin after 3 attempts"):
+        with pytest.raises(SourceUnavailable, match=r"m/sub/b\.bin after 3 attempts"):
             await _ensure(service, "s3://models/m")
+        assert store.models() == []
+        assert [p.name for p in (tmp_path / "disk" / "staging").iterdir()] != []
+        # S3 recovers: the next request resumes and fetches only what is missing.
+        source.break_after.clear()
+        before = sum(read.delivered for read in source.reads)
+        result = await _ensure(service, "s3://models/m")
+    after = sum(read.delivered for read in source.reads) - before
+    total = 3 * MiB + 17 + MiB // 2
+    assert result.resumed_bytes == 3 * MiB + 17
+    assert after == total - result.resumed_bytes
+    assert (result.model.path / "a.bin").read_bytes() == source.objects["models"]["m/a.bin"]
     assert list((tmp_path / "disk" / "staging").iterdir()) == []
-    assert store.models() == []
 
 
 async def test_object_replaced_mid_pull_aborts_without_publishing(
@@ -101,9 +121,10 @@ async def test_object_replaced_mid_pull_aborts_without_publishing(
 async def test_a_watcher_leaving_does_not_cancel_the_pull(
     tmp_path: Path, source: MemorySource
 ) -> None:
+    source.gate = asyncio.Event()  # hold the pull after its first piece
     store = Store({"shm": tmp_path / "shm", "disk": tmp_path / "disk"})
     await store.open()
-    async with Puller(store, source, _settings(concurrency=1)) as puller:
+    async with Puller(store, source, _settings(concurrency=1, io_block=64 * 1024)) as puller:
         service = _service(tmp_path, source, puller, store)
         moving = asyncio.Event()
 
@@ -117,6 +138,8 @@ async def test_a_watcher_leaving_does_not_cancel_the_pull(
         first.cancel()
         with pytest.raises(asyncio.CancelledError):
             await first
+        assert len(puller.flights()) == 1  # still pulling for nobody
+        source.gate.set()
         second = await _ensure(service, "s3://models/m")
     assert (second.model.path / "a.bin").read_bytes() == source.objects["models"]["m/a.bin"]
     # One pull: a.bin was read once, in ranges, however the two requests overlapped.

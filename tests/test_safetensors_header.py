@@ -321,16 +321,24 @@ def test_client_error_is_an_integrity_error_with_path_and_check(tmp_path: Path) 
 
 def test_client_loader_maps_the_other_eight_bit_dtypes(tmp_path: Path) -> None:
     raw = torch.arange(0, 250, 10, dtype=torch.uint8)
-    tensors = {
-        "e8m0": raw.clone().view(torch.float8_e8m0fnu),
-        "e4m3fnuz": raw.clone().view(torch.float8_e4m3fnuz),
-        "e5m2fnuz": raw.clone().view(torch.float8_e5m2fnuz),
+    dtypes = {
+        "e8m0": ("F8_E8M0", torch.float8_e8m0fnu),
+        "e4m3fnuz": ("F8_E4M3FNUZ", torch.float8_e4m3fnuz),
+        "e5m2fnuz": ("F8_E5M2FNUZ", torch.float8_e5m2fnuz),
     }
+    # Written by hand: safetensors' save_file sometimes takes these views for
+    # shared storage (its check cannot size these dtypes) and refuses them.
+    count = raw.numel()
+    header = {
+        name: {"dtype": tag, "shape": [count], "data_offsets": [i * count, (i + 1) * count]}
+        for i, (name, (tag, _)) in enumerate(dtypes.items())
+    }
+    encoded = json.dumps(header).encode()
     path = tmp_path / "x.safetensors"
-    save_file(tensors, str(path))
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + bytes(raw.tolist()) * len(dtypes))
     loaded = _tensors.load_safetensors(path)
-    for name, tensor in tensors.items():
-        assert loaded[name].dtype == tensor.dtype
+    for name, (_, dtype) in dtypes.items():
+        assert loaded[name].dtype == dtype
         assert torch.equal(loaded[name].view(torch.uint8), raw), name
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 from agent._exceptions import NotFound, SourceChanged
+from agent._integrity import S3Checksum
 from agent._s3 import ListedObject, RangeReadError
 from agent._uri import ModelUri
 
@@ -36,6 +38,9 @@ class MemorySource:
     break_after: dict[str, list[int]] = field(default_factory=dict)
     piece: int = 64 * 1024
     reads: list[RangeRead] = field(default_factory=list)
+    # When set, every read after the first piece of a range waits for this event:
+    # a test can hold a pull mid-transfer, then let it go.
+    gate: asyncio.Event | None = None
     name: str = "memory"
 
     def put(self, bucket: str, key: str, data: bytes) -> None:
@@ -63,7 +68,10 @@ class MemorySource:
         self.reads.append(record)
         failures = self.break_after.get(key, [])
         cut = failures.pop(0) if failures else None
-        yield _Reader(data[start : start + length], self.piece, cut, record)
+        yield _Reader(data[start : start + length], self.piece, cut, record, self.gate)
+
+    async def head_checksum(self, bucket: str, key: str, *, etag: str) -> S3Checksum | None:
+        return None
 
     def _bucket(self, name: str) -> Mapping[str, bytes]:
         if name not in self.objects:
@@ -72,7 +80,15 @@ class MemorySource:
 
 
 class _Reader:
-    def __init__(self, data: bytes, piece: int, cut: int | None, record: RangeRead) -> None:
+    def __init__(
+        self,
+        data: bytes,
+        piece: int,
+        cut: int | None,
+        record: RangeRead,
+        gate: asyncio.Event | None,
+    ) -> None:
+        self._gate = gate
         self._record = record
         self._data = data
         self._position = 0
@@ -80,6 +96,8 @@ class _Reader:
         self._cut = cut
 
     async def read(self, amount: int) -> bytes:
+        if self._gate is not None and self._position > 0:
+            await self._gate.wait()
         if self._cut is not None and self._position >= self._cut:
             raise RangeReadError("connection reset by peer (scripted)")
         end = min(len(self._data), self._position + min(amount, self._piece))

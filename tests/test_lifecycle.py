@@ -1,0 +1,314 @@
+"""The cache lifecycle with the real daemon: budgets, eviction, leases, pins, resume, verify."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from agent_helpers import AgentFactory, cache_entries, object_gets, tree_digest
+
+from agent import Conflict, IntegrityError, NoSpace
+from agent.client import Client, Progress
+from agent.testing import AgentProcess, S3Server, make_safetensors_model, upload_model
+
+MiB = 1024 * 1024
+
+
+def _blob_model(s3: S3Server, bucket: str, prefix: str, mib: int) -> str:
+    """A model of exactly ``mib`` MiB (one file), so budget arithmetic is exact."""
+    s3.client().put_object(Bucket=bucket, Key=f"{prefix}/weights.bin", Body=os.urandom(mib * MiB))
+    return f"s3://{bucket}/{prefix}/"
+
+
+def _cached_uris(client: Client) -> set[str]:
+    return {m.uri for m in client.list_models()}
+
+
+def _wait_for(condition: object, what: str, timeout: float = 15.0) -> None:
+    """Wait for something another process does (a kill being noticed); bounded."""
+    deadline = time.monotonic() + timeout
+    while not condition():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+BUDGET_10_MIB = """
+[tiers]
+shm_budget = "10MiB"
+shm_reserve = "0"
+high_watermark = 0.85
+low_watermark = 0.6
+fallback = false
+"""
+
+
+def test_pressure_evicts_the_least_recently_used_snapshot(
+    start_agent: AgentFactory, s3_server: S3Server, bucket: str
+) -> None:
+    a, b, c, d = (_blob_model(s3_server, bucket, name, 3) for name in "abcd")
+    agent = start_agent(BUDGET_10_MIB)
+    with Client(agent.socket_path) as client:
+        client.ensure(a)
+        client.ensure(b)
+        client.ensure(c)  # 9 MiB > 8.5 (high): evict down to 6 (low): a goes (LRU)
+        assert _cached_uris(client) == {b, c}
+        client.ensure(b)  # b is now the most recently used
+        client.ensure(d)  # 9 MiB again: c is the least recently used
+        assert _cached_uris(client) == {b, d}
+        assert client.status().tiers[0].used_bytes == 6 * MiB
+
+
+def test_a_pull_makes_room_by_evicting_before_it_starts(
+    start_agent: AgentFactory, s3_server: S3Server, bucket: str
+) -> None:
+    a, b, c = (_blob_model(s3_server, bucket, name, 4) for name in "abc")
+    config = BUDGET_10_MIB.replace("0.85", "1.0").replace("0.6", "1.0")
+    agent = start_agent(config)
+    with Client(agent.socket_path) as client:
+        client.ensure(a)
+        client.ensure(b)
+        client.ensure(c)  # 12 MiB would exceed 10: a (LRU) is evicted first
+        assert _cached_uris(client) == {b, c}
+
+
+def test_a_leased_snapshot_survives_pressure_and_an_unleased_one_goes(
+    start_agent: AgentFactory, s3_server: S3Server, bucket: str
+) -> None:
+    a, b, c = (_blob_model(s3_server, bucket, name, 3) for name in "abc")
+    agent = start_agent(BUDGET_10_MIB)
+    with Client(agent.socket_path) as client:
+        leased = client.ensure(a, lease=True, lease_ttl=600, client_name="ns/pod-a")
+        client.ensure(b)
+        client.ensure(c)  # a is the LRU but leased: b goes instead
+        assert _cached_uris(client) == {a, c}
+        info = client.get(a)
+        assert [lease.client_name for lease in info.leases] == ["ns/pod-a"]
+        with pytest.raises(Conflict, match="leased by 1 client"):
+            client.evict(a)
+        assert leased.lease is not None
+        client.release_lease(leased.lease.id)
+        assert client.evict(a).bytes_freed == 3 * MiB
+
+
+def test_a_pinned_snapshot_is_never_evicted_by_pressure(
+    start_agent: AgentFactory, s3_server: S3Server, bucket: str
+) -> None:
+    a, b, c = (_blob_model(s3_server, bucket, name, 3) for name in "abc")
+    agent = start_agent(BUDGET_10_MIB)
+    with Client(agent.socket_path) as client:
+        client.ensure(a, pin=True)
+        client.ensure(b)
+        client.ensure(c)
+        assert _cached_uris(client) == {a, c}
+        assert client.get(a).pinned
+        with pytest.raises(Conflict, match="pinned"):
+            client.evict(a)
+        assert client.evict(a, force=True).bytes_freed == 3 * MiB
+
+
+def test_a_lease_ends_when_the_client_process_is_killed(
+    start_agent: AgentFactory, s3_server: S3Server, bucket: str
+) -> None:
+    uri = _blob_model(s3_server, bucket, "m", 1)
+    agent = start_agent()
+    script = textwrap.dedent(
+        """
+        import sys, time
+        from agent.client import Client
+        with Client(sys.argv[1]).leased(sys.argv[2], client_name="ns/doomed") as handle:
+            print(handle.key, flush=True)
+            sys.stdin.read()  # hold until killed
+        """
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", script, str(agent.socket_path), uri],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+    )
+    assert holder.stdout is not None
+    key = holder.stdout.readline().strip()
+    with Client(agent.socket_path) as client:
+        _wait_for(lambda: any(lease.held for lease in client.get(key).leases), "the lease hold")
+        lease = client.get(key).leases[0]
+        assert (lease.client_name, lease.pid, lease.uid) == ("ns/doomed", holder.pid, os.getuid())
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        _wait_for(lambda: not client.get(key).leases, "the lease to end")
+        assert client.evict(key).bytes_freed == MiB
+    assert holder.stdin is not None
+    holder.stdin.close()
+    holder.stdout.close()
+
+
+def test_sigkill_mid_pull_resumes_and_fetches_only_what_was_missing(
+    start_agent: AgentFactory, s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    source = tmp_path / "model"
+    tensors = make_safetensors_model(source, total_bytes=48 * MiB, shards=4)
+    model = upload_model(s3_server.client(), bucket, "m", source, tensors)
+    agent = start_agent('[s3]\nchunk_size = "1MiB"\nconcurrency = 2\n')
+    s3_server.clear_requests()
+    halfway = threading.Event()
+
+    def on_progress(progress: Progress) -> None:
+        if progress.bytes_done > model.total_bytes // 2:
+            halfway.set()
+
+    def doomed_pull() -> None:
+        try:
+            Client(agent.socket_path).ensure(model.uri, progress=on_progress)
+        except Exception:
+            halfway.set()
+
+    puller = threading.Thread(target=doomed_pull)
+    puller.start()
+    assert halfway.wait(timeout=120)
+    agent.kill()
+    puller.join()
+    fetched_before = sum(g.bytes_sent for g in object_gets(s3_server.requests(bucket=bucket)))
+    journaled = _journaled_bytes(agent)
+    assert 0 < journaled < model.total_bytes
+
+    s3_server.clear_requests()
+    agent.start()
+    with Client(agent.socket_path) as client:
+        handle = client.ensure(model.uri)
+    gets = object_gets(s3_server.requests(bucket=bucket))
+    fetched_after = sum(g.bytes_sent for g in gets)
+    print(
+        f"\nresume: model {model.total_bytes} B, fetched before kill {fetched_before} B, "
+        f"journaled {journaled} B, resumed {handle.resumed_bytes} B, "
+        f"fetched after restart {fetched_after} B"
+    )
+    assert handle.resumed_bytes == journaled
+    assert fetched_after == model.total_bytes - handle.resumed_bytes
+    assert fetched_after < model.total_bytes
+    assert max(collections.Counter((g.key, g.range) for g in gets).values()) == 1
+    assert tree_digest(handle.path) == tree_digest(model.source_dir)
+    assert cache_entries(agent).get("shm/staging") is None
+
+
+def _journaled_bytes(agent: AgentProcess) -> int:
+    (staging,) = (agent.shm_root / "staging").iterdir()
+    lines = (staging / "journal").read_bytes().splitlines()[1:]
+    return sum(json.loads(line)["n"] for line in lines)
+
+
+def test_a_changed_object_after_a_crash_starts_clean(
+    start_agent: AgentFactory, s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    source = tmp_path / "model"
+    tensors = make_safetensors_model(source, total_bytes=24 * MiB, shards=3)
+    model = upload_model(s3_server.client(), bucket, "m", source, tensors)
+    agent = start_agent('[s3]\nchunk_size = "1MiB"\nconcurrency = 1\n')
+    moving = threading.Event()
+
+    def doomed_pull() -> None:
+        try:
+            Client(agent.socket_path).ensure(
+                model.uri, progress=lambda p: moving.set() if p.bytes_done else None
+            )
+        except Exception:
+            moving.set()
+
+    puller = threading.Thread(target=doomed_pull)
+    puller.start()
+    assert moving.wait(timeout=60)
+    agent.kill()
+    puller.join()
+    s3_server.client().put_object(Bucket=bucket, Key="m/config.json", Body=b'{"v": 2}')
+    agent.start()
+    with Client(agent.socket_path) as client:
+        handle = client.ensure(model.uri)
+    assert handle.resumed_bytes == 0
+    assert (handle.path / "config.json").read_bytes() == b'{"v": 2}'
+    assert [p.name for p in (agent.shm_root / "staging").iterdir()] == []
+
+
+def test_a_corrupt_safetensors_header_is_refused_and_nothing_is_published(
+    start_agent: AgentFactory, s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    source = tmp_path / "model"
+    make_safetensors_model(source, total_bytes=2 * MiB, shards=1)
+    shard = next(source.glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[8:9] = b"["  # the header's JSON object now opens as a list
+    shard.write_bytes(bytes(data))
+    model = upload_model(s3_server.client(), bucket, "m", source, {})
+    agent = start_agent()
+    with Client(agent.socket_path) as client, pytest.raises(IntegrityError) as info:
+        client.ensure(model.uri)
+    assert shard.name in str(info.value)
+    assert "JSON" in str(info.value)
+    assert cache_entries(agent) == {}
+
+
+def test_a_truncated_safetensors_object_is_refused(
+    start_agent: AgentFactory, s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    source = tmp_path / "model"
+    make_safetensors_model(source, total_bytes=2 * MiB, shards=1)
+    shard = next(source.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-4096])  # the upload was cut short
+    model = upload_model(s3_server.client(), bucket, "m", source, {})
+    agent = start_agent()
+    with Client(agent.socket_path) as client, pytest.raises(IntegrityError) as info:
+        client.ensure(model.uri)
+    assert shard.name in str(info.value)
+    assert "data section" in str(info.value) or "past the end" in str(info.value)
+    assert cache_entries(agent) == {}
+
+
+def test_verify_catches_a_flipped_byte_and_evicts_the_snapshot(
+    start_agent: AgentFactory, s3_server: S3Server, bucket: str
+) -> None:
+    uri = _blob_model(s3_server, bucket, "m", 2)
+    agent = start_agent()
+    with Client(agent.socket_path) as client:
+        handle = client.ensure(uri)
+        (clean,) = client.verify(handle.key)
+        assert clean.ok
+        weights = handle.path / "weights.bin"
+        with weights.open("r+b") as fh:
+            fh.seek(MiB + 7)
+            byte = fh.read(1)
+            fh.seek(MiB + 7)
+            fh.write(bytes([byte[0] ^ 0x01]))
+        (report,) = client.verify(handle.key, report_only=True)
+        assert not report.ok
+        assert [(p.path, p.check) for p in report.problems] == [("weights.bin", "hash")]
+        assert not report.evicted
+        (result,) = client.verify(all=True)
+        assert result.evicted
+        assert client.list_models() == []
+        again = client.ensure(uri)  # pulled afresh
+    assert not again.hit
+
+
+def test_a_budget_smaller_than_the_model_is_resource_exhausted(
+    start_agent: AgentFactory, s3_server: S3Server, bucket: str
+) -> None:
+    small = _blob_model(s3_server, bucket, "small", 1)
+    big = _blob_model(s3_server, bucket, "big", 3)
+    agent = start_agent('[tiers]\nshm_budget = "2MiB"\nshm_reserve = "0"\n')
+    with Client(agent.socket_path) as client:
+        kept = client.ensure(small, pin=True)
+        before = cache_entries(agent)
+        with pytest.raises(NoSpace) as info:
+            client.ensure(big, tier="shm", strict_tier=True)
+        assert "Tier shm: budget 0.00 GiB" in str(info.value)
+        assert kept.key[:12] in str(info.value)  # names what is pinned
+        assert cache_entries(agent) == before
+        assert _cached_uris(client) == {small}

@@ -312,3 +312,64 @@ def test_a_budget_smaller_than_the_model_is_resource_exhausted(
         assert kept.key[:12] in str(info.value)  # names what is pinned
         assert cache_entries(agent) == before
         assert _cached_uris(client) == {small}
+
+
+def test_sigterm_mid_pull_keeps_the_pull_resumable(
+    start_agent: AgentFactory, s3_server: S3Server, bucket: str, tmp_path: Path
+) -> None:
+    source = tmp_path / "model"
+    tensors = make_safetensors_model(source, total_bytes=32 * MiB, shards=2)
+    model = upload_model(s3_server.client(), bucket, "m", source, tensors)
+    # No grace period: the stop cancels the pull instead of letting it finish.
+    agent = start_agent('shutdown_grace_seconds = 0\n[s3]\nchunk_size = "1MiB"\nconcurrency = 1\n')
+    moving = threading.Event()
+
+    def interrupted_pull() -> None:
+        try:
+            Client(agent.socket_path).ensure(
+                model.uri, progress=lambda p: moving.set() if p.bytes_done > 4 * MiB else None
+            )
+        except Exception:
+            moving.set()
+
+    puller = threading.Thread(target=interrupted_pull)
+    puller.start()
+    assert moving.wait(timeout=60)
+    assert agent.stop() == 0  # graceful: the pull is cancelled, its journal kept
+    puller.join()
+    agent.start()
+    with Client(agent.socket_path) as client:
+        handle = client.ensure(model.uri)
+    assert handle.resumed_bytes >= 4 * MiB
+    assert tree_digest(handle.path) == tree_digest(model.source_dir)
+
+
+def test_a_lease_that_is_not_renewed_expires(
+    start_agent: AgentFactory, s3_server: S3Server, bucket: str
+) -> None:
+    uri = _blob_model(s3_server, bucket, "m", 1)
+    agent = start_agent()
+    with Client(agent.socket_path) as client:
+        renewed = client.ensure(uri, lease=True, lease_ttl=0.5)
+        short = client.ensure(uri, lease=True, lease_ttl=0.5)
+        assert renewed.lease is not None
+        assert short.lease is not None
+        client.renew_lease(renewed.lease.id, ttl=600)
+        _wait_for(lambda: len(client.get(uri).leases) == 1, "the short lease to expire")
+        assert [lease.id for lease in client.get(uri).leases] == [renewed.lease.id]
+
+
+def test_reconcile_drops_manifests_whose_files_are_gone(
+    start_agent: AgentFactory, s3_server: S3Server, bucket: str
+) -> None:
+    kept, broken = (_blob_model(s3_server, bucket, name, 1) for name in ("kept", "broken"))
+    agent = start_agent()
+    with Client(agent.socket_path) as client:
+        keep = client.ensure(kept)
+        lose = client.ensure(broken)
+    agent.stop()
+    (lose.path / "weights.bin").unlink()  # e.g. someone cleaned the directory by hand
+    agent.start()
+    with Client(agent.socket_path) as client:
+        assert [m.key for m in client.list_models()] == [keep.key]
+    assert lose.key not in cache_entries(agent)["shm/snapshots"]

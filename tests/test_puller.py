@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from agent import SourceChanged, SourceUnavailable
+from agent import NoSpace, SourceChanged, SourceUnavailable
 from agent._config import S3Settings, Settings
 from agent._flight import PullProgress
 from agent._leases import LeaseTable
 from agent._puller import Puller
+from agent._resolver import resolve
 from agent._service import AgentService, EnsureResult
 from agent._store import Store
+from agent._uri import parse_uri
 from agent.testing import MemorySource
 
 MiB = 1024 * 1024
@@ -144,3 +148,44 @@ async def test_a_watcher_leaving_does_not_cancel_the_pull(
     assert (second.model.path / "a.bin").read_bytes() == source.objects["models"]["m/a.bin"]
     # One pull: a.bin was read once, in ranges, however the two requests overlapped.
     assert sum(r.delivered for r in source.reads if r.key == "m/a.bin") == 3 * MiB + 17
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 2 MiB tmpfs (needs root to mount)."""
+    mount_point = tmp_path / "tiny"
+    mount_point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount_point)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()}); needs root")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=False)
+
+
+async def test_disk_full_mid_pull_is_no_space_and_leaves_other_models_intact(
+    tiny_tmpfs: Path, tmp_path: Path
+) -> None:
+    source = MemorySource()
+    source.put("models", "small/a.bin", os.urandom(MiB // 2))
+    source.put("models", "big/a.bin", os.urandom(3 * MiB))
+    store = Store({"shm": tiny_tmpfs, "disk": tmp_path / "disk"})
+    await store.open()
+    async with Puller(store, source, _settings()) as puller:
+        service = _service(tmp_path, source, puller, store)
+        small = await _ensure(service, "s3://models/small")
+        before = sorted(p.name for p in (tiny_tmpfs / "snapshots").iterdir())
+        # Straight to the puller, past the budget check: the filesystem itself says no.
+        snapshot = await resolve(source, parse_uri("s3://models/big"), (), ())
+        flight, _ = puller.join(snapshot, "shm")
+        with pytest.raises(NoSpace, match="ran out of space"):
+            await flight.result()
+    assert sorted(p.name for p in (tiny_tmpfs / "snapshots").iterdir()) == before
+    assert list((tiny_tmpfs / "staging").iterdir()) == []
+    assert (small.model.path / "a.bin").read_bytes() == source.objects["models"]["small/a.bin"]

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from agent import __version__
+from agent.client import Client
 from agent.testing import AgentProcess, SampleModel
 
 _NUMBER = r"\d+(?:\.\d+)?"
@@ -170,3 +171,115 @@ def test_version_flag_prints_the_version() -> None:
     done = prewarm("--version", socket=Path("/nonexistent"))
     assert done.returncode == 0
     assert done.stdout == f"prewarm {__version__}\n"
+
+
+# --- leases, pins, eviction, garbage collection, verification ------------------------------
+
+
+def test_pull_pin_shows_in_ls_and_unpin_clears_it(
+    agent_daemon: AgentProcess, small_model: SampleModel
+) -> None:
+    sock = agent_daemon.socket_path
+    handle = prewarm_json("pull", small_model.uri, "--pin", socket=sock)
+    [model] = prewarm_json("ls", socket=sock)
+    assert model["pinned"] is True
+    assert model["leases"] == []
+    header, row = prewarm("ls", socket=sock).stdout.splitlines()
+    assert header.split()[-2:] == ["leases", "pin"]
+    assert row.split()[-2:] == ["0", "pinned"]
+
+    unpinned = prewarm("unpin", handle["key"][:10], socket=sock)
+    assert unpinned.returncode == 0, unpinned.stderr
+    assert unpinned.stdout == f"unpinned {small_model.uri} ({handle['key'][:12]})\n"
+    assert prewarm_json("ls", socket=sock)[0]["pinned"] is False
+    assert prewarm_json("pin", small_model.uri, socket=sock)["pinned"] is True
+
+
+def test_evict_of_a_pinned_model_needs_force(
+    agent_daemon: AgentProcess, small_model: SampleModel
+) -> None:
+    sock = agent_daemon.socket_path
+    handle = prewarm_json("pull", small_model.uri, "--pin", socket=sock)
+    refused = prewarm("evict", handle["key"], socket=sock)
+    assert refused.returncode == 1
+    assert refused.stderr.startswith("error: ")
+    forced = prewarm_json("evict", handle["key"], "--force", socket=sock)
+    assert [m["key"] for m in forced["evicted"]] == [handle["key"]]
+    assert prewarm_json("ls", socket=sock) == []
+
+
+def test_show_lists_a_lease_held_by_this_process(
+    agent_daemon: AgentProcess, small_model: SampleModel
+) -> None:
+    sock = agent_daemon.socket_path
+    with Client(sock) as client, client.leased(small_model.uri, client_name="ns/pod") as handle:
+        assert handle.lease is not None
+        shown = prewarm("show", handle.key, socket=sock)
+        [model] = prewarm_json("ls", socket=sock)
+    assert shown.returncode == 0, shown.stderr
+    [row] = [line for line in shown.stdout.splitlines() if line.startswith(handle.lease.id[:8])]
+    assert row.split()[:4] == [handle.lease.id[:8], "ns/pod", str(os.getpid()), str(os.getuid())]
+    assert row.split()[-1] == "held"
+    [lease] = model["leases"]
+    assert (lease["pid"], lease["held"], lease["expires"]) == (os.getpid(), True, None)
+    # The block has exited: the lease is gone.
+    assert prewarm_json("ls", socket=sock)[0]["leases"] == []
+
+
+def test_gc_with_room_to_spare_collects_nothing(
+    agent_daemon: AgentProcess, small_model: SampleModel
+) -> None:
+    sock = agent_daemon.socket_path
+    prewarm_json("pull", small_model.uri, socket=sock)
+    done = prewarm("gc", socket=sock)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "nothing to collect\n"
+    assert prewarm_json("gc", "--tier", "disk", socket=sock) == {"evicted": [], "bytes_freed": 0}
+    assert len(prewarm_json("ls", socket=sock)) == 1
+
+
+def test_verify_passes_an_intact_model(
+    agent_daemon: AgentProcess, small_model: SampleModel
+) -> None:
+    sock = agent_daemon.socket_path
+    handle = prewarm_json("pull", small_model.uri, socket=sock)
+    done = prewarm("verify", handle["key"][:10], socket=sock)
+    assert done.returncode == 0, done.stderr
+    first, totals = done.stdout.splitlines()
+    assert first.split()[:3] == ["ok", handle["key"][:12], small_model.uri]
+    assert totals == "1 ok, 0 failed"
+
+
+def test_verify_reports_a_changed_file_and_exits_1(
+    agent_daemon: AgentProcess, small_model: SampleModel
+) -> None:
+    sock = agent_daemon.socket_path
+    handle = prewarm_json("pull", small_model.uri, socket=sock)
+    victim = Path(handle["path"]) / handle["files"][0]["path"]
+    victim.chmod(0o644)
+    with victim.open("r+b") as file:  # same size, one byte flipped
+        first = file.read(1)
+        file.seek(0)
+        file.write(bytes([first[0] ^ 0xFF]))
+
+    report = prewarm("verify", "--all", "--report-only", socket=sock)
+    assert report.returncode == 1
+    lines = report.stdout.splitlines()
+    assert lines[0].startswith(f"FAILED  {handle['key'][:12]}  {small_model.uri}")
+    assert lines[0].endswith("kept")
+    assert lines[1].startswith(f"  {handle['files'][0]['path']}: hash: ")
+    assert lines[-1] == "0 ok, 1 failed"
+    assert victim.exists()
+
+    evicted = prewarm("verify", small_model.uri, "--json", socket=sock)
+    assert evicted.returncode == 1
+    [result] = json.loads(evicted.stdout)
+    assert (result["ok"], result["evicted"]) == (False, True)
+    assert result["problems"][0]["check"] == "hash"
+    assert prewarm_json("ls", socket=sock) == []
+
+
+def test_verify_needs_a_model_or_all(agent_daemon: AgentProcess) -> None:
+    done = prewarm("verify", socket=agent_daemon.socket_path)
+    assert done.returncode == 2
+    assert "not neither" in done.stderr

@@ -171,6 +171,13 @@ def pull(
         list[str] | None,
         typer.Option("--exclude", help="Skip paths matching this glob (repeatable)."),
     ] = None,
+    pin: Annotated[
+        bool, typer.Option("--pin", help="Pin it: never evicted by pressure (see `unpin`).")
+    ] = False,
+    strict_tier: Annotated[
+        bool,
+        typer.Option("--strict-tier", help="Fail rather than use the other tier when full."),
+    ] = False,
     socket: SocketOption = None,
     json_out: JsonOption = False,
 ) -> None:
@@ -181,6 +188,8 @@ def pull(
             "include": include or (),
             "exclude": exclude or (),
             "client_name": _client_name(),
+            "pin": pin,
+            "strict_tier": strict_tier,
         }
         if json_out:
             handle = client.ensure(uri, **request)  # type: ignore[arg-type]
@@ -209,7 +218,7 @@ def show(
     socket: SocketOption = None,
     json_out: JsonOption = False,
 ) -> None:
-    """Show one cached model and its files."""
+    """Show one cached model, its leases and its files."""
     with _agent_errors(), Client(socket) as client:
         info = client.get(ref)
     if json_out:
@@ -223,12 +232,20 @@ def evict(
     ref: Annotated[
         str, typer.Argument(help="A key (or unique prefix) evicts one snapshot; a URI all of it.")
     ],
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force",
+            help="Evict even leased or pinned snapshots (processes that mapped the files "
+            "keep their pages; new requests pull again).",
+        ),
+    ] = False,
     socket: SocketOption = None,
     json_out: JsonOption = False,
 ) -> None:
     """Remove models from the node cache."""
     with _agent_errors(), Client(socket) as client:
-        result = client.evict(ref)
+        result = client.evict(ref, force=force)
     if json_out:
         sys.stdout.write(render.to_json(result) + "\n")
     else:
@@ -236,8 +253,74 @@ def evict(
 
 
 @app.command()
+def gc(
+    tier: Annotated[TierChoice | None, typer.Option(help="Only this tier [default: both].")] = None,
+    socket: SocketOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Run an eviction pass now (normally the agent runs one at the high watermark)."""
+    with _agent_errors(), Client(socket) as client:
+        result = client.collect_garbage(tier.value if tier else None)
+    if json_out:
+        sys.stdout.write(render.to_json(result) + "\n")
+    else:
+        _stdout().print(render.gc_summary(result), soft_wrap=True)
+
+
+@app.command()
+def verify(
+    ref: Annotated[
+        str | None,
+        typer.Argument(help="A URI, a key, or a unique key prefix; or --all.", show_default=False),
+    ] = None,
+    all_models: Annotated[bool, typer.Option("--all", help="Verify every cached model.")] = False,
+    report_only: Annotated[
+        bool,
+        typer.Option("--report-only", help="Only report; keep snapshots that fail."),
+    ] = False,
+    socket: SocketOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Re-hash cached files; snapshots that fail are evicted. Exits 1 if any failed."""
+    with _agent_errors(), Client(socket) as client:
+        results = client.verify(ref, all=all_models, report_only=report_only)
+    if json_out:
+        sys.stdout.write(render.to_json(results) + "\n")
+    else:
+        _stdout().print(render.verify_report(results), soft_wrap=True, markup=False)
+    if not all(v.ok for v in results):
+        raise typer.Exit(EXIT_ERROR)
+
+
+RefArgument = Annotated[
+    str, typer.Argument(help="A URI (its newest snapshot), a key, or a unique key prefix.")
+]
+
+
+@app.command()
+def pin(ref: RefArgument, socket: SocketOption = None, json_out: JsonOption = False) -> None:
+    """Pin a cached model: pressure never evicts it (evict --force still does)."""
+    _pin(ref, pinned=True, socket=socket, json_out=json_out)
+
+
+@app.command()
+def unpin(ref: RefArgument, socket: SocketOption = None, json_out: JsonOption = False) -> None:
+    """Unpin a cached model: it is evicted by pressure like any other again."""
+    _pin(ref, pinned=False, socket=socket, json_out=json_out)
+
+
+def _pin(ref: str, *, pinned: bool, socket: Path | None, json_out: bool) -> None:
+    with _agent_errors(), Client(socket) as client:
+        info = client.pin(ref, pinned=pinned)
+    if json_out:
+        sys.stdout.write(render.to_json(info) + "\n")
+    else:
+        _stdout().print(render.pin_summary(info), soft_wrap=True, markup=False)
+
+
+@app.command()
 def status(socket: SocketOption = None, json_out: JsonOption = False) -> None:
-    """Show the agent's version, tiers and pulls in flight."""
+    """Show the agent's version, tiers (budgets, usage, leases, pins) and pulls in flight."""
     with _agent_errors(), Client(socket) as client:
         agent_status = client.status()
     if json_out:

@@ -10,21 +10,34 @@ from pathlib import Path
 from rich.console import Group, RenderableType
 from rich.table import Table
 
-from agent.client import AgentStatus, EvictResult, ModelHandle, ModelInfo, PullStatus
+from agent.client import (
+    AgentStatus,
+    EvictResult,
+    LeaseInfo,
+    ModelHandle,
+    ModelInfo,
+    PullStatus,
+    Verification,
+)
 
 __all__ = [
     "evict_summary",
+    "gc_summary",
     "human_bytes",
     "model_detail",
     "models_table",
+    "pin_summary",
     "pull_summary",
     "rate",
     "status_view",
     "to_json",
+    "verify_report",
 ]
 
 _EPOCH = datetime.fromtimestamp(0, UTC)
 _KEY_WIDTH = 12
+# Enough of a lease id to tell leases apart and to grep the agent's log for.
+_LEASE_ID_WIDTH = 8
 
 
 def human_bytes(n: int) -> str:
@@ -102,6 +115,8 @@ def models_table(models: list[ModelInfo]) -> Table:
     table.add_column("created", no_wrap=True)
     table.add_column("last used", no_wrap=True)
     table.add_column("hits", justify="right")
+    table.add_column("leases", justify="right")
+    table.add_column("pin")
     for m in sorted(models, key=lambda m: (m.uri, m.created)):
         table.add_row(
             m.key[:_KEY_WIDTH],
@@ -112,6 +127,8 @@ def models_table(models: list[ModelInfo]) -> Table:
             _when(m.created),
             _when(m.last_used),
             str(m.hit_count),
+            str(len(m.leases)),
+            "pinned" if m.pinned else "-",
         )
     return table
 
@@ -136,6 +153,8 @@ def model_detail(info: ModelInfo) -> RenderableType:
         ("created", _when(info.created)),
         ("last used", _when(info.last_used)),
         ("hits", str(info.hit_count)),
+        ("pinned", "yes" if info.pinned else "no"),
+        ("leases", str(len(info.leases))),
     ]
     if info.include:
         rows.append(("include", " ".join(info.include)))
@@ -147,7 +166,35 @@ def model_detail(info: ModelInfo) -> RenderableType:
     files.add_column("etag", no_wrap=True)
     for f in sorted(info.files, key=lambda f: f.path):
         files.add_row(f.path, human_bytes(f.size), f.etag)
-    return Group(_fields(rows), "", files)
+    parts: list[RenderableType] = [_fields(rows), ""]
+    if info.leases:
+        parts += [_leases_table(info.leases), ""]
+    parts.append(files)
+    return Group(*parts)
+
+
+def _leases_table(leases: tuple[LeaseInfo, ...]) -> Table:
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for column in ("lease", "client", "pid", "uid", "acquired", "state"):
+        table.add_column(column, no_wrap=column != "client")
+    for lease in sorted(leases, key=lambda lease: lease.acquired):
+        table.add_row(
+            lease.id[:_LEASE_ID_WIDTH],
+            lease.client_name or "-",
+            "-" if lease.pid is None else str(lease.pid),
+            "-" if lease.uid is None else str(lease.uid),
+            _when(lease.acquired),
+            _lease_state(lease),
+        )
+    return table
+
+
+def _lease_state(lease: LeaseInfo) -> str:
+    if lease.held:
+        return "held"
+    if lease.expires is None:
+        return "-"
+    return f"expires {_when(lease.expires)}"
 
 
 def evict_summary(result: EvictResult) -> str:
@@ -158,6 +205,38 @@ def evict_summary(result: EvictResult) -> str:
     count = len(result.evicted)
     noun = "snapshot" if count == 1 else "snapshots"
     return f"evicted {count} {noun} of {uris} ({keys}), freed {human_bytes(result.bytes_freed)}"
+
+
+def gc_summary(result: EvictResult) -> str:
+    if not result.evicted:
+        return "nothing to collect"
+    keys = ", ".join(m.key[:_KEY_WIDTH] for m in result.evicted)
+    count = len(result.evicted)
+    noun = "snapshot" if count == 1 else "snapshots"
+    return f"collected {count} {noun} ({keys}), freed {human_bytes(result.bytes_freed)}"
+
+
+def pin_summary(info: ModelInfo) -> str:
+    what = "pinned" if info.pinned else "unpinned"
+    return f"{what} {info.uri} ({info.key[:_KEY_WIDTH]})"
+
+
+def verify_report(results: list[Verification]) -> str:
+    """One line per snapshot, then one indented line per problem, then the totals."""
+    if not results:
+        return "no models cached"
+    lines: list[str] = []
+    for v in results:
+        checked = f"{human_bytes(v.bytes_checked)} in {v.seconds:.2f} s"
+        if v.ok:
+            lines.append(f"ok      {v.key[:_KEY_WIDTH]}  {v.uri}  {checked}")
+            continue
+        fate = "evicted" if v.evicted else "kept"
+        lines.append(f"FAILED  {v.key[:_KEY_WIDTH]}  {v.uri}  {checked}, {fate}")
+        lines.extend(f"  {p.path}: {p.check}: {p.detail}" for p in v.problems)
+    failed = sum(not v.ok for v in results)
+    lines.append(f"{len(results) - failed} ok, {failed} failed")
+    return "\n".join(lines)
 
 
 def _pull_row(p: PullStatus) -> tuple[str, ...]:
@@ -184,19 +263,26 @@ def status_view(status: AgentStatus) -> RenderableType:
             ("default tier", status.default_tier),
             ("data plane", status.data_plane),
             ("models", str(status.model_count)),
+            ("leases", str(status.lease_count)),
         ]
     )
     tiers = Table(box=None, header_style="bold", pad_edge=False, title_justify="left")
-    for column in ("tier", "root", "capacity", "used", "free", "models"):
+    columns = ("tier", "root", "capacity", "budget", "reserve", "used", "staging", "free")
+    for column in (*columns, "models", "leased", "pinned"):
         tiers.add_column(column, justify="left" if column in ("tier", "root") else "right")
     for t in status.tiers:
         tiers.add_row(
             t.tier,
             str(t.root),
             human_bytes(t.capacity_bytes),
+            human_bytes(t.budget_bytes),
+            human_bytes(t.reserve_bytes),
             human_bytes(t.used_bytes),
+            human_bytes(t.staging_bytes),
             human_bytes(t.free_bytes),
             str(t.model_count),
+            str(t.leased_count),
+            str(t.pinned_count),
         )
     parts: list[RenderableType] = [head, "", tiers, ""]
     if status.pulls:

@@ -23,9 +23,12 @@ from ._exceptions import InvalidRequest
 
 __all__ = [
     "DEFAULT_CONFIG_PATH",
+    "CompileCacheSettings",
     "ConfigError",
     "IntegritySettings",
     "LeaseSettings",
+    "ManifestSettings",
+    "MetricsSettings",
     "S3Settings",
     "Settings",
     "TierSettings",
@@ -159,6 +162,40 @@ class LeaseSettings(BaseModel):
     max_ttl_seconds: float = Field(default=24 * 3600.0, gt=0)
 
 
+class CompileCacheSettings(BaseModel):
+    """torch.compile caches kept per node and shared across nodes through S3."""
+
+    model_config = {"extra": "forbid"}
+
+    # s3://bucket/prefix where packed caches are restored from and uploaded to; unset: local only.
+    uri: OptionalText = None
+    # Upload a key's directory once it has been quiet (no new files) this long.
+    quiet_seconds: float = Field(default=30.0, gt=0)
+    # Watch key directories and upload what pods produce.
+    upload: bool = True
+
+
+class MetricsSettings(BaseModel):
+    """Prometheus metrics over HTTP; off unless a port is set."""
+
+    model_config = {"extra": "forbid"}
+
+    # 0 disables the HTTP endpoint.
+    port: int = Field(default=0, ge=0, le=65535)
+    # Loopback by default: metrics are for the node's own scraper.
+    address: str = "127.0.0.1"
+
+
+class ManifestSettings(BaseModel):
+    """Prefetch manifests: models a node should hold, listed in TOML files."""
+
+    model_config = {"extra": "forbid"}
+
+    directory: Path = Path("/etc/prewarm/models.d")
+    # Pulls started from manifests at the same time.
+    concurrency: int = Field(default=2, ge=1, le=64)
+
+
 class IntegritySettings(BaseModel):
     """Checks run before a snapshot is published."""
 
@@ -198,6 +235,9 @@ class Settings(BaseSettings):
     tiers: TierSettings = TierSettings()
     leases: LeaseSettings = LeaseSettings()
     integrity: IntegritySettings = IntegritySettings()
+    compile_cache: CompileCacheSettings = CompileCacheSettings()
+    metrics: MetricsSettings = MetricsSettings()
+    manifests: ManifestSettings = ManifestSettings()
     s3: S3Settings = S3Settings()
 
     @property

@@ -118,6 +118,13 @@ class S3Source:
         await self._stack.aclose()
 
     @property
+    def client(self) -> Any:
+        """The pooled aiobotocore S3 client (for other parts that talk to S3)."""
+        if self._client is None:
+            raise RuntimeError("S3Source used outside its context")
+        return self._client
+
+    @property
     def endpoint(self) -> str:
         return str(self._client.meta.endpoint_url) if self._client else "(not started)"
 

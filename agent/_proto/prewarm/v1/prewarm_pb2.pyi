@@ -687,6 +687,8 @@ class StatusResponse(_message.Message):
     DATA_PLANE_FIELD_NUMBER: _builtins.int
     DEFAULT_TIER_FIELD_NUMBER: _builtins.int
     LEASE_COUNT_FIELD_NUMBER: _builtins.int
+    COMPILE_CACHE_COUNT_FIELD_NUMBER: _builtins.int
+    COMPILE_CACHE_BYTES_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     model_count: _builtins.int
     uptime_seconds: _builtins.float
@@ -695,6 +697,8 @@ class StatusResponse(_message.Message):
     """Data plane that moves bytes ("aiobotocore" for now)."""
     default_tier: Global___Tier.ValueType
     lease_count: _builtins.int
+    compile_cache_count: _builtins.int
+    compile_cache_bytes: _builtins.int
     @_builtins.property
     def tiers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierStatus]: ...
     @_builtins.property
@@ -711,14 +715,455 @@ class StatusResponse(_message.Message):
         data_plane: _builtins.str = ...,
         default_tier: Global___Tier.ValueType = ...,
         lease_count: _builtins.int = ...,
+        compile_cache_count: _builtins.int = ...,
+        compile_cache_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_plane", b"data_plane", "default_tier", b"default_tier", "lease_count", b"lease_count", "model_count", b"model_count", "pulls", b"pulls", "socket_path", b"socket_path", "tiers", b"tiers", "uptime_seconds", b"uptime_seconds", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compile_cache_bytes", b"compile_cache_bytes", "compile_cache_count", b"compile_cache_count", "data_plane", b"data_plane", "default_tier", b"default_tier", "lease_count", b"lease_count", "model_count", b"model_count", "pulls", b"pulls", "socket_path", b"socket_path", "tiers", b"tiers", "uptime_seconds", b"uptime_seconds", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StatusResponse: _TypeAlias = StatusResponse  # noqa: Y015
+
+@_typing.final
+class CompileKeyParts(_message.Message):
+    """What a compiled artifact depends on. Any change gives another cache key."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ExtrasEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    ENGINE_FIELD_NUMBER: _builtins.int
+    ENGINE_VERSION_FIELD_NUMBER: _builtins.int
+    TORCH_VERSION_FIELD_NUMBER: _builtins.int
+    TRITON_VERSION_FIELD_NUMBER: _builtins.int
+    CUDA_VERSION_FIELD_NUMBER: _builtins.int
+    GPU_NAME_FIELD_NUMBER: _builtins.int
+    MODEL_KEY_FIELD_NUMBER: _builtins.int
+    TENSOR_PARALLEL_FIELD_NUMBER: _builtins.int
+    PIPELINE_PARALLEL_FIELD_NUMBER: _builtins.int
+    DATA_PARALLEL_FIELD_NUMBER: _builtins.int
+    CONFIG_HASH_FIELD_NUMBER: _builtins.int
+    EXTRAS_FIELD_NUMBER: _builtins.int
+    engine: _builtins.str
+    """"vllm", "sglang", "torch" """
+    engine_version: _builtins.str
+    torch_version: _builtins.str
+    triton_version: _builtins.str
+    cuda_version: _builtins.str
+    gpu_name: _builtins.str
+    model_key: _builtins.str
+    """snapshot key of the model (or any stable model id)"""
+    tensor_parallel: _builtins.int
+    pipeline_parallel: _builtins.int
+    data_parallel: _builtins.int
+    config_hash: _builtins.str
+    @_builtins.property
+    def extras(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        engine: _builtins.str = ...,
+        engine_version: _builtins.str = ...,
+        torch_version: _builtins.str = ...,
+        triton_version: _builtins.str = ...,
+        cuda_version: _builtins.str = ...,
+        gpu_name: _builtins.str = ...,
+        model_key: _builtins.str = ...,
+        tensor_parallel: _builtins.int = ...,
+        pipeline_parallel: _builtins.int = ...,
+        data_parallel: _builtins.int = ...,
+        config_hash: _builtins.str = ...,
+        extras: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config_hash", b"config_hash", "cuda_version", b"cuda_version", "data_parallel", b"data_parallel", "engine", b"engine", "engine_version", b"engine_version", "extras", b"extras", "gpu_name", b"gpu_name", "model_key", b"model_key", "pipeline_parallel", b"pipeline_parallel", "tensor_parallel", b"tensor_parallel", "torch_version", b"torch_version", "triton_version", b"triton_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompileKeyParts: _TypeAlias = CompileKeyParts  # noqa: Y015
+
+@_typing.final
+class EnsureCompileCacheRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PARTS_FIELD_NUMBER: _builtins.int
+    SKIP_RESTORE_FIELD_NUMBER: _builtins.int
+    CLIENT_NAME_FIELD_NUMBER: _builtins.int
+    skip_restore: _builtins.bool
+    """Do not try S3 even if the key is not on this node."""
+    client_name: _builtins.str
+    @_builtins.property
+    def parts(self) -> Global___CompileKeyParts: ...
+    def __init__(
+        self,
+        *,
+        parts: Global___CompileKeyParts | None = ...,
+        skip_restore: _builtins.bool = ...,
+        client_name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["parts", b"parts"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_name", b"client_name", "parts", b"parts", "skip_restore", b"skip_restore"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EnsureCompileCacheRequest: _TypeAlias = EnsureCompileCacheRequest  # noqa: Y015
+
+@_typing.final
+class CompileCacheHandle(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class EnvEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    KEY_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    ENV_FIELD_NUMBER: _builtins.int
+    RESTORED_FIELD_NUMBER: _builtins.int
+    RESTORE_SECONDS_FIELD_NUMBER: _builtins.int
+    RESTORE_NOTE_FIELD_NUMBER: _builtins.int
+    PARTS_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    FILE_COUNT_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    path: _builtins.str
+    """<disk root>/compile/<key>/ ; point the engine at it with `env`."""
+    restored: _builtins.bool
+    """True when this request restored the directory from S3."""
+    restore_seconds: _builtins.float
+    restore_note: _builtins.str
+    """Why a restore was not used (missing, corrupt...), for logs; empty otherwise."""
+    bytes: _builtins.int
+    file_count: _builtins.int
+    @_builtins.property
+    def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def parts(self) -> Global___CompileKeyParts: ...
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        path: _builtins.str = ...,
+        env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        restored: _builtins.bool = ...,
+        restore_seconds: _builtins.float = ...,
+        restore_note: _builtins.str = ...,
+        parts: Global___CompileKeyParts | None = ...,
+        bytes: _builtins.int = ...,
+        file_count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["parts", b"parts"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "env", b"env", "file_count", b"file_count", "key", b"key", "parts", b"parts", "path", b"path", "restore_note", b"restore_note", "restore_seconds", b"restore_seconds", "restored", b"restored"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompileCacheHandle: _TypeAlias = CompileCacheHandle  # noqa: Y015
+
+@_typing.final
+class CompileCacheInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    PARTS_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    FILE_COUNT_FIELD_NUMBER: _builtins.int
+    CREATED_FIELD_NUMBER: _builtins.int
+    LAST_USED_FIELD_NUMBER: _builtins.int
+    UPLOADED_DIGEST_FIELD_NUMBER: _builtins.int
+    UPLOADED_FIELD_NUMBER: _builtins.int
+    RESTORED_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    path: _builtins.str
+    bytes: _builtins.int
+    file_count: _builtins.int
+    uploaded_digest: _builtins.str
+    """Content hash of the last upload (or restore) and when it happened."""
+    restored: _builtins.bool
+    @_builtins.property
+    def parts(self) -> Global___CompileKeyParts: ...
+    @_builtins.property
+    def created(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def last_used(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def uploaded(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        path: _builtins.str = ...,
+        parts: Global___CompileKeyParts | None = ...,
+        bytes: _builtins.int = ...,
+        file_count: _builtins.int = ...,
+        created: _timestamp_pb2.Timestamp | None = ...,
+        last_used: _timestamp_pb2.Timestamp | None = ...,
+        uploaded_digest: _builtins.str = ...,
+        uploaded: _timestamp_pb2.Timestamp | None = ...,
+        restored: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "last_used", b"last_used", "parts", b"parts", "uploaded", b"uploaded"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "created", b"created", "file_count", b"file_count", "key", b"key", "last_used", b"last_used", "parts", b"parts", "path", b"path", "restored", b"restored", "uploaded", b"uploaded", "uploaded_digest", b"uploaded_digest"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompileCacheInfo: _TypeAlias = CompileCacheInfo  # noqa: Y015
+
+@_typing.final
+class ListCompileCachesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListCompileCachesRequest: _TypeAlias = ListCompileCachesRequest  # noqa: Y015
+
+@_typing.final
+class ListCompileCachesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CACHES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def caches(self) -> _containers.RepeatedCompositeFieldContainer[Global___CompileCacheInfo]: ...
+    def __init__(
+        self,
+        *,
+        caches: _abc.Iterable[Global___CompileCacheInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["caches", b"caches"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListCompileCachesResponse: _TypeAlias = ListCompileCachesResponse  # noqa: Y015
+
+@_typing.final
+class EvictCompileCacheRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """A key or a unique key prefix (8+ hex digits)."""
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EvictCompileCacheRequest: _TypeAlias = EvictCompileCacheRequest  # noqa: Y015
+
+@_typing.final
+class EvictCompileCacheResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVICTED_FIELD_NUMBER: _builtins.int
+    BYTES_FREED_FIELD_NUMBER: _builtins.int
+    bytes_freed: _builtins.int
+    @_builtins.property
+    def evicted(self) -> _containers.RepeatedCompositeFieldContainer[Global___CompileCacheInfo]: ...
+    def __init__(
+        self,
+        *,
+        evicted: _abc.Iterable[Global___CompileCacheInfo] | None = ...,
+        bytes_freed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_freed", b"bytes_freed", "evicted", b"evicted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EvictCompileCacheResponse: _TypeAlias = EvictCompileCacheResponse  # noqa: Y015
+
+@_typing.final
+class PushCompileCacheRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushCompileCacheRequest: _TypeAlias = PushCompileCacheRequest  # noqa: Y015
+
+@_typing.final
+class PushCompileCacheResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    UPLOADED_FIELD_NUMBER: _builtins.int
+    URI_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    SKIPPED_REASON_FIELD_NUMBER: _builtins.int
+    uploaded: _builtins.bool
+    uri: _builtins.str
+    digest: _builtins.str
+    bytes: _builtins.int
+    skipped_reason: _builtins.str
+    """Why nothing was uploaded (no remote configured, unchanged, empty...)."""
+    def __init__(
+        self,
+        *,
+        uploaded: _builtins.bool = ...,
+        uri: _builtins.str = ...,
+        digest: _builtins.str = ...,
+        bytes: _builtins.int = ...,
+        skipped_reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "digest", b"digest", "skipped_reason", b"skipped_reason", "uploaded", b"uploaded", "uri", b"uri"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushCompileCacheResponse: _TypeAlias = PushCompileCacheResponse  # noqa: Y015
+
+@_typing.final
+class PullCompileCacheRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullCompileCacheRequest: _TypeAlias = PullCompileCacheRequest  # noqa: Y015
+
+@_typing.final
+class CompileLockRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PARTS_FIELD_NUMBER: _builtins.int
+    CLIENT_NAME_FIELD_NUMBER: _builtins.int
+    client_name: _builtins.str
+    @_builtins.property
+    def parts(self) -> Global___CompileKeyParts: ...
+    def __init__(
+        self,
+        *,
+        parts: Global___CompileKeyParts | None = ...,
+        client_name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["parts", b"parts"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_name", b"client_name", "parts", b"parts"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompileLockRequest: _TypeAlias = CompileLockRequest  # noqa: Y015
+
+@_typing.final
+class CompileLockEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _State:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _StateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[CompileLockEvent._State.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        STATE_UNSPECIFIED: CompileLockEvent._State.ValueType  # 0
+        STATE_WAITING: CompileLockEvent._State.ValueType  # 1
+        STATE_GRANTED: CompileLockEvent._State.ValueType  # 2
+
+    class State(_State, metaclass=_StateEnumTypeWrapper): ...
+    STATE_UNSPECIFIED: CompileLockEvent.State.ValueType  # 0
+    STATE_WAITING: CompileLockEvent.State.ValueType  # 1
+    STATE_GRANTED: CompileLockEvent.State.ValueType  # 2
+
+    STATE_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    HOLDER_FIELD_NUMBER: _builtins.int
+    WARM_FIELD_NUMBER: _builtins.int
+    state: Global___CompileLockEvent.State.ValueType
+    key: _builtins.str
+    holder: _builtins.str
+    """Who holds the lock while this caller waits."""
+    warm: _builtins.bool
+    """True when the cache already has artifacts (a waiter may skip compiling)."""
+    def __init__(
+        self,
+        *,
+        state: Global___CompileLockEvent.State.ValueType = ...,
+        key: _builtins.str = ...,
+        holder: _builtins.str = ...,
+        warm: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["holder", b"holder", "key", b"key", "state", b"state", "warm", b"warm"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompileLockEvent: _TypeAlias = CompileLockEvent  # noqa: Y015
 
 @_typing.final
 class RenewLeaseRequest(_message.Message):

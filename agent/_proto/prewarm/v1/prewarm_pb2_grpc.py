@@ -84,6 +84,36 @@ class PrewarmStub:
                 request_serializer=prewarm_dot_v1_dot_prewarm__pb2.VerifyModelsRequest.SerializeToString,
                 response_deserializer=prewarm_dot_v1_dot_prewarm__pb2.VerifyModelsResponse.FromString,
                 _registered_method=True)
+        self.EnsureCompileCache = channel.unary_unary(
+                '/prewarm.v1.Prewarm/EnsureCompileCache',
+                request_serializer=prewarm_dot_v1_dot_prewarm__pb2.EnsureCompileCacheRequest.SerializeToString,
+                response_deserializer=prewarm_dot_v1_dot_prewarm__pb2.CompileCacheHandle.FromString,
+                _registered_method=True)
+        self.ListCompileCaches = channel.unary_unary(
+                '/prewarm.v1.Prewarm/ListCompileCaches',
+                request_serializer=prewarm_dot_v1_dot_prewarm__pb2.ListCompileCachesRequest.SerializeToString,
+                response_deserializer=prewarm_dot_v1_dot_prewarm__pb2.ListCompileCachesResponse.FromString,
+                _registered_method=True)
+        self.EvictCompileCache = channel.unary_unary(
+                '/prewarm.v1.Prewarm/EvictCompileCache',
+                request_serializer=prewarm_dot_v1_dot_prewarm__pb2.EvictCompileCacheRequest.SerializeToString,
+                response_deserializer=prewarm_dot_v1_dot_prewarm__pb2.EvictCompileCacheResponse.FromString,
+                _registered_method=True)
+        self.PushCompileCache = channel.unary_unary(
+                '/prewarm.v1.Prewarm/PushCompileCache',
+                request_serializer=prewarm_dot_v1_dot_prewarm__pb2.PushCompileCacheRequest.SerializeToString,
+                response_deserializer=prewarm_dot_v1_dot_prewarm__pb2.PushCompileCacheResponse.FromString,
+                _registered_method=True)
+        self.PullCompileCache = channel.unary_unary(
+                '/prewarm.v1.Prewarm/PullCompileCache',
+                request_serializer=prewarm_dot_v1_dot_prewarm__pb2.PullCompileCacheRequest.SerializeToString,
+                response_deserializer=prewarm_dot_v1_dot_prewarm__pb2.CompileCacheHandle.FromString,
+                _registered_method=True)
+        self.CompileLock = channel.unary_stream(
+                '/prewarm.v1.Prewarm/CompileLock',
+                request_serializer=prewarm_dot_v1_dot_prewarm__pb2.CompileLockRequest.SerializeToString,
+                response_deserializer=prewarm_dot_v1_dot_prewarm__pb2.CompileLockEvent.FromString,
+                _registered_method=True)
 
 
 class PrewarmServicer:
@@ -162,6 +192,49 @@ class PrewarmServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EnsureCompileCache(self, request, context):
+        """A torch.compile cache directory for a key, restored from S3 on a new node,
+        with the environment variables that make each engine use it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListCompileCaches(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EvictCompileCache(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushCompileCache(self, request, context):
+        """Pack and upload a key's directory now (skipped when S3 already has the same content).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullCompileCache(self, request, context):
+        """Restore a key's directory from S3 now, replacing the local one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CompileLock(self, request, context):
+        """Node-level "one compile per key": the first caller gets GRANTED at once and
+        holds the lock while the stream stays open; later callers get WAITING, then
+        GRANTED when it is their turn (or the cache became warm meanwhile).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrewarmServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -214,6 +287,36 @@ def add_PrewarmServicer_to_server(servicer, server):
                     servicer.VerifyModels,
                     request_deserializer=prewarm_dot_v1_dot_prewarm__pb2.VerifyModelsRequest.FromString,
                     response_serializer=prewarm_dot_v1_dot_prewarm__pb2.VerifyModelsResponse.SerializeToString,
+            ),
+            'EnsureCompileCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.EnsureCompileCache,
+                    request_deserializer=prewarm_dot_v1_dot_prewarm__pb2.EnsureCompileCacheRequest.FromString,
+                    response_serializer=prewarm_dot_v1_dot_prewarm__pb2.CompileCacheHandle.SerializeToString,
+            ),
+            'ListCompileCaches': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCompileCaches,
+                    request_deserializer=prewarm_dot_v1_dot_prewarm__pb2.ListCompileCachesRequest.FromString,
+                    response_serializer=prewarm_dot_v1_dot_prewarm__pb2.ListCompileCachesResponse.SerializeToString,
+            ),
+            'EvictCompileCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.EvictCompileCache,
+                    request_deserializer=prewarm_dot_v1_dot_prewarm__pb2.EvictCompileCacheRequest.FromString,
+                    response_serializer=prewarm_dot_v1_dot_prewarm__pb2.EvictCompileCacheResponse.SerializeToString,
+            ),
+            'PushCompileCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushCompileCache,
+                    request_deserializer=prewarm_dot_v1_dot_prewarm__pb2.PushCompileCacheRequest.FromString,
+                    response_serializer=prewarm_dot_v1_dot_prewarm__pb2.PushCompileCacheResponse.SerializeToString,
+            ),
+            'PullCompileCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullCompileCache,
+                    request_deserializer=prewarm_dot_v1_dot_prewarm__pb2.PullCompileCacheRequest.FromString,
+                    response_serializer=prewarm_dot_v1_dot_prewarm__pb2.CompileCacheHandle.SerializeToString,
+            ),
+            'CompileLock': grpc.unary_stream_rpc_method_handler(
+                    servicer.CompileLock,
+                    request_deserializer=prewarm_dot_v1_dot_prewarm__pb2.CompileLockRequest.FromString,
+                    response_serializer=prewarm_dot_v1_dot_prewarm__pb2.CompileLockEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -486,6 +589,168 @@ class Prewarm:
             '/prewarm.v1.Prewarm/VerifyModels',
             prewarm_dot_v1_dot_prewarm__pb2.VerifyModelsRequest.SerializeToString,
             prewarm_dot_v1_dot_prewarm__pb2.VerifyModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EnsureCompileCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prewarm.v1.Prewarm/EnsureCompileCache',
+            prewarm_dot_v1_dot_prewarm__pb2.EnsureCompileCacheRequest.SerializeToString,
+            prewarm_dot_v1_dot_prewarm__pb2.CompileCacheHandle.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCompileCaches(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prewarm.v1.Prewarm/ListCompileCaches',
+            prewarm_dot_v1_dot_prewarm__pb2.ListCompileCachesRequest.SerializeToString,
+            prewarm_dot_v1_dot_prewarm__pb2.ListCompileCachesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EvictCompileCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prewarm.v1.Prewarm/EvictCompileCache',
+            prewarm_dot_v1_dot_prewarm__pb2.EvictCompileCacheRequest.SerializeToString,
+            prewarm_dot_v1_dot_prewarm__pb2.EvictCompileCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushCompileCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prewarm.v1.Prewarm/PushCompileCache',
+            prewarm_dot_v1_dot_prewarm__pb2.PushCompileCacheRequest.SerializeToString,
+            prewarm_dot_v1_dot_prewarm__pb2.PushCompileCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullCompileCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prewarm.v1.Prewarm/PullCompileCache',
+            prewarm_dot_v1_dot_prewarm__pb2.PullCompileCacheRequest.SerializeToString,
+            prewarm_dot_v1_dot_prewarm__pb2.CompileCacheHandle.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CompileLock(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/prewarm.v1.Prewarm/CompileLock',
+            prewarm_dot_v1_dot_prewarm__pb2.CompileLockRequest.SerializeToString,
+            prewarm_dot_v1_dot_prewarm__pb2.CompileLockEvent.FromString,
             options,
             channel_credentials,
             insecure,

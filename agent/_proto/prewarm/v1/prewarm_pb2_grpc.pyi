@@ -60,6 +60,21 @@ class PrewarmStub:
     """Run an eviction pass now (normally it runs at the high watermark)."""
     VerifyModels: _grpc.UnaryUnaryMultiCallable[_prewarm_pb2.VerifyModelsRequest, _prewarm_pb2.VerifyModelsResponse]
     """Re-hash cached files and report (and by default evict) snapshots that changed."""
+    EnsureCompileCache: _grpc.UnaryUnaryMultiCallable[_prewarm_pb2.EnsureCompileCacheRequest, _prewarm_pb2.CompileCacheHandle]
+    """A torch.compile cache directory for a key, restored from S3 on a new node,
+    with the environment variables that make each engine use it.
+    """
+    ListCompileCaches: _grpc.UnaryUnaryMultiCallable[_prewarm_pb2.ListCompileCachesRequest, _prewarm_pb2.ListCompileCachesResponse]
+    EvictCompileCache: _grpc.UnaryUnaryMultiCallable[_prewarm_pb2.EvictCompileCacheRequest, _prewarm_pb2.EvictCompileCacheResponse]
+    PushCompileCache: _grpc.UnaryUnaryMultiCallable[_prewarm_pb2.PushCompileCacheRequest, _prewarm_pb2.PushCompileCacheResponse]
+    """Pack and upload a key's directory now (skipped when S3 already has the same content)."""
+    PullCompileCache: _grpc.UnaryUnaryMultiCallable[_prewarm_pb2.PullCompileCacheRequest, _prewarm_pb2.CompileCacheHandle]
+    """Restore a key's directory from S3 now, replacing the local one."""
+    CompileLock: _grpc.UnaryStreamMultiCallable[_prewarm_pb2.CompileLockRequest, _prewarm_pb2.CompileLockEvent]
+    """Node-level "one compile per key": the first caller gets GRANTED at once and
+    holds the lock while the stream stays open; later callers get WAITING, then
+    GRANTED when it is their turn (or the cache became warm meanwhile).
+    """
 
 @_typing.type_check_only
 class PrewarmAsyncStub(PrewarmStub):
@@ -88,6 +103,21 @@ class PrewarmAsyncStub(PrewarmStub):
     """Run an eviction pass now (normally it runs at the high watermark)."""
     VerifyModels: _aio.UnaryUnaryMultiCallable[_prewarm_pb2.VerifyModelsRequest, _prewarm_pb2.VerifyModelsResponse]  # type: ignore[assignment]
     """Re-hash cached files and report (and by default evict) snapshots that changed."""
+    EnsureCompileCache: _aio.UnaryUnaryMultiCallable[_prewarm_pb2.EnsureCompileCacheRequest, _prewarm_pb2.CompileCacheHandle]  # type: ignore[assignment]
+    """A torch.compile cache directory for a key, restored from S3 on a new node,
+    with the environment variables that make each engine use it.
+    """
+    ListCompileCaches: _aio.UnaryUnaryMultiCallable[_prewarm_pb2.ListCompileCachesRequest, _prewarm_pb2.ListCompileCachesResponse]  # type: ignore[assignment]
+    EvictCompileCache: _aio.UnaryUnaryMultiCallable[_prewarm_pb2.EvictCompileCacheRequest, _prewarm_pb2.EvictCompileCacheResponse]  # type: ignore[assignment]
+    PushCompileCache: _aio.UnaryUnaryMultiCallable[_prewarm_pb2.PushCompileCacheRequest, _prewarm_pb2.PushCompileCacheResponse]  # type: ignore[assignment]
+    """Pack and upload a key's directory now (skipped when S3 already has the same content)."""
+    PullCompileCache: _aio.UnaryUnaryMultiCallable[_prewarm_pb2.PullCompileCacheRequest, _prewarm_pb2.CompileCacheHandle]  # type: ignore[assignment]
+    """Restore a key's directory from S3 now, replacing the local one."""
+    CompileLock: _aio.UnaryStreamMultiCallable[_prewarm_pb2.CompileLockRequest, _prewarm_pb2.CompileLockEvent]  # type: ignore[assignment]
+    """Node-level "one compile per key": the first caller gets GRANTED at once and
+    holds the lock while the stream stays open; later callers get WAITING, then
+    GRANTED when it is their turn (or the cache became warm meanwhile).
+    """
 
 class PrewarmServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -173,5 +203,56 @@ class PrewarmServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_prewarm_pb2.VerifyModelsResponse, _abc.Awaitable[_prewarm_pb2.VerifyModelsResponse]]:
         """Re-hash cached files and report (and by default evict) snapshots that changed."""
+
+    @_abc_1.abstractmethod
+    def EnsureCompileCache(
+        self,
+        request: _prewarm_pb2.EnsureCompileCacheRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_prewarm_pb2.CompileCacheHandle, _abc.Awaitable[_prewarm_pb2.CompileCacheHandle]]:
+        """A torch.compile cache directory for a key, restored from S3 on a new node,
+        with the environment variables that make each engine use it.
+        """
+
+    @_abc_1.abstractmethod
+    def ListCompileCaches(
+        self,
+        request: _prewarm_pb2.ListCompileCachesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_prewarm_pb2.ListCompileCachesResponse, _abc.Awaitable[_prewarm_pb2.ListCompileCachesResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def EvictCompileCache(
+        self,
+        request: _prewarm_pb2.EvictCompileCacheRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_prewarm_pb2.EvictCompileCacheResponse, _abc.Awaitable[_prewarm_pb2.EvictCompileCacheResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def PushCompileCache(
+        self,
+        request: _prewarm_pb2.PushCompileCacheRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_prewarm_pb2.PushCompileCacheResponse, _abc.Awaitable[_prewarm_pb2.PushCompileCacheResponse]]:
+        """Pack and upload a key's directory now (skipped when S3 already has the same content)."""
+
+    @_abc_1.abstractmethod
+    def PullCompileCache(
+        self,
+        request: _prewarm_pb2.PullCompileCacheRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_prewarm_pb2.CompileCacheHandle, _abc.Awaitable[_prewarm_pb2.CompileCacheHandle]]:
+        """Restore a key's directory from S3 now, replacing the local one."""
+
+    @_abc_1.abstractmethod
+    def CompileLock(
+        self,
+        request: _prewarm_pb2.CompileLockRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_prewarm_pb2.CompileLockEvent], _abc.AsyncIterator[_prewarm_pb2.CompileLockEvent]]:
+        """Node-level "one compile per key": the first caller gets GRANTED at once and
+        holds the lock while the stream stays open; later callers get WAITING, then
+        GRANTED when it is their turn (or the cache became warm meanwhile).
+        """
 
 def add_PrewarmServicer_to_server(servicer: PrewarmServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -76,6 +76,11 @@ class S3Settings(BaseModel):
     endpoint_url: OptionalText = None
     region: OptionalText = None
     addressing_style: Literal["auto", "path", "virtual"] = "auto"
+    # What moves the bulk bytes: "streamer" (runai-model-streamer's C++ client, the
+    # `streamer` extra), "aiobotocore" (ranged GETs in the agent's event loop), or
+    # "auto" (the faster one by measurement, see docs/data-planes.md; aiobotocore
+    # when the streamer is not importable).
+    data_plane: Literal["auto", "streamer", "aiobotocore"] = "auto"
     # Parallel ranged GETs per pull; memory is about concurrency x io_block.
     concurrency: int = Field(default=16, ge=1, le=512)
     # Size of each ranged GET.

@@ -41,6 +41,9 @@ class MemorySource:
     # When set, every read after the first piece of a range waits for this event:
     # a test can hold a pull mid-transfer, then let it go.
     gate: asyncio.Event | None = None
+    # Checksums to report for keys (as S3 would from HEAD with ChecksumMode);
+    # the listing then names their algorithm.
+    checksums: dict[str, S3Checksum] = field(default_factory=dict)
     name: str = "memory"
 
     def put(self, bucket: str, key: str, data: bytes) -> None:
@@ -52,7 +55,12 @@ class MemorySource:
     async def list_objects(self, uri: ModelUri) -> list[ListedObject]:
         bucket = self._bucket(uri.bucket)
         return [
-            ListedObject(key=key, size=len(data), etag=self.etag(uri.bucket, key))
+            ListedObject(
+                key=key,
+                size=len(data),
+                etag=self.etag(uri.bucket, key),
+                checksum_algorithm=self.checksums[key].algorithm if key in self.checksums else "",
+            )
             for key, data in sorted(bucket.items())
             if key.startswith(uri.prefix)
         ]
@@ -71,7 +79,7 @@ class MemorySource:
         yield _Reader(data[start : start + length], self.piece, cut, record, self.gate)
 
     async def head_checksum(self, bucket: str, key: str, *, etag: str) -> S3Checksum | None:
-        return None
+        return self.checksums.get(key)
 
     def _bucket(self, name: str) -> Mapping[str, bytes]:
         if name not in self.objects:

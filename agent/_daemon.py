@@ -25,6 +25,7 @@ from ._logging import configure_logging
 from ._proto.prewarm.v1 import prewarm_pb2, prewarm_pb2_grpc
 from ._puller import Puller
 from ._s3 import S3Source
+from ._sdnotify import SystemdNotifier
 from ._service import AgentService
 from ._store import Store, TierBudget
 from ._version import __version__
@@ -82,6 +83,8 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
         loop.add_signal_handler(signum, stop.set)
     socket_path = settings.socket_path
     tiers = settings.tiers
+    notifier = SystemdNotifier.from_environment()
+    notifier.status(f"Reconciling the cache in {tiers.shm_root} and {tiers.disk_root}")
     store = Store(
         {"shm": tiers.shm_root, "disk": tiers.disk_root},
         {
@@ -127,7 +130,14 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
                 __version__,
                 extra={"socket": str(socket_path), "models": len(store.models())},
             )
-            await stop.wait()
+            # Both sockets are bound and the store reconciled: pods can be served.
+            notifier.ready(_describe(store, puller, socket_path))
+            async with notifier.heartbeat(lambda: _describe(store, puller, socket_path)):
+                await stop.wait()
+            notifier.stopping(
+                f"Stopping: draining requests for up to {settings.shutdown_grace_seconds:g} s; "
+                f"{_count(len(puller.flights()), 'pull')} in flight will stay resumable"
+            )
             log.info(
                 "stopping: draining requests", extra={"grace": settings.shutdown_grace_seconds}
             )
@@ -137,6 +147,20 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
             with contextlib.suppress(FileNotFoundError):
                 socket_path.unlink()
     log.info("stopped")
+
+
+def _describe(store: Store, puller: Puller, socket_path: Path) -> str:
+    """One line for ``systemctl status``."""
+    models = store.models()
+    size = sum(model.total_bytes for model in models) / 1024**3
+    return (
+        f"Serving on {socket_path}: {_count(len(models), 'model')} cached ({size:.1f} GiB), "
+        f"{_count(len(puller.flights()), 'pull')} in flight"
+    )
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -169,5 +193,6 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(serve(settings))
     except PrewarmError as exc:
         log.error("cannot start: %s", exc)
+        SystemdNotifier.from_environment().status(f"Cannot start: {exc}")
         return 1
     return 0

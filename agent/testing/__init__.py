@@ -6,6 +6,8 @@
   and private tier roots, ready when its gRPC health service says SERVING.
 - ``make_safetensors_model`` / ``upload_directory`` / ``upload_model``: sharded
   safetensors models in the Hugging Face layout, and putting them in a bucket.
+- ``NotifySocket``: systemd's end of sd_notify (``$NOTIFY_SOCKET``), recording
+  each ``NotifyMessage`` a daemon sends, in order.
 - ``MemorySource``: an in-memory stand-in for S3 behind the puller's
   ObjectSource interface, with scripted mid-transfer failures (``RangeRead``
   records what was asked of it).
@@ -18,12 +20,15 @@ from ._daemon import AgentProcess, AgentStartupError
 from ._memory_source import MemorySource, RangeRead
 from ._models import SampleModel, make_safetensors_model, upload_directory, upload_model
 from ._s3server import CONTROL_PATH, RecordedRequest, S3Server, S3ServerError
+from ._sdnotify import NotifyMessage, NotifySocket
 
 __all__ = [
     "CONTROL_PATH",
     "AgentProcess",
     "AgentStartupError",
     "MemorySource",
+    "NotifyMessage",
+    "NotifySocket",
     "RangeRead",
     "RecordedRequest",
     "S3Server",

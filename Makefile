@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv demo test lint typecheck pytest proto clean
+.PHONY: venv demo bench test lint typecheck pytest proto clean
 
 # The venv is (re)built when pyproject.toml changes. torch is pinned to the CPU
 # build (2.13.0): an unpinned torch would pull a multi-GB CUDA build.
@@ -20,6 +20,11 @@ venv: $(STAMP)
 ## demo: local S3 server + agent; pull a small model cold, then warm
 demo: $(STAMP)
 	$(PY) scripts/demo.py
+
+## bench: the benchmark suite (by hand, never in CI; see docs/benchmarks.md).
+## Options through BENCH_ARGS, e.g. make bench BENCH_ARGS="--size 8GiB --only ceiling,cold"
+bench: $(STAMP)
+	$(PY) -m bench $(BENCH_ARGS)
 
 ## test: lint, type-check and the whole test suite (what CI runs)
 test: lint typecheck pytest

@@ -1,0 +1,5 @@
+import sys
+
+from bench._cli import main
+
+sys.exit(main())

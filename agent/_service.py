@@ -14,6 +14,8 @@ from ._exceptions import Conflict, NotFound, SourceUnavailable
 from ._flight import Flight, PullProgress
 from ._integrity import FileProblem, verify_files
 from ._leases import LeaseRecord, LeaseTable
+from ._logging import bind_request
+from ._metrics import CACHE_LOOKUPS, EVICTIONS, PHASE_SECONDS
 from ._puller import Puller
 from ._resolver import resolve
 from ._s3 import ObjectSource
@@ -143,6 +145,7 @@ class AgentService:
         except (SourceUnavailable, TimeoutError):
             if fallback is None:
                 raise
+            bind_request(key=fallback.key)
             log.warning("S3 unreachable; serving cached %s (%s) unchecked", uri, fallback.key)
             elapsed = time.monotonic() - started
             yield await self._answer(
@@ -157,6 +160,7 @@ class AgentService:
             )
             return
         resolved = time.monotonic()
+        bind_request(key=snapshot.key)
         cached = self._store.get(snapshot.key)
         if cached is not None:
             yield await self._answer(
@@ -237,6 +241,7 @@ class AgentService:
             await self._store.set_pinned(model.key, True)
         if hit:
             await self._store.record_use(model.key, hit=True)
+        _observe(timings, "offline" if offline else "hit" if hit else "miss")
         return EnsureResult(model, hit, offline, timings, granted, resumed_bytes)
 
     # -- inspection -----------------------------------------------------------------------
@@ -286,6 +291,7 @@ class AgentService:
             self._evictor.check_evictable(targets, force=force)
             evicted = [await self._store.evict(model.key) for model in targets]
         for model in evicted:
+            EVICTIONS.labels(model.tier, "manual").inc()
             for lease in self._leases.for_key(model.key):
                 self._leases.release(lease.id)  # nothing left to protect
         return EvictResult(tuple(evicted), sum(m.total_bytes for m in evicted))
@@ -328,6 +334,7 @@ class AgentService:
                     extra={"key": model.key, "problems": [p.path for p in problems]},
                 )
                 await self._store.evict(model.key)
+                EVICTIONS.labels(model.tier, "verify").inc()
                 evicted = True
             results.append(
                 Verification(model, tuple(problems), evicted, time.monotonic() - started)
@@ -340,6 +347,20 @@ class AgentService:
             return [f for f in self._puller.flights() if str(f.snapshot.uri) == uri]
         key = ref.lower()
         return [f for f in self._puller.flights() if key and f.key.startswith(key)]
+
+
+def _observe(timings: RequestTimings, lookup: str) -> None:
+    CACHE_LOOKUPS.labels(lookup).inc()
+    phases = {"resolve": timings.resolve, "total": timings.total}
+    if lookup == "miss":
+        phases |= {
+            "wait": timings.wait,
+            "download": timings.download,
+            "verify": timings.verify,
+            "publish": timings.publish,
+        }
+    for phase, seconds in phases.items():
+        PHASE_SECONDS.labels(phase, lookup).observe(seconds)
 
 
 def _pull_seconds(flight: Flight) -> float:

@@ -33,6 +33,7 @@ from agent.client import (
 from agent.client import Progress as PullProgress
 
 from . import _render as render
+from ._exec import exec_command
 
 __all__ = ["app"]
 
@@ -327,3 +328,7 @@ def status(socket: SocketOption = None, json_out: JsonOption = False) -> None:
         sys.stdout.write(render.to_json(agent_status) + "\n")
     else:
         _stdout().print(render.status_view(agent_status))
+
+
+# `prewarm exec URI [OPTIONS] -- CMD ...`: everything after -- belongs to CMD.
+app.command("exec")(exec_command)

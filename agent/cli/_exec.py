@@ -1,0 +1,305 @@
+"""``prewarm exec``: run an inference engine on this node's cached copy of a model.
+
+    prewarm exec s3://models/llama-3-8b/ -- vllm serve {model} --port 8000
+
+1. ensures the model through the agent (a progress display on stderr) with a
+   lease, and the compile cache when ``--compile-key`` asks for one;
+2. replaces ``{model}`` in every argument of the command with the model's
+   local directory and adds the compile cache's environment variables;
+3. runs the command as a child in its own process group, holding the lease
+   open on the agent's lease socket for as long as the child lives, and
+   forwards SIGTERM, SIGINT and SIGHUP to it (the child's own process group
+   means a terminal's Ctrl-C reaches it once, through this process);
+4. exits with the child's exit status, or 128 + the signal that killed it.
+
+With ``--fallback``, an agent that cannot be reached is not fatal: the command
+runs with ``{model}`` replaced by the original URI (engines such as vLLM can
+stream from S3 themselves), after a warning on stderr. Without it, exit 3.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from enum import StrEnum
+from pathlib import Path
+from types import FrameType
+from typing import Annotated, NoReturn
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+from agent.client import (
+    AgentUnavailable,
+    Client,
+    InvalidRequest,
+    ModelHandle,
+    PrewarmError,
+)
+from agent.client import Progress as PullProgress
+
+from . import _render as render
+
+__all__ = ["exec_command"]
+
+# The same statuses as every other prewarm command (see _app).
+EXIT_ERROR = 1
+EXIT_INVALID = 2
+EXIT_NO_AGENT = 3
+# What a shell answers for a command it cannot find or cannot run.
+EXIT_NOT_FOUND = 127
+EXIT_CANNOT_RUN = 126
+
+PLACEHOLDER = "{model}"
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class _Tier(StrEnum):
+    shm = "shm"
+    disk = "disk"
+
+
+def exec_command(
+    uri: Annotated[str, typer.Argument(help="The model, e.g. s3://models/llama-3-8b/.")],
+    command: Annotated[
+        list[str],
+        typer.Argument(
+            help="The command to run, after --. Every {model} in it becomes the model's "
+            "local directory.",
+            show_default=False,
+        ),
+    ],
+    *,
+    tier: Annotated[
+        _Tier | None,
+        typer.Option(help="Where to place the model if it is pulled (default: the agent's)."),
+    ] = None,
+    include: Annotated[
+        list[str] | None,
+        typer.Option("--include", help="Only paths matching this glob (repeatable)."),
+    ] = None,
+    exclude: Annotated[
+        list[str] | None,
+        typer.Option("--exclude", help="Skip paths matching this glob (repeatable)."),
+    ] = None,
+    compile_key: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--compile-key",
+            help="A compile-cache key part as NAME=VALUE (repeatable), e.g. engine=vllm; "
+            "extras as extras.NAME=VALUE. The model's key is added by itself.",
+        ),
+    ] = None,
+    fallback: Annotated[
+        bool,
+        typer.Option(
+            "--fallback",
+            help="If the agent cannot be reached, run the command against the original URI "
+            "(with a warning) instead of failing with exit 3.",
+        ),
+    ] = False,
+    name: Annotated[
+        str | None,
+        typer.Option(
+            "--name",
+            envvar="PREWARM_CLIENT_NAME",
+            help="How the agent lists this client (default: host name and command).",
+            show_default=False,
+        ),
+    ] = None,
+    socket: Annotated[
+        Path | None,
+        typer.Option(
+            "--socket",
+            envvar="PREWARM_SOCKET_PATH",
+            help="The agent's socket (default: /run/prewarm/agent.sock).",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Run COMMAND on the node's cached copy of a model, holding a lease while it runs.
+
+    prewarm exec s3://models/llama-3-8b/ -- vllm serve {model} --port 8000
+    """
+    if not command:
+        _fail("give the command to run after --, e.g. -- vllm serve {model}", EXIT_INVALID)
+    try:
+        key_parts = parse_compile_key(compile_key or ())
+    except InvalidRequest as exc:
+        _fail(str(exc), EXIT_INVALID)
+    client_name = name or _default_name(command)
+    with contextlib.ExitStack() as stack:
+        client = stack.enter_context(Client(socket))
+        try:
+            # The display ends with the pull; the lease stays in the stack.
+            with _progress_display(uri) as show:
+                handle = stack.enter_context(
+                    client.leased(
+                        uri,
+                        tier=tier.value if tier else None,
+                        include=include or (),
+                        exclude=exclude or (),
+                        client_name=client_name,
+                        progress=show,
+                    )
+                )
+        except AgentUnavailable as exc:
+            if not fallback:
+                _fail(f"{exc} (--fallback would run the command against {uri})", EXIT_NO_AGENT)
+            sys.stderr.write(
+                f"prewarm: warning: {exc}\nprewarm: warning: --fallback: running the command "
+                f"against {uri} itself; this pod downloads the model on its own.\n"
+            )
+            raise typer.Exit(run_child(substitute(command, uri), dict(os.environ))) from None
+        except InvalidRequest as exc:
+            _fail(str(exc), EXIT_INVALID)
+        except PrewarmError as exc:
+            _fail(str(exc), EXIT_ERROR)
+        sys.stderr.write(f"prewarm: {render.pull_summary(handle)}\n")
+        env = dict(os.environ)
+        if key_parts:
+            env.update(_compile_cache_env(client, key_parts, handle))
+        # The lease stays held (ExitStack) until the child has exited.
+        code = run_child(substitute(command, str(handle.path)), env)
+    raise typer.Exit(code)
+
+
+def substitute(command: Sequence[str], model: str) -> list[str]:
+    """``command`` with every ``{model}`` replaced, also inside arguments (--model={model})."""
+    return [part.replace(PLACEHOLDER, model) for part in command]
+
+
+def parse_compile_key(pairs: Sequence[str]) -> dict[str, str]:
+    """NAME=VALUE pairs as a dict; InvalidRequest names a malformed one."""
+    parts: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise InvalidRequest(
+                f"--compile-key {pair!r} is not NAME=VALUE; e.g. --compile-key engine=vllm."
+            )
+        parts[key.strip()] = value
+    return parts
+
+
+def _compile_cache_env(
+    client: Client, key_parts: Mapping[str, str], handle: ModelHandle
+) -> dict[str, str]:
+    """The compile cache's environment for the child.
+
+    Hook for the compile-cache RPC (EnsureCompileCache): until the client has
+    it, the command runs without a managed compile cache, and says so.
+    """
+    sys.stderr.write(
+        "prewarm: warning: this prewarm has no compile-cache support yet; "
+        f"--compile-key {', '.join(key_parts)} ignored.\n"
+    )
+    return {}
+
+
+def run_child(argv: list[str], env: dict[str, str]) -> int:
+    """Run ``argv`` to the end, forwarding signals; its exit status as a shell reports it."""
+    child: subprocess.Popen[bytes] | None = None
+    pending: list[int] = []
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        if child is None:
+            pending.append(signum)  # arrived while starting: delivered right after
+        else:
+            child.send_signal(signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in FORWARDED_SIGNALS}
+    try:
+        try:
+            # Its own process group: signals reach it once, through forward(),
+            # not a second time from the terminal.
+            child = subprocess.Popen(argv, env=env, process_group=0)
+        except FileNotFoundError:
+            sys.stderr.write(f"prewarm: {argv[0]}: command not found\n")
+            return EXIT_NOT_FOUND
+        except PermissionError as exc:
+            sys.stderr.write(f"prewarm: {argv[0]}: cannot run it: {exc.strerror}\n")
+            return EXIT_CANNOT_RUN
+        for signum in pending:
+            child.send_signal(signum)
+        returncode = child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _default_name(command: Sequence[str]) -> str:
+    # In a pod the host name is the pod name.
+    host = os.environ.get("HOSTNAME") or os.uname().nodename
+    return f"{host}: {Path(command[0]).name}"
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    sys.stderr.write(f"prewarm: error: {message}\n")
+    raise typer.Exit(code)
+
+
+@contextlib.contextmanager
+def _progress_display(uri: str) -> Iterator[Callable[[PullProgress], None]]:
+    """A progress callback: a bar on a terminal, a line per step in a pod's log."""
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        yield _ProgressLines(uri)
+        return
+    progress = Progress(
+        TextColumn("{task.description:<8}"),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    )
+    task = progress.add_task("resolve", total=None)
+
+    def update(event: PullProgress) -> None:
+        progress.update(
+            task,
+            description=event.phase,
+            completed=event.bytes_done,
+            total=event.bytes_total or None,
+        )
+
+    with progress:
+        yield update
+
+
+class _ProgressLines:
+    """Progress for logs: one line per phase, and one per tenth of the download."""
+
+    def __init__(self, uri: str) -> None:
+        self._uri = uri
+        self._phase = ""
+        self._tenth = -1
+
+    def __call__(self, event: PullProgress) -> None:
+        tenth = event.bytes_done * 10 // event.bytes_total if event.bytes_total else 0
+        if event.phase == self._phase and (event.phase != "download" or tenth <= self._tenth):
+            return
+        self._phase, self._tenth = event.phase, tenth
+        done = ""
+        if event.phase == "download" and event.bytes_total:
+            done = (
+                f" {render.human_bytes(event.bytes_done)} of "
+                f"{render.human_bytes(event.bytes_total)} ({tenth * 10}%)"
+            )
+        sys.stderr.write(f"prewarm: {self._uri}: {event.phase}{done}\n")
+        sys.stderr.flush()

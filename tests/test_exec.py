@@ -1,0 +1,122 @@
+"""``prewarm exec`` end to end: the real CLI, the real daemon, a real PyTorch child."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from agent.client import Client
+from agent.testing import AgentProcess, SampleModel
+
+CHILD = str(Path(__file__).with_name("exec_child.py"))
+
+
+def start_exec(*args: str, socket: Path) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}
+    env["PREWARM_SOCKET_PATH"] = str(socket)
+    return subprocess.Popen(
+        [sys.executable, "-m", "agent.cli", "exec", *args],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def start_child_on(model: SampleModel, socket: Path) -> subprocess.Popen[str]:
+    """``prewarm exec`` of the checking child; returns once the child has checked the tensors."""
+    launcher = start_exec(
+        model.uri,
+        "--name",
+        "test/exec",
+        "--",
+        sys.executable,
+        CHILD,
+        "{model}",
+        str(model.source_dir),
+        socket=socket,
+    )
+    assert launcher.stdout is not None
+    first = launcher.stdout.readline()
+    if first != "tensors match\n":
+        launcher.kill()
+        _, stderr = launcher.communicate(timeout=30)
+        raise AssertionError(f"child said {first!r}; launcher stderr:\n{stderr}")
+    return launcher
+
+
+def test_exec_runs_the_command_on_the_cached_model_and_passes_its_exit_status_through(
+    agent_daemon: AgentProcess, small_model: SampleModel
+) -> None:
+    launcher = start_child_on(small_model, agent_daemon.socket_path)
+    _, stderr = launcher.communicate("7\n", timeout=60)
+    assert launcher.returncode == 7, stderr
+    assert f"cold pull of {small_model.uri}" in stderr
+
+
+def test_exec_holds_the_lease_while_the_command_runs_and_not_after(
+    agent_daemon: AgentProcess, small_model: SampleModel
+) -> None:
+    launcher = start_child_on(small_model, agent_daemon.socket_path)
+    with Client(agent_daemon.socket_path) as client:
+        [lease] = client.get(small_model.uri).leases
+        assert lease.held
+        assert lease.pid == launcher.pid
+        assert lease.client_name == "test/exec"
+        launcher.communicate("0\n", timeout=60)
+        assert launcher.returncode == 0
+        assert client.get(small_model.uri).leases == ()
+
+
+def test_exec_forwards_sigterm_and_exits_128_plus_the_signal(
+    agent_daemon: AgentProcess, small_model: SampleModel
+) -> None:
+    launcher = start_child_on(small_model, agent_daemon.socket_path)
+    # The child runs in its own process group: only forwarding can reach it.
+    launcher.send_signal(signal.SIGTERM)
+    _, stderr = launcher.communicate(timeout=60)
+    assert launcher.returncode == 128 + signal.SIGTERM, stderr
+    with Client(agent_daemon.socket_path) as client:
+        assert client.get(small_model.uri).leases == ()
+
+
+def test_exec_with_fallback_runs_the_command_on_the_uri_when_no_agent_answers(
+    tmp_path: Path,
+) -> None:
+    uri = "s3://models/llama/"
+    show_argv = "import sys; print(sys.argv[1:]); sys.exit(5)"
+    launcher = start_exec(
+        "--fallback",
+        uri,
+        "--",
+        sys.executable,
+        "-c",
+        show_argv,
+        "--model={model}",
+        socket=tmp_path / "no-agent.sock",
+    )
+    stdout, stderr = launcher.communicate(timeout=60)
+    assert launcher.returncode == 5, stderr
+    assert stdout == f"['--model={uri}']\n"
+    assert "warning" in stderr
+    assert "--fallback" in stderr
+
+
+def test_exec_without_fallback_exits_3_when_no_agent_answers(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    launcher = start_exec(
+        "s3://models/llama/",
+        "--",
+        sys.executable,
+        "-c",
+        f"open({str(marker)!r}, 'w')",
+        socket=tmp_path / "no-agent.sock",
+    )
+    _, stderr = launcher.communicate(timeout=60)
+    assert launcher.returncode == 3, stderr
+    assert "no-agent.sock" in stderr
+    assert not marker.exists()

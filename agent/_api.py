@@ -27,6 +27,7 @@ from ._proto.prewarm.v1 import prewarm_pb2_grpc as pb_grpc
 from ._service import AgentService, EnsureResult, EvictResult
 from ._snapshot import TierName
 from ._store import CachedModel, TierUsage
+from ._tuning import DATA_PLANE_CHOICES, PullOptions
 
 __all__ = ["PrewarmServicer", "status_code_for"]
 
@@ -80,6 +81,12 @@ class PrewarmServicer(pb_grpc.PrewarmServicer):
             await _abort(context, InvalidRequest(f"Unknown tier {request.tier}; use shm or disk."))
         if request.lease_ttl_seconds < 0:
             await _abort(context, InvalidRequest("lease_ttl_seconds must not be negative."))
+        try:
+            options = (
+                _pull_options(request.pull_options) if request.HasField("pull_options") else None
+            )
+        except PrewarmError as exc:
+            await _abort(context, exc)
         yield pb.EnsureModelEvent(progress=pb.Progress(phase=pb.PHASE_RESOLVE))
         try:
             async for event in self._service.ensure(
@@ -92,6 +99,7 @@ class PrewarmServicer(pb_grpc.PrewarmServicer):
                 lease_ttl=request.lease_ttl_seconds or None,
                 pin=request.pin,
                 strict_tier=request.strict_tier,
+                options=options,
             ):
                 if isinstance(event, PullProgress):
                     yield pb.EnsureModelEvent(progress=_progress(event))
@@ -287,6 +295,22 @@ class PrewarmServicer(pb_grpc.PrewarmServicer):
         if result.lease is not None:
             handle.lease.CopyFrom(self._lease(result.lease))
         return handle
+
+
+def _pull_options(message: pb.PullOptions) -> PullOptions:
+    """The request's overrides; zero values mean "the agent's setting"."""
+    if message.data_plane and message.data_plane not in DATA_PLANE_CHOICES:
+        raise InvalidRequest(
+            f"Unknown data plane {message.data_plane!r}; use one of "
+            f"{', '.join(DATA_PLANE_CHOICES)} (or leave it empty for the agent's)."
+        )
+    if message.concurrency < 0 or message.chunk_size < 0:
+        raise InvalidRequest("concurrency and chunk_size must not be negative.")
+    return PullOptions(
+        data_plane=message.data_plane or None,
+        concurrency=message.concurrency or None,
+        chunk_size=message.chunk_size or None,
+    )
 
 
 def _timestamp(seconds: float) -> Timestamp:

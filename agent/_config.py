@@ -81,9 +81,11 @@ class S3Settings(BaseModel):
     # "auto" (the faster one by measurement, see docs/data-planes.md; aiobotocore
     # when the streamer is not importable).
     data_plane: Literal["auto", "streamer", "aiobotocore"] = "auto"
-    # Parallel ranged GETs per pull; memory is about concurrency x io_block.
-    concurrency: int = Field(default=16, ge=1, le=512)
-    # Size of each ranged GET.
+    # Parallel streams per pull. "auto": ceil(model bytes / 4 GB), at least 1, at most
+    # the CPU count and max_concurrency (the published EKS guidance); a number pins it.
+    concurrency: Annotated[int, Field(ge=1, le=512)] | Literal["auto"] = "auto"
+    max_concurrency: int = Field(default=64, ge=1, le=512)
+    # Size of each ranged GET, and of each range the journal records (resume granularity).
     chunk_size: ByteSize = Field(default=ByteSize(64 * 1024**2), ge=1024**2)
     # Bytes gathered from a response body before one positional write.
     io_block: ByteSize = Field(default=ByteSize(4 * 1024**2), ge=64 * 1024)
@@ -93,6 +95,10 @@ class S3Settings(BaseModel):
     range_retries: int = Field(default=5, ge=0, le=20)
     connect_timeout_seconds: float = Field(default=10.0, gt=0)
     read_timeout_seconds: float = Field(default=60.0, gt=0)
+    # A GET that moves less than low_speed_limit bytes/s for request_timeout_ms is
+    # abandoned and retried (both planes), so one slow connection never stalls a pull.
+    request_timeout_ms: int = Field(default=3000, ge=100)
+    low_speed_limit: ByteSize = Field(default=ByteSize(1024**2), ge=0)
 
 
 def _check_size_or_percent(value: object) -> object:

@@ -1,62 +1,38 @@
 """Pulls: a snapshot's objects into a staging directory, checked, then published.
 
-One flight per snapshot key. Memory stays bounded whatever the model size:
-``concurrency`` workers each hold at most ``io_block`` bytes before a
-positional write, which runs in a worker thread so the event loop never blocks
-on the page cache. Completed ranges are journaled, so a pull interrupted by a
-crash or a shutdown resumes instead of starting over.
+One flight per snapshot key. Each pull gets a ``Tuning`` (concurrency, chunk
+size, timeouts: _tuning) and a data plane (_dataplane: aiobotocore ranged GETs
+or the Run:ai Model Streamer) from the config and the request that started it;
+requests that join a flight get that flight's. Completed ranges are journaled,
+so a pull interrupted by a crash or a shutdown resumes instead of starting
+over, as long as it asks for the same chunk size.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from ._config import IntegritySettings, S3Settings
-from ._exceptions import IntegrityError, PrewarmError, SourceUnavailable
+from ._config import ConfigError, IntegritySettings, S3Settings
+from ._dataplane import AUTO_DATA_PLANE, DataPlane, plan_ranges
+from ._exceptions import IntegrityError, InvalidRequest, PrewarmError, SourceUnavailable
 from ._flight import Flight
-from ._integrity import ChunkHasher
-from ._s3 import ObjectSource, RangeReader
-from ._snapshot import Snapshot, SourceObject, TierName
+from ._plane_aiobotocore import AiobotocorePlane
+from ._plane_streamer import StreamerPlane, load_streamer, streamer_unavailable
+from ._s3 import ObjectSource, S3Source
+from ._snapshot import Snapshot, TierName
 from ._staging import StagingFiles, open_staging, verify_before_publish
 from ._store import CachedFile, CachedModel, Store
+from ._tuning import DataPlaneChoice, PullOptions, Tuning, tune
 
 __all__ = ["Puller"]
 
 log = logging.getLogger(__name__)
-
-_MAX_IOVECS = 512  # well under IOV_MAX (1024 on Linux)
-_BACKOFF_BASE_SECONDS = 0.2
-_BACKOFF_CAP_SECONDS = 5.0
-
-
-@dataclass(frozen=True, slots=True)
-class _Range:
-    obj: SourceObject
-    start: int
-    length: int
-
-
-@dataclass(slots=True)
-class _Cursor:
-    range: _Range
-    hasher: ChunkHasher
-    written: int = 0
-
-    @property
-    def offset(self) -> int:
-        return self.range.start + self.written
-
-    @property
-    def missing(self) -> int:
-        return self.range.length - self.written
 
 
 class Puller:
@@ -74,9 +50,31 @@ class Puller:
         self._settings = settings
         self._integrity = integrity or IntegritySettings()
         self._flights: dict[str, Flight] = {}
+        self._pulls: dict[str, tuple[DataPlane, Tuning]] = {}
         self._tasks: asyncio.TaskGroup | None = None
+        self._ranged = AiobotocorePlane(source)
+        self._streamer: StreamerPlane | None = None
+        # The streamer talks to S3 itself, so it only stands in for a real S3 source.
+        self._streamer_missing = (
+            streamer_unavailable()
+            if isinstance(source, S3Source)
+            else f"the source is {source.name}, not S3"
+        )
 
     async def __aenter__(self) -> Self:
+        if self._streamer_missing is None:
+            if self._wants_streamer(self._settings.data_plane):
+                # Import it now (it brings torch: seconds), not in the first pull.
+                self._streamer_missing = await asyncio.to_thread(load_streamer)
+            if self._streamer_missing is None:
+                self._streamer = StreamerPlane(self._settings, self._source, self._ranged)
+        if self._settings.data_plane == "streamer" and self._streamer is None:
+            raise ConfigError(
+                f"s3.data_plane is 'streamer' but {self._streamer_missing}. Install the "
+                "streamer extra (pip install 'prewarm[streamer]') or set data_plane = 'auto'."
+            )
+        if self._settings.data_plane != "aiobotocore" and self._streamer is None:
+            log.info("data plane: aiobotocore (no streamer: %s)", self._streamer_missing)
         self._tasks = asyncio.TaskGroup()
         await self._tasks.__aenter__()
         return self
@@ -97,20 +95,47 @@ class Puller:
             for flight in list(self._flights.values()):
                 self._finish(flight, None, asyncio.CancelledError(), keep_staging=True)
 
+    @property
+    def data_plane(self) -> str:
+        """The data plane a request that names none gets."""
+        return self._plane(self._settings.data_plane).name
+
     def flights(self) -> list[Flight]:
         return list(self._flights.values())
 
     def flight_for(self, key: str) -> Flight | None:
         return self._flights.get(key)
 
-    def join(self, snapshot: Snapshot, tier: TierName) -> tuple[Flight, bool]:
-        """The flight for this snapshot, started if needed; True if this call started it."""
+    def settings_of(self, flight: Flight) -> tuple[str, Tuning] | None:
+        """The data plane and tuning a flight in progress runs with."""
+        pull = self._pulls.get(flight.key)
+        return None if pull is None else (pull[0].name, pull[1])
+
+    def join(
+        self, snapshot: Snapshot, tier: TierName, options: PullOptions | None = None
+    ) -> tuple[Flight, bool]:
+        """The flight for this snapshot, started if needed; True if this call started it.
+
+        ``options`` apply only to a flight this call starts: a request that
+        joins a pull in progress gets that pull's data plane and tuning.
+        """
         flight = self._flights.get(snapshot.key)
         if flight is not None:
             return flight, False
         assert self._tasks is not None, "Puller used outside its context"
+        options = options or PullOptions()
+        plane = self._plane(options.data_plane or self._settings.data_plane)
+        tuning = tune(self._settings, snapshot.total_bytes, options)
         flight = Flight(snapshot, tier)
         self._flights[snapshot.key] = flight
+        self._pulls[snapshot.key] = (plane, tuning)
+        log.info(
+            "pulling %s with %s: %d streams, %d-byte chunks",
+            snapshot.uri,
+            plane.name,
+            tuning.concurrency,
+            tuning.chunk_size,
+        )
         # Counted against the tier from now on, so concurrent placements see it.
         self._store.begin_staging(tier, snapshot.key, snapshot.total_bytes)
         flight._task = self._tasks.create_task(self._run(flight), name=f"pull-{snapshot.key}")
@@ -145,12 +170,14 @@ class Puller:
         keep_staging: bool,
     ) -> None:
         self._flights.pop(flight.key, None)
+        self._pulls.pop(flight.key, None)
         self._store.end_staging(flight.key, keep=keep_staging)
         flight._settle(model, error)
 
     async def _pull(self, flight: Flight) -> CachedModel:
         snapshot = flight.snapshot
-        chunk = int(self._settings.chunk_size)
+        plane, tuning = self._pulls[flight.key]
+        chunk = tuning.chunk_size
         root = self._store.staging_path(flight.tier, snapshot.key)
         staging = await asyncio.to_thread(open_staging, root, snapshot, chunk, flight.tier)
         try:
@@ -169,7 +196,7 @@ class Puller:
                     flight.resumed_bytes,
                     snapshot.total_bytes,
                 )
-            await self._download(flight, staging)
+            await plane.download(flight, staging, plan_ranges(snapshot, staging), tuning)
             downloaded = time.monotonic()
             flight.timings = replace(flight.timings, download=downloaded - started)
             flight.set_phase("verify")
@@ -218,103 +245,24 @@ class Puller:
                     check=f"s3-{checksum.algorithm.lower()}",
                 )
 
-    async def _download(self, flight: Flight, staging: StagingFiles) -> None:
-        ranges = iter(_plan(flight.snapshot, staging))
-        try:
-            async with asyncio.TaskGroup() as workers:
-                for _ in range(self._settings.concurrency):
-                    workers.create_task(self._worker(flight, staging, ranges))
-        except ExceptionGroup as group:
-            # The first worker to fail cancels the rest; report its error, not the group.
-            raise _root_cause(group) from None
+    def check(self, options: PullOptions) -> None:
+        """Raise InvalidRequest if a pull with these options could not start."""
+        self._plane(options.data_plane or self._settings.data_plane)
 
-    async def _worker(
-        self, flight: Flight, staging: StagingFiles, ranges: Iterator[_Range]
-    ) -> None:
-        # A shared iterator hands out ranges lazily: no queue of the whole plan.
-        for byte_range in ranges:
-            await self._fetch(flight, staging, byte_range)
+    def _wants_streamer(self, choice: DataPlaneChoice) -> bool:
+        return choice == "streamer" or (choice == "auto" and AUTO_DATA_PLANE == "streamer")
 
-    async def _fetch(self, flight: Flight, staging: StagingFiles, byte_range: _Range) -> None:
-        """Write one range at its offset, resuming after the last good byte on retry."""
-        obj = byte_range.obj
-        bucket = flight.snapshot.uri.bucket
-        cursor = _Cursor(byte_range, ChunkHasher())
-        failures = 0
-        while cursor.missing:
-            try:
-                async with self._source.open_range(
-                    bucket, obj.key, etag=obj.etag, start=cursor.offset, length=cursor.missing
-                ) as reader:
-                    await self._copy(flight, staging, reader, cursor)
-                if cursor.missing:
-                    raise SourceUnavailable(
-                        f"s3://{bucket}/{obj.key} ended {cursor.missing} bytes short of the "
-                        "requested range."
-                    )
-            except SourceUnavailable as exc:
-                failures += 1
-                if failures > self._settings.range_retries:
-                    raise SourceUnavailable(
-                        f"Giving up on s3://{bucket}/{obj.key} after {failures} attempts: {exc}"
-                    ) from exc
-                delay = min(_BACKOFF_CAP_SECONDS, _BACKOFF_BASE_SECONDS * 2 ** (failures - 1))
-                log.info("retrying %s in %.2fs: %s", obj.key, delay, exc)
-                await asyncio.sleep(random.uniform(0, delay))  # full jitter
-        staging.complete_range(
-            obj.relative_path, byte_range.start, byte_range.length, cursor.hasher.digest()
-        )
-
-    async def _copy(
-        self, flight: Flight, staging: StagingFiles, reader: RangeReader, cursor: _Cursor
-    ) -> None:
-        """Copy a response body into the file, gathering ``io_block`` bytes per write."""
-        block = int(self._settings.io_block)
-        path = cursor.range.obj.relative_path
-        pending: list[bytes] = []
-        pending_bytes = 0
-
-        async def flush() -> None:
-            nonlocal pending, pending_bytes
-            if pending:
-                await asyncio.to_thread(
-                    staging.write_at, path, pending, cursor.offset, cursor.hasher
-                )
-                cursor.written += pending_bytes
-                flight.add_bytes(cursor.range.obj, pending_bytes)
-                pending, pending_bytes = [], 0
-
-        try:
-            while data := await reader.read(block - pending_bytes):
-                pending.append(data)
-                pending_bytes += len(data)
-                if pending_bytes >= block or len(pending) >= _MAX_IOVECS:
-                    await flush()
-        except SourceUnavailable:
-            # What arrived before the break is good; keep it so the retry asks for less.
-            await flush()
-            raise
-        await flush()
-
-
-def _plan(snapshot: Snapshot, staging: StagingFiles) -> Iterator[_Range]:
-    chunk = staging.chunk_size
-    for obj in snapshot.objects:
-        for start in range(0, obj.size, chunk):
-            if not staging.is_done(obj.relative_path, start):
-                yield _Range(obj, start, min(chunk, obj.size - start))
-
-
-def _root_cause(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    leaves: list[BaseException] = []
-    pending: list[BaseException] = [group]
-    while pending:
-        current = pending.pop(0)
-        if isinstance(current, BaseExceptionGroup):
-            pending.extend(current.exceptions)
-        else:
-            leaves.append(current)
-    return next((e for e in leaves if isinstance(e, PrewarmError)), leaves[0])
+    def _plane(self, choice: DataPlaneChoice) -> DataPlane:
+        if not self._wants_streamer(choice):
+            return self._ranged
+        if self._streamer is not None:
+            return self._streamer
+        if choice == "streamer":
+            raise InvalidRequest(
+                f"This agent has no streamer data plane ({self._streamer_missing}); ask for "
+                "the aiobotocore data plane or auto."
+            )
+        return self._ranged  # auto: fall back cleanly
 
 
 def _model_for(flight: Flight, digests: dict[str, str], chunk_size: int) -> CachedModel:

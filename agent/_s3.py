@@ -22,6 +22,7 @@ from botocore import exceptions as boto
 from ._config import S3Settings
 from ._exceptions import AccessDenied, NotFound, SourceChanged, SourceUnavailable
 from ._integrity import S3Checksum, s3_checksum_of
+from ._tuning import connection_pool_size
 from ._uri import ModelUri
 
 __all__ = [
@@ -93,7 +94,7 @@ class S3Source:
     async def __aenter__(self) -> Self:
         settings = self._settings
         config = AioConfig(
-            max_pool_connections=max(10, settings.concurrency * 2),
+            max_pool_connections=connection_pool_size(settings),
             connect_timeout=settings.connect_timeout_seconds,
             read_timeout=settings.read_timeout_seconds,
             retries={"max_attempts": settings.max_attempts, "mode": "standard"},

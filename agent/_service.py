@@ -21,6 +21,7 @@ from ._resolver import resolve
 from ._s3 import ObjectSource
 from ._snapshot import TierName, check_globs
 from ._store import CachedModel, Store, TierUsage, Usage
+from ._tuning import PullOptions
 from ._uri import parse_uri
 from ._version import __version__
 
@@ -126,12 +127,15 @@ class AgentService:
         lease_ttl: float | None = None,
         pin: bool = False,
         strict_tier: bool = False,
+        options: PullOptions | None = None,
     ) -> AsyncIterator[PullProgress | EnsureResult]:
         """Progress events, then exactly one EnsureResult (or an exception)."""
         started = time.monotonic()
         uri = parse_uri(raw_uri)
         includes = check_globs(include, what="Include")
         excludes = check_globs(exclude, what="Exclude")
+        if options is not None:
+            self._puller.check(options)
         fallback = (
             self._store.newest_for(str(uri), includes, excludes)
             if self._settings.offline_fallback
@@ -185,7 +189,7 @@ class AgentService:
                 )
                 await self._evictor.evict(victims, f"making room for {snapshot.uri}")
                 self._store.discard_leftovers_of(str(snapshot.uri), keep=snapshot.key)
-                flight, _ = self._puller.join(snapshot, placed)
+                flight, _ = self._puller.join(snapshot, placed, options)
         log.info(
             "%s pull of %s (%s) on %s for %s",
             "starting" if started_it else "joining",
@@ -273,7 +277,7 @@ class AgentService:
             model_count=len(self._store.models()),
             lease_count=len(self._leases.active()),
             uptime_seconds=time.monotonic() - self._started,
-            data_plane=self._source.name,
+            data_plane=self._puller.data_plane,
             default_tier=self.default_tier,
         )
 

@@ -92,6 +92,7 @@ class EnsureModelRequest(_message.Message):
     LEASE_TTL_SECONDS_FIELD_NUMBER: _builtins.int
     PIN_FIELD_NUMBER: _builtins.int
     STRICT_TIER_FIELD_NUMBER: _builtins.int
+    PULL_OPTIONS_FIELD_NUMBER: _builtins.int
     uri: _builtins.str
     """s3://bucket/prefix ; the prefix is treated as a directory."""
     tier: Global___Tier.ValueType
@@ -114,6 +115,10 @@ class EnsureModelRequest(_message.Message):
 
     @_builtins.property
     def exclude(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def pull_options(self) -> Global___PullOptions:
+        """Overrides of the agent's data-plane settings for this pull."""
+
     def __init__(
         self,
         *,
@@ -126,14 +131,50 @@ class EnsureModelRequest(_message.Message):
         lease_ttl_seconds: _builtins.float = ...,
         pin: _builtins.bool = ...,
         strict_tier: _builtins.bool = ...,
+        pull_options: Global___PullOptions | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pull_options", b"pull_options"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_name", b"client_name", "exclude", b"exclude", "include", b"include", "lease", b"lease", "lease_ttl_seconds", b"lease_ttl_seconds", "pin", b"pin", "strict_tier", b"strict_tier", "tier", b"tier", "uri", b"uri"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_name", b"client_name", "exclude", b"exclude", "include", b"include", "lease", b"lease", "lease_ttl_seconds", b"lease_ttl_seconds", "pin", b"pin", "pull_options", b"pull_options", "strict_tier", b"strict_tier", "tier", b"tier", "uri", b"uri"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EnsureModelRequest: _TypeAlias = EnsureModelRequest  # noqa: Y015
+
+@_typing.final
+class PullOptions(_message.Message):
+    """How one pull moves bytes, overriding the agent's [s3] settings. They apply
+    only when this request starts the pull: a request that joins a pull already
+    in progress gets that pull's settings.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATA_PLANE_FIELD_NUMBER: _builtins.int
+    CONCURRENCY_FIELD_NUMBER: _builtins.int
+    CHUNK_SIZE_FIELD_NUMBER: _builtins.int
+    data_plane: _builtins.str
+    """"auto", "streamer" or "aiobotocore"; empty: the agent's s3.data_plane."""
+    concurrency: _builtins.int
+    """Parallel streams; 0: the agent's (by default ceil(size / 4 GB), capped)."""
+    chunk_size: _builtins.int
+    """Bytes per ranged GET and per journal entry (1 MiB to 4 GiB); 0: the
+    agent's. A pull resumes leftovers only if they have the same chunk size.
+    """
+    def __init__(
+        self,
+        *,
+        data_plane: _builtins.str = ...,
+        concurrency: _builtins.int = ...,
+        chunk_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_size", b"chunk_size", "concurrency", b"concurrency", "data_plane", b"data_plane"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullOptions: _TypeAlias = PullOptions  # noqa: Y015
 
 @_typing.final
 class Progress(_message.Message):
@@ -694,7 +735,9 @@ class StatusResponse(_message.Message):
     uptime_seconds: _builtins.float
     socket_path: _builtins.str
     data_plane: _builtins.str
-    """Data plane that moves bytes ("aiobotocore" for now)."""
+    """Data plane a pull gets unless its request names one ("streamer" or
+    "aiobotocore"; s3.data_plane = "auto" resolved on this node).
+    """
     default_tier: Global___Tier.ValueType
     lease_count: _builtins.int
     compile_cache_count: _builtins.int

@@ -1,0 +1,398 @@
+"""A fault-injecting HTTP proxy in front of an S3 server, on loopback.
+
+``FaultProxy`` forwards every request to the upstream S3 server unchanged, and
+answers some of them badly, by rules a test sets::
+
+    with FaultProxy(s3.endpoint_url) as proxy:
+        proxy.add(Fault.truncate(after_bytes=100_000, key="model.safetensors"))
+        proxy.add(Fault.slow_down(times=2))
+        ... point the agent at proxy.endpoint_url ...
+        assert proxy.injected("truncate") == 1
+
+Faults: ``internal_error`` (HTTP 500, S3's InternalError body), ``slow_down``
+(HTTP 503, S3's SlowDown body), ``reset`` (the connection is reset before any
+response byte) and ``truncate`` (the upstream response's headers, promising the
+whole body, then ``after_bytes`` of it, then the connection is closed). A rule
+matches requests by method and by a substring of the path, ``times`` times
+(``None``: every matching request); the first matching rule with uses left wins.
+
+The proxy runs its own asyncio loop in a thread, so a synchronous test and a
+daemon in a subprocess can both use it; ``start()`` returns once it listens.
+It speaks just enough HTTP/1.1 for S3 clients: Content-Length and chunked
+bodies, keep-alive, one upstream connection per client connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import struct
+import threading
+import urllib.parse
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Literal, Self
+
+__all__ = ["Fault", "FaultKind", "FaultProxy"]
+
+FaultKind = Literal["internal_error", "slow_down", "reset", "truncate"]
+
+_PIECE = 256 * 1024
+_HEADER_LIMIT = 64 * 1024
+_ERRORS: dict[str, tuple[int, str, str, str]] = {
+    "internal_error": (
+        500,
+        "Internal Server Error",
+        "InternalError",
+        "We encountered an internal error. Please try again.",
+    ),
+    "slow_down": (503, "Slow Down", "SlowDown", "Please reduce your request rate."),
+}
+
+
+@dataclass
+class Fault:
+    """One rule: which requests to spoil, how, and how many times."""
+
+    kind: FaultKind
+    # Substring of the request path (e.g. an object key); empty matches every path.
+    key: str = ""
+    method: str = "GET"
+    # Matching requests to spoil; None spoils every one.
+    times: int | None = 1
+    # truncate: body bytes sent before the connection is closed.
+    after_bytes: int = 0
+    used: int = field(default=0, init=False)
+
+    @classmethod
+    def internal_error(cls, *, key: str = "", times: int | None = 1) -> Fault:
+        return cls("internal_error", key=key, times=times)
+
+    @classmethod
+    def slow_down(cls, *, key: str = "", times: int | None = 1) -> Fault:
+        return cls("slow_down", key=key, times=times)
+
+    @classmethod
+    def reset(cls, *, key: str = "", times: int | None = 1) -> Fault:
+        return cls("reset", key=key, times=times)
+
+    @classmethod
+    def truncate(cls, *, after_bytes: int, key: str = "", times: int | None = 1) -> Fault:
+        return cls("truncate", key=key, times=times, after_bytes=after_bytes)
+
+    def _matches(self, method: str, path: str) -> bool:
+        left = self.times is None or self.used < self.times
+        return left and method == self.method and self.key in urllib.parse.unquote(path)
+
+
+@dataclass
+class _Request:
+    method: str
+    target: str
+    head: bytes  # request line and headers, as received
+    body: bytes
+
+
+class FaultProxy:
+    """Loopback HTTP proxy to ``upstream`` that injects the faults a test adds."""
+
+    def __init__(self, upstream: str, *, host: str = "127.0.0.1", port: int = 0) -> None:
+        parsed = urllib.parse.urlsplit(upstream)
+        if parsed.scheme != "http" or not parsed.hostname:
+            raise ValueError(f"FaultProxy forwards to plain http:// servers, not {upstream!r}.")
+        self._upstream = (parsed.hostname, parsed.port or 80)
+        self._host = host
+        self._port = port
+        self._lock = threading.Lock()
+        self._faults: list[Fault] = []
+        self._injected: Counter[str] = Counter()
+        self._forwarded = 0
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._failure: BaseException | None = None
+
+    # -- rules -------------------------------------------------------------------------
+
+    def add(self, *faults: Fault) -> None:
+        with self._lock:
+            self._faults.extend(faults)
+
+    def clear(self) -> None:
+        """Drop every rule (the counts of what was injected stay)."""
+        with self._lock:
+            self._faults.clear()
+
+    def injected(self, kind: FaultKind | None = None) -> int:
+        """How many faults were injected (of one kind, or in all)."""
+        with self._lock:
+            return self._injected[kind] if kind else sum(self._injected.values())
+
+    @property
+    def forwarded(self) -> int:
+        """Requests answered by the upstream server (truncated ones included)."""
+        with self._lock:
+            return self._forwarded
+
+    def _take(self, method: str, path: str) -> Fault | None:
+        with self._lock:
+            for fault in self._faults:
+                if fault._matches(method, path):
+                    fault.used += 1
+                    self._injected[fault.kind] += 1
+                    return fault
+            return None
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        if not self._port:
+            raise RuntimeError("The proxy has no port until start() has returned.")
+        return self._port
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://{self._host}:{self.port}"
+
+    def start(self) -> Self:
+        if self._thread is not None:
+            raise RuntimeError("The proxy is already running.")
+        self._ready.clear()
+        self._failure = None
+        self._thread = threading.Thread(target=self._run, name="fault-proxy", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._failure is not None:
+            self._thread.join()
+            self._thread = None
+            raise RuntimeError(f"The fault proxy could not start: {self._failure}") from (
+                self._failure
+            )
+        return self
+
+    def stop(self) -> None:
+        thread, loop, stop = self._thread, self._loop, self._stop
+        if thread is None:
+            return
+        if loop is not None and stop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop already ended
+                loop.call_soon_threadsafe(stop.set)
+        thread.join()
+        self._thread = None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException as exc:  # reported to start(), which re-raises it
+            self._failure = exc
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        connections: set[asyncio.Task[None]] = set()
+
+        async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            task = asyncio.current_task()
+            assert task is not None
+            connections.add(task)
+            try:
+                await self._connection(reader, writer)
+            finally:
+                connections.discard(task)
+
+        server = await asyncio.start_server(accept, self._host, self._port)
+        self._port = server.sockets[0].getsockname()[1]
+        self._ready.set()
+        async with server:
+            await self._stop.wait()
+            server.close()
+            for task in list(connections):
+                task.cancel()
+            await asyncio.gather(*connections, return_exceptions=True)
+
+    # -- one client connection -------------------------------------------------------------
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        try:
+            while True:
+                request = await _read_request(reader)
+                if request is None:
+                    return
+                fault = self._take(request.method, request.target)
+                if fault is not None and fault.kind == "reset":
+                    _reset(writer)
+                    return
+                if fault is not None and fault.kind in _ERRORS:
+                    writer.write(_error_response(fault.kind, request.target))
+                    await writer.drain()
+                    continue
+                if upstream is None:
+                    upstream = await asyncio.open_connection(*self._upstream)
+                upstream[1].write(request.head + request.body)
+                await upstream[1].drain()
+                limit = fault.after_bytes if fault is not None else None
+                keep = await self._relay(upstream[0], writer, request.method, limit)
+                with self._lock:
+                    self._forwarded += 1
+                if not keep:
+                    return
+        except (ConnectionError, asyncio.IncompleteReadError, ValueError):
+            return  # the client or the upstream went away; so does this connection
+        finally:
+            if upstream is not None:
+                upstream[1].close()
+            writer.close()
+            with contextlib.suppress(ConnectionError, OSError):
+                await writer.wait_closed()
+
+    async def _relay(
+        self,
+        upstream: asyncio.StreamReader,
+        client: asyncio.StreamWriter,
+        method: str,
+        limit: int | None,
+    ) -> bool:
+        """Copy one response; with ``limit``, stop after that many body bytes. True: keep-alive."""
+        head = await upstream.readuntil(b"\r\n\r\n")
+        status, headers = _parse_head(head)
+        client.write(head)
+        budget = limit
+        if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
+            body_reader = None
+        elif headers.get("transfer-encoding", "").lower() == "chunked":
+            body_reader = _chunked_body(upstream)
+        elif "content-length" in headers:
+            body_reader = _sized_body(upstream, int(headers["content-length"]))
+        else:
+            body_reader = _body_until_close(upstream)
+        if body_reader is not None:
+            async for received in body_reader:
+                piece = received if budget is None else received[:budget]
+                if budget is not None:
+                    budget -= len(piece)
+                client.write(piece)
+                await client.drain()
+                if budget == 0:
+                    break
+        await client.drain()
+        if limit is not None:
+            return False  # the body was cut short: the connection cannot be reused
+        return headers.get("connection", "").lower() != "close" and (
+            body_reader is None or "content-length" in headers or "transfer-encoding" in headers
+        )
+
+
+async def _read_request(reader: asyncio.StreamReader) -> _Request | None:
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError as exc:
+        if exc.partial:
+            raise
+        return None  # the client closed an idle keep-alive connection
+    except asyncio.LimitOverrunError as exc:
+        raise ValueError("request headers too long") from exc
+    if len(head) > _HEADER_LIMIT:
+        raise ValueError("request headers too long")
+    request_line, headers = _parse_request_head(head)
+    method, target, _ = request_line.split(" ", 2)
+    body = b""
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+        body = b"".join([_encode_chunk(p) async for p in _chunked_body(reader)]) + b"0\r\n\r\n"
+    elif "content-length" in headers:
+        body = await reader.readexactly(int(headers["content-length"]))
+    return _Request(method, target, head, body)
+
+
+def _parse_request_head(head: bytes) -> tuple[str, dict[str, str]]:
+    lines = head.decode("latin-1").split("\r\n")
+    return lines[0], _header_dict(lines[1:])
+
+
+def _parse_head(head: bytes) -> tuple[int, dict[str, str]]:
+    lines = head.decode("latin-1").split("\r\n")
+    return int(lines[0].split(" ", 2)[1]), _header_dict(lines[1:])
+
+
+def _header_dict(lines: list[str]) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    for line in lines:
+        if ":" in line:
+            name, value = line.split(":", 1)
+            headers[name.strip().lower()] = value.strip()
+    return headers
+
+
+async def _sized_body(reader: asyncio.StreamReader, size: int) -> AsyncIterator[bytes]:
+    left = size
+    while left:
+        piece = await reader.read(min(_PIECE, left))
+        if not piece:
+            raise asyncio.IncompleteReadError(b"", left)
+        left -= len(piece)
+        yield piece
+
+
+async def _body_until_close(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+    while piece := await reader.read(_PIECE):
+        yield piece
+
+
+async def _chunked_body(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+    while True:
+        size_line = await reader.readuntil(b"\r\n")
+        size = int(size_line.split(b";", 1)[0].strip(), 16)
+        if size == 0:
+            while await reader.readuntil(b"\r\n") != b"\r\n":
+                pass  # trailers
+            return
+        yield await reader.readexactly(size)
+        await reader.readexactly(2)
+
+
+def _encode_chunk(piece: bytes) -> bytes:
+    return f"{len(piece):x}\r\n".encode() + piece + b"\r\n"
+
+
+def _error_response(kind: str, target: str) -> bytes:
+    status, reason, code, message = _ERRORS[kind]
+    resource = urllib.parse.urlsplit(target).path
+    body = (
+        '<?xml version="1.0" encoding="UTF-8"?>\n'
+        f"<Error><Code>{code}</Code><Message>{message}</Message>"
+        f"<Resource>{resource}</Resource><RequestId>prewarm-fault-proxy</RequestId></Error>"
+    ).encode()
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\n"
+        "Content-Type: application/xml\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        "x-amz-request-id: prewarm-fault-proxy\r\n"
+        "\r\n"
+    ).encode()
+    return head + body
+
+
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Close with an RST instead of a FIN: the peer sees ECONNRESET."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport = writer.transport
+    transport.abort()

@@ -9,6 +9,8 @@ from typing import Any, NoReturn
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from ._compile_api import CompileCacheApi
+from ._compile_cache import CompileCaches
 from ._exceptions import (
     AccessDenied,
     Conflict,
@@ -66,10 +68,17 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: PrewarmErro
     raise AssertionError("unreachable: abort raises")  # pragma: no cover
 
 
-class PrewarmServicer(pb_grpc.PrewarmServicer):
-    def __init__(self, service: AgentService, *, socket_path: str) -> None:
+class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
+    def __init__(
+        self,
+        service: AgentService,
+        *,
+        socket_path: str,
+        compile_caches: CompileCaches | None = None,
+    ) -> None:
         self._service = service
         self._socket_path = socket_path
+        self._compile_caches = compile_caches
 
     async def EnsureModel(
         self,
@@ -226,6 +235,7 @@ class PrewarmServicer(pb_grpc.PrewarmServicer):
         context: grpc.aio.ServicerContext[pb.StatusRequest, pb.StatusResponse],
     ) -> pb.StatusResponse:
         status = self._service.status()
+        compiles = self._compile_caches.statistics() if self._compile_caches else (0, 0)
         return pb.StatusResponse(
             version=status.version,
             tiers=[_tier_status(t, status.leased_per_tier.get(t.tier, 0)) for t in status.tiers],
@@ -236,6 +246,8 @@ class PrewarmServicer(pb_grpc.PrewarmServicer):
             socket_path=self._socket_path,
             default_tier=_TIER_TO_PB[status.default_tier],
             lease_count=status.lease_count,
+            compile_cache_count=compiles[0],
+            compile_cache_bytes=compiles[1],
         )
 
     def _evict_response(self, result: EvictResult) -> pb.EvictModelResponse:

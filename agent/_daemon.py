@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ._api import PrewarmServicer
+from ._compile_cache import CompileCaches
 from ._config import ConfigError, Settings, load_settings, render_toml
 from ._exceptions import PrewarmError
 from ._interceptor import RequestObserver
@@ -104,6 +105,8 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
     async with (
         S3Source(settings.s3) as source,
         Puller(store, source, settings.s3, settings.integrity) as puller,
+        # Before the service starts: compile caches count in the disk budget.
+        CompileCaches(settings, store, source) as compile_caches,
         LeaseServer(
             leases, settings.lease_socket_path, settings.socket_mode, settings.socket_group
         ),
@@ -115,7 +118,8 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
         await background.enter_async_context(_metrics_and_manifests(service, settings))
         server = grpc.aio.server(interceptors=[RequestObserver(SERVICE_NAME)])
         prewarm_pb2_grpc.add_PrewarmServicer_to_server(
-            PrewarmServicer(service, socket_path=str(socket_path)), server
+            PrewarmServicer(service, socket_path=str(socket_path), compile_caches=compile_caches),
+            server,
         )
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -2,7 +2,9 @@
 
 Snapshots are evicted least recently used first. Never evicted by pressure:
 snapshots with a live lease, pinned snapshots, and pulls in progress (which
-are not published yet, so they are never candidates).
+are not published yet, so they are never candidates). The store's extras
+(compile caches on the disk tier) go last: only when evicting every evictable
+snapshot would not free enough, least recently used first.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ class Evictor:
             shortfall = limits.shortfall(needed, self._store.used_bytes(tier))
             if shortfall <= 0:
                 return tier, []
-            victims = pick_victims(self._candidates(tier), shortfall)
+            victims = self._pick(tier, shortfall)
             if victims is not None and needed <= limits.ceiling():
                 return tier, victims
         raise NoSpace(self._no_space_message(snapshot, order))
@@ -69,8 +71,10 @@ class Evictor:
     ) -> list[CachedModel]:
         """Evict ``victims``; ``reason`` is logged, ``cause`` is the metric's label."""
         evicted: list[CachedModel] = []
+        extras: list[str] = []
         for victim in victims:
             if self._store.get(victim.key) is None:
+                extras.append(victim.key)  # a compile cache (or a snapshot gone meanwhile)
                 continue
             model = await self._store.evict(victim.key)
             log.info(
@@ -83,6 +87,9 @@ class Evictor:
             )
             EVICTIONS.labels(model.tier, cause).inc()
             evicted.append(model)
+        attached = [e for t in _TIERS if (e := self._store.extra(t)) is not None]
+        for extra in dict.fromkeys(attached) if extras else ():
+            await extra.evict_extra(extras, reason)
         return evicted
 
     async def enforce_watermarks(self, tiers: Sequence[TierName] = _TIERS) -> list[CachedModel]:
@@ -133,16 +140,28 @@ class Evictor:
         target = int(self._settings.low_watermark * limits.budget_bytes)
         if used <= target:
             return []
-        candidates = self._candidates(tier)
-        victims = pick_victims(candidates, used - target)
+        victims = self._pick(tier, used - target)
         if victims is None:  # not enough to reach the target: evict what may go
-            victims = sorted(
-                (c for c in candidates if not c.protected), key=lambda c: (c.last_used, c.key)
-            )
+            victims = self._evictable(tier)
         return await self.evict(victims, reason, cause=cause)
 
     def _candidates(self, tier: TierName) -> list[Candidate]:
         return self._store.candidates(tier, self.protected_keys())
+
+    def _pick(self, tier: TierName, to_free: int) -> list[Candidate] | None:
+        """LRU snapshots; the tier's extras too, after all of them, only if they are not enough."""
+        snapshots = self._candidates(tier)
+        victims = pick_victims(snapshots, to_free)
+        extra = self._store.extra(tier)
+        if victims is not None or extra is None:
+            return victims
+        every = _lru(snapshots)
+        rest = pick_victims(extra.extra_candidates(), to_free - sum(c.size for c in every))
+        return None if rest is None else every + rest
+
+    def _evictable(self, tier: TierName) -> list[Candidate]:
+        extra = self._store.extra(tier)
+        return _lru(self._candidates(tier)) + _lru(extra.extra_candidates() if extra else [])
 
     def _no_space_message(self, snapshot: Snapshot, tiers: Sequence[TierName]) -> str:
         parts = [f"No tier can hold {snapshot.uri} ({_gib(snapshot.total_bytes)})."]
@@ -161,6 +180,10 @@ class Evictor:
             "or request another tier."
         )
         return " ".join(parts)
+
+
+def _lru(candidates: Iterable[Candidate]) -> list[Candidate]:
+    return sorted((c for c in candidates if not c.protected), key=lambda c: (c.last_used, c.key))
 
 
 def _other(tier: TierName) -> TierName:

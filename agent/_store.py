@@ -22,10 +22,10 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Mapping, Set
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ._budget import Candidate, TierLimits, measure_limits
 from ._exceptions import InvalidRequest, NotFound
@@ -33,7 +33,16 @@ from ._journal import DATA_DIR, read_header
 from ._snapshot import KEY_LENGTH, TierName
 from ._uri import parse_uri
 
-__all__ = ["CachedFile", "CachedModel", "Leftover", "Store", "TierBudget", "TierUsage", "Usage"]
+__all__ = [
+    "CachedFile",
+    "CachedModel",
+    "ExtraUsage",
+    "Leftover",
+    "Store",
+    "TierBudget",
+    "TierUsage",
+    "Usage",
+]
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +117,19 @@ class _Entry:
     usage: Usage = field(default_factory=lambda: Usage(last_used=time.time()))
 
 
+class ExtraUsage(Protocol):
+    """Bytes on a tier that are not snapshots (compile caches): counted in its budget,
+    and evicted only when evicting every evictable snapshot would not be enough."""
+
+    def extra_bytes(self) -> int: ...
+
+    def extra_candidates(self) -> list[Candidate]: ...
+
+    async def evict_extra(self, keys: Sequence[str], reason: str) -> int:
+        """Evict these keys (skipping any in use by now); returns the bytes freed."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class TierBudget:
     """A tier's budget and reserve as configured: sizes or percentages."""
@@ -130,6 +152,7 @@ class Store:
         self._leftovers: dict[str, Leftover] = {}
         # Bytes reserved by pulls in progress, by key (their staging directories).
         self._in_flight: dict[str, tuple[TierName, int]] = {}
+        self._extra: dict[TierName, ExtraUsage] = {}
 
     # -- start-up ------------------------------------------------------------------
 
@@ -245,9 +268,18 @@ class Store:
         budget = self._budgets[tier]
         return measure_limits(tier, self._roots[tier], budget.budget, budget.reserve)
 
+    def attach_extra(self, tier: TierName, extra: ExtraUsage) -> None:
+        """Count ``extra``'s bytes on ``tier`` too (see ExtraUsage)."""
+        self._extra[tier] = extra
+
+    def extra(self, tier: TierName) -> ExtraUsage | None:
+        return self._extra.get(tier)
+
     def used_bytes(self, tier: TierName) -> int:
-        """Published bytes plus bytes held by pulls in progress and resumable leftovers."""
-        return self.published_bytes(tier) + self.staging_bytes(tier)
+        """Published bytes, bytes of pulls in progress and resumable leftovers, and extras."""
+        extra = self._extra.get(tier)
+        extra_bytes = extra.extra_bytes() if extra is not None else 0
+        return self.published_bytes(tier) + self.staging_bytes(tier) + extra_bytes
 
     def published_bytes(self, tier: TierName) -> int:
         return sum(e.model.total_bytes for e in self._entries.values() if e.model.tier == tier)

@@ -264,6 +264,10 @@ def status_view(status: AgentStatus) -> RenderableType:
             ("data plane", status.data_plane),
             ("models", str(status.model_count)),
             ("leases", str(status.lease_count)),
+            (
+                "compile caches",
+                f"{status.compile_cache_count} ({human_bytes(status.compile_cache_bytes)})",
+            ),
         ]
     )
     tiers = Table(box=None, header_style="bold", pad_edge=False, title_justify="left")

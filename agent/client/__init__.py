@@ -27,6 +27,16 @@ from agent._exceptions import (
 )
 
 from ._async import AsyncClient, aensure
+from ._compile import detect_key_parts
+from ._compile_calls import acompile_cache, compile_cache
+from ._compile_types import (
+    CompileCacheHandle,
+    CompileCacheInfo,
+    CompileCachePush,
+    CompileEvictResult,
+    CompileKeyParts,
+    CompileLockGrant,
+)
 from ._convert import DEFAULT_LEASE_SOCKET_PATH, DEFAULT_SOCKET_PATH, SOCKET_ENV
 from ._hold import AsyncLeaseHold, LeaseHold
 from ._sync import Client, ensure
@@ -59,6 +69,12 @@ __all__ = [
     "AsyncClient",
     "AsyncLeaseHold",
     "Client",
+    "CompileCacheHandle",
+    "CompileCacheInfo",
+    "CompileCachePush",
+    "CompileEvictResult",
+    "CompileKeyParts",
+    "CompileLockGrant",
     "Conflict",
     "EvictResult",
     "FileEntry",
@@ -84,7 +100,10 @@ __all__ = [
     "TierStatus",
     "UnsafeObjectKey",
     "Verification",
+    "acompile_cache",
     "aensure",
+    "compile_cache",
+    "detect_key_parts",
     "ensure",
     "load_safetensors",
 ]

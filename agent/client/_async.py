@@ -16,6 +16,7 @@ from agent._proto.prewarm.v1 import prewarm_pb2 as pb
 from agent._proto.prewarm.v1 import prewarm_pb2_grpc as pb_grpc
 
 from . import _convert as convert
+from ._compile import AsyncCompileMixin
 from ._errors import granted_lease, missing_handle, translate_rpc_error
 from ._hold import AsyncLeaseHold
 from ._types import (
@@ -32,7 +33,7 @@ from ._types import (
 __all__ = ["AsyncClient", "aensure"]
 
 
-class AsyncClient:
+class AsyncClient(AsyncCompileMixin):
     """A connection to the prewarm agent on this node, for asyncio code.
 
     Arguments as for ``Client``. Use it with ``async with``, or ``await close()``.

@@ -362,6 +362,8 @@ def status_from_proto(msg: pb.StatusResponse) -> AgentStatus:
         data_plane=msg.data_plane,
         default_tier=_tier_from_proto(msg.default_tier, "the default tier"),
         lease_count=msg.lease_count,
+        compile_cache_count=msg.compile_cache_count,
+        compile_cache_bytes=msg.compile_cache_bytes,
     )
 
 

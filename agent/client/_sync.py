@@ -16,6 +16,7 @@ from agent._proto.prewarm.v1 import prewarm_pb2 as pb
 from agent._proto.prewarm.v1 import prewarm_pb2_grpc as pb_grpc
 
 from . import _convert as convert
+from ._compile import CompileMixin
 from ._errors import granted_lease, missing_handle, translate_rpc_error
 from ._hold import LeaseHold
 from ._types import (
@@ -32,7 +33,7 @@ from ._types import (
 __all__ = ["Client", "ensure"]
 
 
-class Client:
+class Client(CompileMixin):
     """A connection to the prewarm agent on this node.
 
     ``socket_path`` defaults to ``$PREWARM_SOCKET_PATH``, else

@@ -200,6 +200,9 @@ class AgentStatus:
     data_plane: str
     default_tier: TierName
     lease_count: int = 0
+    # torch.compile caches on the disk tier, and their bytes (counted in its budget).
+    compile_cache_count: int = 0
+    compile_cache_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,220 @@
+"""``prewarm compile ls|show|evict|push|pull``: the node's torch.compile caches."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console, Group, RenderableType
+from rich.table import Table
+
+from agent.client import (
+    AgentUnavailable,
+    Client,
+    CompileCacheHandle,
+    CompileCacheInfo,
+    InvalidRequest,
+    NotFound,
+    PrewarmError,
+)
+
+from . import _render as render
+
+__all__ = ["compile_app"]
+
+# The same exit codes as every other prewarm command (see _app).
+EXIT_ERROR = 1
+EXIT_INVALID = 2
+EXIT_NO_AGENT = 3
+_KEY_WIDTH = 12
+_EPOCH = datetime.fromtimestamp(0, UTC)
+
+compile_app = typer.Typer(
+    name="compile",
+    help="Inspect and manage the node's torch.compile caches (see docs/compile-cache.md).",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+SocketOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--socket",
+        envvar="PREWARM_SOCKET_PATH",
+        help="The agent's socket [default: /run/prewarm/agent.sock].",
+        show_default=False,
+    ),
+]
+JsonOption = Annotated[
+    bool, typer.Option("--json", help="Print machine-readable JSON on stdout, nothing else.")
+]
+KeyArgument = Annotated[str, typer.Argument(help="A key, or a unique prefix of 8+ hex digits.")]
+
+
+def _stdout() -> Console:
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 400)
+
+
+@contextmanager
+def _agent_errors() -> Iterator[None]:
+    """Expected errors become one line on stderr and an exit status, no traceback."""
+    try:
+        yield
+    except PrewarmError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        code = EXIT_NO_AGENT if isinstance(exc, AgentUnavailable) else EXIT_ERROR
+        raise typer.Exit(EXIT_INVALID if isinstance(exc, InvalidRequest) else code) from None
+
+
+def _when(moment: datetime | None) -> str:
+    if moment is None or moment <= _EPOCH:
+        return "-"
+    return moment.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _find(client: Client, ref: str) -> CompileCacheInfo:
+    prefix = ref.strip().lower()
+    if len(prefix) < 8:
+        raise InvalidRequest(f"{ref!r} is too short; give 8 or more hex digits of a key.")
+    matches = [c for c in client.list_compile_caches() if c.key.startswith(prefix)]
+    if not matches:
+        raise NotFound(
+            f"No compile cache has a key starting with {prefix}. See `prewarm compile ls`."
+        )
+    if len(matches) > 1:
+        raise InvalidRequest(
+            f"Key prefix {prefix} matches {len(matches)} caches; give more digits."
+        )
+    return matches[0]
+
+
+def _table(caches: list[CompileCacheInfo]) -> Table:
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for column in ("key", "engine", "model", "torch", "gpu"):
+        table.add_column(column, no_wrap=True)
+    for column in ("tp", "size", "files"):
+        table.add_column(column, justify="right")
+    table.add_column("last used", no_wrap=True)
+    table.add_column("uploaded", no_wrap=True)
+    for c in caches:
+        p = c.parts
+        table.add_row(
+            c.key[:_KEY_WIDTH],
+            f"{p.engine} {p.engine_version}".strip(),
+            p.model_key[:_KEY_WIDTH] or "-",
+            p.torch_version,
+            p.gpu_name or "-",
+            str(p.tensor_parallel),
+            render.human_bytes(c.bytes),
+            str(c.file_count),
+            _when(c.last_used),
+            _when(c.uploaded) if c.uploaded_digest else "no",
+        )
+    return table
+
+
+def _detail(c: CompileCacheInfo) -> RenderableType:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column(overflow="fold")
+    p = c.parts
+    rows = [
+        ("key", c.key),
+        ("path", str(c.path)),
+        ("size", f"{render.human_bytes(c.bytes)} ({c.bytes} bytes), {c.file_count} files"),
+        ("created", _when(c.created)),
+        ("last used", _when(c.last_used)),
+        ("restored", "yes" if c.restored else "no"),
+        ("uploaded", f"{_when(c.uploaded)} {c.uploaded_digest}" if c.uploaded_digest else "no"),
+        ("engine", f"{p.engine} {p.engine_version}".strip()),
+        ("torch", p.torch_version),
+        ("triton", p.triton_version or "-"),
+        ("cuda", p.cuda_version or "-"),
+        ("gpu", p.gpu_name or "-"),
+        ("model", p.model_key or "-"),
+        ("parallel", f"tp {p.tensor_parallel}, pp {p.pipeline_parallel}, dp {p.data_parallel}"),
+        ("config hash", p.config_hash or "-"),
+    ]
+    rows += [(f"extra {name}", value) for name, value in sorted(p.extras.items())]
+    for name, value in rows:
+        grid.add_row(name, value)
+    return Group(grid)
+
+
+def _handle_line(handle: CompileCacheHandle) -> str:
+    return (
+        f"restored {handle.key} in {handle.restore_seconds:.2f} s: {handle.file_count} files, "
+        f"{render.human_bytes(handle.bytes)} -> {handle.path}"
+    )
+
+
+@compile_app.command("ls")
+def list_caches(socket: SocketOption = None, json_out: JsonOption = False) -> None:
+    """List the compile caches on this node, most recently used first."""
+    with _agent_errors(), Client(socket) as client:
+        caches = client.list_compile_caches()
+    if json_out:
+        sys.stdout.write(render.to_json(caches) + "\n")
+    elif not caches:
+        _stdout().print("no compile caches")
+    else:
+        _stdout().print(_table(caches))
+
+
+@compile_app.command()
+def show(key: KeyArgument, socket: SocketOption = None, json_out: JsonOption = False) -> None:
+    """Show one compile cache: its key parts, size and upload record."""
+    with _agent_errors(), Client(socket) as client:
+        info = _find(client, key)
+    if json_out:
+        sys.stdout.write(render.to_json(info) + "\n")
+    else:
+        _stdout().print(_detail(info))
+
+
+@compile_app.command()
+def evict(key: KeyArgument, socket: SocketOption = None, json_out: JsonOption = False) -> None:
+    """Remove a compile cache from this node (refused while a pod holds its compile lock)."""
+    with _agent_errors(), Client(socket) as client:
+        result = client.evict_compile_cache(key)
+    if json_out:
+        sys.stdout.write(render.to_json(result) + "\n")
+        return
+    keys = ", ".join(c.key[:_KEY_WIDTH] for c in result.evicted)
+    _stdout().print(f"evicted compile cache {keys}, freed {render.human_bytes(result.bytes_freed)}")
+
+
+@compile_app.command()
+def push(key: KeyArgument, socket: SocketOption = None, json_out: JsonOption = False) -> None:
+    """Pack and upload a compile cache now (skipped when S3 already has the same content)."""
+    with _agent_errors(), Client(socket) as client:
+        result = client.push_compile_cache(key)
+    if json_out:
+        sys.stdout.write(render.to_json(result) + "\n")
+    elif result.uploaded:
+        _stdout().print(
+            f"uploaded {render.human_bytes(result.bytes)} ({result.digest}) to {result.uri}",
+            soft_wrap=True,
+        )
+    else:
+        _stdout().print(f"not uploaded: {result.skipped_reason}", soft_wrap=True)
+
+
+@compile_app.command()
+def pull(
+    key: Annotated[str, typer.Argument(help="A key (all 32 hex digits if not on this node).")],
+    socket: SocketOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Restore a compile cache from S3 now, replacing this node's copy."""
+    with _agent_errors(), Client(socket) as client:
+        handle = client.pull_compile_cache(key)
+    if json_out:
+        sys.stdout.write(render.to_json(handle) + "\n")
+    else:
+        _stdout().print(_handle_line(handle), soft_wrap=True)

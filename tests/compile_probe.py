@@ -1,0 +1,61 @@
+"""A pod's first call of a torch.compile'd model, run as a child process by the tests.
+
+Builds a few transformer blocks with fixed weights, compiles them with the
+inductor backend on the CPU, times the first call (which compiles, or loads
+from the cache the environment points at), and prints one JSON line with the
+time and inductor's FX-graph cache counters.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+from torch import nn
+
+BLOCKS = 3
+WIDTH = 64
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(WIDTH)
+        self.attn = nn.MultiheadAttention(WIDTH, 4, batch_first=True)
+        self.norm2 = nn.LayerNorm(WIDTH)
+        self.mlp = nn.Sequential(
+            nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        attended: torch.Tensor = self.attn(h, h, h, need_weights=False)[0]
+        x = x + attended
+        out: torch.Tensor = x + self.mlp(self.norm2(x))
+        return out
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Block() for _ in range(BLOCKS))).eval()
+    compiled = torch.compile(model, backend="inductor")
+    x = torch.randn(2, 16, WIDTH)
+    started = time.perf_counter()
+    with torch.no_grad():
+        compiled(x)
+    first_call = time.perf_counter() - started
+    counters = torch._dynamo.utils.counters["inductor"]
+    print(
+        json.dumps(
+            {
+                "first_call_seconds": first_call,
+                "fxgraph_cache_hit": counters["fxgraph_cache_hit"],
+                "fxgraph_cache_miss": counters["fxgraph_cache_miss"],
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Compile caches end to end: the real daemon, the real S3 server, real torch.compile.
+
+The compile runs in child processes (tests/compile_probe.py) with the env vars
+from the agent's handle, the inductor backend on the CPU, and TMPDIR inside the
+test's own directory, so nothing is left behind outside it. Precompiled headers
+are turned off in the children: inductor would otherwise rebuild a 150 MB
+header in every fresh TMPDIR, cold and warm alike, which only makes the tests
+slower.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agent_helpers import AgentFactory
+
+from agent._compile_archive import content_digest
+from agent.client import Client, CompileCacheHandle, CompileKeyParts, detect_key_parts
+
+PROBE = Path(__file__).with_name("compile_probe.py")
+UPLOAD_DEADLINE = 90.0
+
+
+def _config(bucket: str) -> str:
+    return f'[compile_cache]\nuri = "s3://{bucket}/compile"\nquiet_seconds = 0.5\n'
+
+
+def _run_probe(handle: CompileCacheHandle, scratch: Path) -> dict[str, Any]:
+    scratch.mkdir(parents=True)
+    env = {
+        **os.environ,
+        **handle.env,
+        "TMPDIR": str(scratch),
+        "XDG_CACHE_HOME": str(scratch / "xdg"),
+        "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "0",
+    }
+    done = subprocess.run(
+        [sys.executable, str(PROBE)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _pointer(s3_client: Any, bucket: str, key: str) -> dict[str, Any] | None:
+    try:
+        body = s3_client.get_object(Bucket=bucket, Key=f"compile/{key}/pointer.json")["Body"]
+    except s3_client.exceptions.NoSuchKey:
+        return None
+    document: dict[str, Any] = json.loads(body.read())
+    return document
+
+
+def _wait_for_pointer(s3_client: Any, bucket: str, key: str, digest: str) -> dict[str, Any]:
+    """The pointer once it names ``digest``: the agent's upload has finished."""
+    deadline = time.monotonic() + UPLOAD_DEADLINE
+    while True:
+        pointer = _pointer(s3_client, bucket, key)
+        if pointer is not None and pointer["digest"] == digest:
+            return pointer
+        assert time.monotonic() < deadline, f"no upload of {digest} within {UPLOAD_DEADLINE} s"
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def parts() -> CompileKeyParts:
+    return detect_key_parts(model_key="tiny-transformer", config_hash="probe-v1")
+
+
+@pytest.mark.slow
+def test_a_new_node_restores_the_uploaded_cache_and_hits_it(
+    start_agent: AgentFactory,
+    s3_client: Any,
+    bucket: str,
+    parts: CompileKeyParts,
+    tmp_path: Path,
+) -> None:
+    first = start_agent(_config(bucket))
+    with Client(first.socket_path) as client:
+        cold_handle = client.compile_cache(parts, client_name="pod-1")
+    assert not cold_handle.restored
+    assert "nothing uploaded yet" in cold_handle.restore_note
+    assert cold_handle.path == first.disk_root / "compile" / cold_handle.key
+
+    cold = _run_probe(cold_handle, tmp_path / "cold")
+    assert cold["fxgraph_cache_miss"] > 0
+    assert cold["fxgraph_cache_hit"] == 0
+    local = content_digest(cold_handle.path)
+    assert local.file_count > 0
+    pointer = _wait_for_pointer(s3_client, bucket, cold_handle.key, local.digest)
+    assert pointer["file_count"] == local.file_count
+
+    second = start_agent(_config(bucket))  # a new node: empty disk, the same S3
+    with Client(second.socket_path) as client:
+        warm_handle = client.compile_cache(parts, client_name="pod-2")
+    assert warm_handle.restored, warm_handle.restore_note
+    assert warm_handle.key == cold_handle.key
+    assert warm_handle.path == second.disk_root / "compile" / warm_handle.key
+    assert content_digest(warm_handle.path).digest == local.digest
+
+    warm = _run_probe(warm_handle, tmp_path / "warm")
+    print(
+        f"\ncold first call {cold['first_call_seconds']:.2f} s, warm first call on the new "
+        f"node {warm['first_call_seconds']:.2f} s (restore {warm_handle.restore_seconds:.3f} s, "
+        f"{warm_handle.file_count} files, {warm_handle.bytes} bytes), "
+        f"fxgraph hits {warm['fxgraph_cache_hit']}"
+    )
+    assert warm["fxgraph_cache_hit"] > 0
+    assert warm["fxgraph_cache_miss"] == 0
+    assert warm["first_call_seconds"] < cold["first_call_seconds"] / 2
+
+
+def test_another_key_part_gives_another_directory(
+    start_agent: AgentFactory, parts: CompileKeyParts
+) -> None:
+    agent = start_agent()
+    with Client(agent.socket_path) as client:
+        one = client.compile_cache(parts)
+        other = client.compile_cache(replace(parts, torch_version=parts.torch_version + ".post1"))
+        again = client.compile_cache(parts)
+    assert one.key != other.key
+    assert one.path != other.path
+    assert one.path.is_dir()
+    assert other.path.is_dir()
+    assert again.path == one.path
+    assert one.restore_note == "compile_cache.uri is not set: local only"
+    assert one.env["TORCHINDUCTOR_CACHE_DIR"] == str(one.path / "inductor")
+
+
+def _fill(directory: Path, seed: int) -> None:
+    for index in range(3):
+        artifact = directory / "inductor" / f"k{index}" / f"kernel{seed}.so"
+        artifact.parent.mkdir(parents=True, exist_ok=True)
+        artifact.write_bytes(os.urandom(64 * 1024))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupt"])
+def test_a_damaged_archive_is_refused_and_the_pod_gets_an_empty_directory(
+    start_agent: AgentFactory,
+    s3_client: Any,
+    bucket: str,
+    parts: CompileKeyParts,
+    damage: str,
+) -> None:
+    first = start_agent(_config(bucket))
+    with Client(first.socket_path) as client:
+        handle = client.compile_cache(parts)
+        _fill(handle.path, seed=1)
+        pushed = client.push_compile_cache(handle.key)
+    assert pushed.uploaded, pushed.skipped_reason
+    pointer = _pointer(s3_client, bucket, handle.key)
+    assert pointer is not None
+    archive_key = f"compile/{handle.key}/{pointer['archive']}"
+    data = s3_client.get_object(Bucket=bucket, Key=archive_key)["Body"].read()
+    if damage == "truncated":  # the pointer's size no longer matches
+        data = data[: len(data) // 2]
+    else:  # same size, flipped bytes: the checksum or the digest no longer matches
+        middle = len(data) // 2
+        data = (
+            data[:middle]
+            + bytes(b ^ 0xFF for b in data[middle : middle + 64])
+            + data[middle + 64 :]
+        )
+    s3_client.put_object(Bucket=bucket, Key=archive_key, Body=data)
+
+    second = start_agent(_config(bucket))
+    with Client(second.socket_path) as client:
+        refused = client.compile_cache(parts)
+    assert not refused.restored
+    assert refused.restore_note.startswith("refused the archive in S3")
+    assert refused.path.is_dir()
+    assert content_digest(refused.path).file_count == 0
+    # Working: the pod can write its artifacts there, and nothing of the archive leaked out.
+    (refused.path / "inductor" / "written").write_text("ok")
+    assert not list((second.disk_root / "compile" / ".tmp").iterdir())

@@ -1,0 +1,89 @@
+"""Compile-cache keys: normalised parts hash to one key; any real difference to another."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from agent._compile_keys import CompileKeyParts, compile_key, engine_env, normalise_parts
+from agent._exceptions import InvalidRequest
+from agent.client import detect_key_parts
+
+BASE = CompileKeyParts(
+    engine="vllm",
+    engine_version="0.11.0",
+    torch_version="2.13.0+cu128",
+    triton_version="3.5.0",
+    cuda_version="12.8",
+    gpu_name="NVIDIA H100 80GB HBM3",
+    model_key="3f" * 16,
+    tensor_parallel=8,
+    config_hash="abc",
+    extras={"dtype": "bfloat16", "python": "3.11.9"},
+)
+
+
+def test_spelling_differences_give_the_same_key() -> None:
+    sloppy = replace(
+        BASE,
+        engine=" vLLM ",
+        gpu_name="NVIDIA  H100 80GB   HBM3 ",
+        extras={"python": "3.11.9", "dtype": " bfloat16"},
+        pipeline_parallel=0,
+        data_parallel=0,
+    )
+    assert compile_key(sloppy) == compile_key(BASE)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"torch_version": "2.13.1+cu128"},
+        {"triton_version": "3.5.1"},
+        {"gpu_name": "NVIDIA H200"},
+        {"tensor_parallel": 4},
+        {"model_key": "00" * 16},
+        {"extras": {"dtype": "float16", "python": "3.11.9"}},
+        {"engine": "sglang"},
+    ],
+)
+def test_any_real_difference_gives_another_key(change: dict[str, object]) -> None:
+    assert compile_key(replace(BASE, **change)) != compile_key(BASE)  # type: ignore[arg-type]
+
+
+def test_torch_version_is_required() -> None:
+    with pytest.raises(InvalidRequest, match="torch_version is required"):
+        compile_key(replace(BASE, torch_version=" "))
+
+
+def test_unknown_engine_is_refused() -> None:
+    with pytest.raises(InvalidRequest, match="Unknown engine 'tensorrt'"):
+        normalise_parts(replace(BASE, engine="tensorrt"))
+
+
+def test_plain_torch_defaults_its_engine_version_to_torch() -> None:
+    parts = normalise_parts(CompileKeyParts(torch_version="2.13.0"))
+    assert (parts.engine, parts.engine_version) == ("torch", "2.13.0")
+
+
+def test_each_engine_gets_its_own_variables() -> None:
+    directory = Path("/cache/compile/k")
+    vllm = engine_env("vllm", directory, "a" * 32)
+    sglang = engine_env("sglang", directory, "a" * 32)
+    assert vllm["VLLM_CACHE_ROOT"] == "/cache/compile/k/vllm"
+    assert sglang["SGLANG_CACHE_DIR"] == "/cache/compile/k/sglang"
+    assert "VLLM_CACHE_ROOT" not in engine_env("torch", directory, "a" * 32)
+    assert sglang["TORCHINDUCTOR_CACHE_DIR"] == "/cache/compile/k/inductor"
+
+
+def test_detected_parts_on_the_cpu_name_torch_and_the_cpu() -> None:
+    import torch
+
+    parts = detect_key_parts(model_key="m", extras={"dtype": "float32"})
+    assert parts.torch_version == torch.__version__
+    assert parts.gpu_name == "cpu"
+    assert parts.extras["dtype"] == "float32"
+    assert "python" in parts.extras
+    assert compile_key(parts)  # complete enough to key

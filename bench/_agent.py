@@ -35,6 +35,7 @@ __all__ = [
     "agent_config",
     "cold_pull",
     "concurrent_cold_pulls",
+    "fallocate_seconds",
     "hit_latency",
     "profile_cold_pull",
     "running_agent",
@@ -56,7 +57,8 @@ def agent_config(ctx: Context, plane: str | None) -> str:
 def running_agent(ctx: Context, plane: str | None) -> Iterator[AgentProcess]:
     """A fresh daemon on a fresh root (its shm tier on /dev/shm), removed afterwards."""
     root = Path(tempfile.mkdtemp(prefix="pw-", dir=ctx.scratch))
-    agent = AgentProcess(env=ctx.server.env(), root=root, config=agent_config(ctx, plane))
+    env = ctx.server.env() | dict(ctx.agent_env)
+    agent = AgentProcess(env=env, root=root, config=agent_config(ctx, plane))
     try:
         agent.start()
         yield agent
@@ -192,11 +194,13 @@ def concurrent_cold_pulls(
         served = ctx.server.bytes_sent()
         server_cpu = ctx.server.cpu_seconds()
         agent_cpu = cpu_seconds(agent.pid)
+        own_cpu = time.process_time()
         with RssSampler(agent.pid) as sampler:
             barrier.wait()
             started = time.perf_counter()
             for thread in threads:
                 thread.join()
+        own_cpu = time.process_time() - own_cpu
         errors = [h for h in handles if isinstance(h, BaseException)]
         if errors:
             raise RuntimeError(f"{len(errors)} of {clients} clients failed: {errors[0]!r}")
@@ -213,6 +217,8 @@ def concurrent_cold_pulls(
                 "distinct_paths": len(paths),
                 "first_done": min(finished) - started,
                 "hits": sum(h.hit for h in good),
+                # The clients run in this process, on the same two cores.
+                "clients_cpu": own_cpu,
                 **sampler.to_json(),
             },
         )
@@ -285,6 +291,28 @@ def profile_cold_pull(
     if not output.exists():
         raise RuntimeError(f"py-spy wrote no profile: {out.decode(errors='replace')[-2000:]}")
     return {"seconds": seconds, **summarize_profile(output)}
+
+
+def fallocate_seconds(scratch: Path, model: BenchModel) -> float:
+    """What reserving the model's files with posix_fallocate costs on this tmpfs, alone.
+
+    The staging code reserves every file's blocks before the first GET; on
+    tmpfs that allocates and zero-fills every page, which the pull then
+    overwrites.
+    """
+    directory = Path(tempfile.mkdtemp(prefix="fallocate-", dir=scratch))
+    try:
+        started = time.perf_counter()
+        for index, (_, size) in enumerate(model.objects):
+            fd = os.open(directory / str(index), os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                if size:
+                    os.posix_fallocate(fd, 0, size)
+            finally:
+                os.close(fd)
+        return time.perf_counter() - started
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def summarize_profile(path: Path, top: int = 15) -> dict[str, Any]:

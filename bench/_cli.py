@@ -68,6 +68,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="auto",
         help="py-spy the daemon during a cold pull (auto: when below 0.9x the ceiling)",
     )
+    parser.add_argument(
+        "--agent-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="extra environment for the daemon (repeatable), e.g. MALLOC_ARENA_MAX=2",
+    )
     parser.add_argument("--output", type=Path, help="JSON path (default bench/results/<time>.json)")
     args = parser.parse_args(argv)
     args.sections = [s.strip() for s in args.only.split(",") if s.strip()]
@@ -140,7 +147,9 @@ def _attempt(sample: Sample, run: Callable[[], RunResult]) -> None:
     try:
         _record(sample, run())
     except Exception as exc:
-        sample.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        lines = [line for line in f"{type(exc).__name__}: {exc}".splitlines() if line.strip()]
+        # The first line says what failed; the last one (a child's stderr) why.
+        sample.error = " ... ".join(dict.fromkeys([lines[0][:300], lines[-1][:300]]))
         print(f"  {sample.name} failed: {sample.error}", file=sys.stderr)
         traceback.print_exc(file=sys.stderr)
 
@@ -173,7 +182,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, server: S3rver, scratch: Path, work: Path) -> dict[str, Any]:
-    ctx = Context(server=server, concurrency=args.concurrency, chunk=args.chunk, scratch=scratch)
+    agent_env = dict(item.split("=", 1) for item in args.agent_env)
+    ctx = Context(
+        server=server,
+        concurrency=args.concurrency,
+        chunk=args.chunk,
+        scratch=scratch,
+        agent_env=agent_env,
+    )
     sections = set(args.sections)
     client = server.client()
     calibration = _calibrate(server, client, work)
@@ -228,21 +244,7 @@ def _run(args: argparse.Namespace, server: S3rver, scratch: Path, work: Path) ->
             _attempt(sample, runners[name])
 
     if "warm" in sections:
-        sample = samples["prewarm warm launch"] = Sample(
-            "prewarm warm launch", extra={"transfer": False}
-        )
-        _say("warm launches (EnsureModel hit + load_safetensors + read every page)")
-        with agent.running_agent(ctx, None) as daemon:
-            agent.hit_latency(ctx, daemon, main_model, calls=1)  # pulls it once
-            for _ in range(args.repeats):
-                _attempt(sample, lambda: agent.warm_launch(ctx, daemon, main_model))
-        paged = samples["prewarm warm launch, every page read"] = Sample(
-            "prewarm warm launch, every page read", extra={"transfer": False}
-        )
-        for run in sample.extra.get("runs", []):
-            paged.add(float(run["with_every_page"]))
-            paged.nbytes = sample.nbytes
-        paged.error = sample.error
+        samples.update(_warm(args, ctx, main_model))
 
     scaling: dict[str, Any] = {}
     if "scale" in sections:
@@ -283,6 +285,7 @@ def _run(args: argparse.Namespace, server: S3rver, scratch: Path, work: Path) ->
             "streamer_env": contenders.streamer_env(args.concurrency, args.chunk),
             "agent_config": agent.agent_config(ctx, "<plane>"),
             "default_plane": default_plane,
+            "agent_env": agent_env,
         },
         "models": {
             name: {"uri": m.uri, "bytes": m.total_bytes, "files": m.file_count}
@@ -296,6 +299,22 @@ def _run(args: argparse.Namespace, server: S3rver, scratch: Path, work: Path) ->
         "table": table,
         "markdown": markdown_table(samples, targets) + _markdown_extras(scaling, hits, profile),
     }
+
+
+def _warm(args: argparse.Namespace, ctx: Context, model: BenchModel) -> dict[str, Sample]:
+    """Repeat launches in new processes against one daemon that holds the model."""
+    sample = Sample("prewarm warm launch", extra={"transfer": False})
+    _say("warm launches (EnsureModel hit + load_safetensors + read every tensor)")
+    with agent.running_agent(ctx, None) as daemon:
+        agent.hit_latency(ctx, daemon, model, calls=1)  # pulls it once
+        for _ in range(args.repeats):
+            _attempt(sample, lambda: agent.warm_launch(ctx, daemon, model))
+    paged = Sample("prewarm warm launch, every page read", extra={"transfer": False})
+    for run in sample.extra.get("runs", []):
+        paged.add(float(run["with_every_page"]))
+        paged.nbytes = sample.nbytes
+    paged.error = sample.error
+    return {sample.name: sample, paged.name: paged}
 
 
 def _cold_runner(ctx: Context, model: BenchModel, plane: str | None) -> Callable[[], RunResult]:
@@ -439,6 +458,9 @@ def _profile(
             profiles[plane]["raw"] = str(output)
         except Exception as exc:
             profiles[plane] = {"error": f"{type(exc).__name__}: {exc}"}
+    if profiles:
+        costs = [agent.fallocate_seconds(ctx.scratch, model) for _ in range(args.repeats)]
+        profiles["fallocate"] = {"bytes": model.total_bytes, "best": min(costs), "runs": costs}
     return profiles
 
 
@@ -463,6 +485,13 @@ def _markdown_extras(scaling: dict[str, Any], hits: dict[str, Any], profile: dic
                 f"{h['median'] * 1000:.1f} | {h['served_per_call']:.0f} |"
             )
     for plane, p in profile.items():
+        if plane == "fallocate":
+            lines += [
+                "",
+                f"posix_fallocate of the model's files on /dev/shm alone (what staging does "
+                f"before the first GET): best {p['best']:.2f} s for {p['bytes'] / GiB:.2f} GiB.",
+            ]
+            continue
         if "error" in p:
             lines += ["", f"Profile ({plane}): {p['error']}"]
             continue

@@ -56,6 +56,8 @@ class Context:
     concurrency: int
     chunk: int
     scratch: Path  # on /dev/shm
+    # Extra environment for the daemon (experiments: allocator settings...).
+    agent_env: Mapping[str, str] = field(default_factory=dict)
 
     def child_env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         env = {

@@ -100,7 +100,7 @@ def _warm(args: argparse.Namespace) -> dict[str, Any]:
     tensors = load_safetensors(handle)
     mapped = time.perf_counter()
     # Every tensor read once (its first element): each one is really there.
-    checksum = sum(int(tensor.reshape(-1)[0].view(torch.uint8)[0]) for tensor in tensors.values())
+    checksum = sum(int(t.reshape(-1)[:1].view(torch.uint8)[0]) for t in tensors.values())
     touched = time.perf_counter()
     # Then one read per 4 KiB page: every page of every tensor mapped, which a
     # copy to the GPU would otherwise do as it goes.

@@ -45,20 +45,27 @@ __all__ = [
 KiB = 1024
 
 
-def agent_config(ctx: Context, plane: str | None) -> str:
-    """The daemon's config for a run: the run's concurrency and chunk size, and a plane."""
-    lines = ["[s3]", f"concurrency = {ctx.concurrency}", f"chunk_size = {ctx.chunk}"]
+def agent_config(ctx: Context, plane: str | None, *, pinned: bool = True) -> str:
+    """The daemon's config for a run: the run's concurrency and chunk size, and a plane.
+
+    ``pinned=False`` leaves both to the agent's own tuning (its defaults).
+    """
+    lines = ["[s3]"]
+    if pinned:
+        lines += [f"concurrency = {ctx.concurrency}", f"chunk_size = {ctx.chunk}"]
     if plane is not None:
         lines.append(f'data_plane = "{plane}"')
     return "\n".join(lines) + "\n"
 
 
 @contextlib.contextmanager
-def running_agent(ctx: Context, plane: str | None) -> Iterator[AgentProcess]:
+def running_agent(
+    ctx: Context, plane: str | None, *, pinned: bool = True
+) -> Iterator[AgentProcess]:
     """A fresh daemon on a fresh root (its shm tier on /dev/shm), removed afterwards."""
     root = Path(tempfile.mkdtemp(prefix="pw-", dir=ctx.scratch))
     env = ctx.server.env() | dict(ctx.agent_env)
-    agent = AgentProcess(env=env, root=root, config=agent_config(ctx, plane))
+    agent = AgentProcess(env=env, root=root, config=agent_config(ctx, plane, pinned=pinned))
     try:
         agent.start()
         yield agent
@@ -135,9 +142,14 @@ class RssSampler:
         }
 
 
-def cold_pull(ctx: Context, model: BenchModel, plane: str | None) -> RunResult:
+def cold_pull(
+    ctx: Context, model: BenchModel, plane: str | None, *, pinned: bool = True
+) -> RunResult:
     """One cold pull of ``model`` by one client into the shm tier of a fresh daemon."""
-    with running_agent(ctx, plane) as agent, Client(agent.socket_path) as client:
+    with (
+        running_agent(ctx, plane, pinned=pinned) as agent,
+        Client(agent.socket_path) as client,
+    ):
         assert agent.pid is not None
         served = ctx.server.bytes_sent()
         server_cpu = ctx.server.cpu_seconds()

@@ -34,6 +34,8 @@ MiB = 1024**2
 GiB = 1024**3
 BUCKET = "bench"
 PLANES = ("aiobotocore", "streamer")
+# The agent as installed: its own plane choice and tuning (concurrency from model size).
+DEFAULTS = "prewarm cold (agent defaults)"
 SECTIONS = ("ceiling", "s5cmd", "boto3", "streamer", "cold", "concurrent", "warm", "scale", "hits")
 _HERE = Path(__file__).resolve().parent
 RESULTS = _HERE / "results"
@@ -220,6 +222,7 @@ def _run(args: argparse.Namespace, server: S3rver, scratch: Path, work: Path) ->
         planes = list(PLANES)
         for plane in planes:
             samples[f"prewarm cold ({plane})"] = Sample(f"prewarm cold ({plane})")
+        samples[DEFAULTS] = Sample(DEFAULTS)
     elif "concurrent" in sections:
         samples[f"prewarm cold ({default_plane})"] = Sample(f"prewarm cold ({default_plane})")
     many_name = f"prewarm {args.clients} clients ({default_plane})"
@@ -238,6 +241,7 @@ def _run(args: argparse.Namespace, server: S3rver, scratch: Path, work: Path) ->
     for plane in PLANES:
         runners[f"prewarm cold ({plane})"] = _cold_runner(ctx, main_model, plane)
     runners.setdefault(f"prewarm cold ({default_plane})", _cold_runner(ctx, main_model, None))
+    runners[DEFAULTS] = functools.partial(agent.cold_pull, ctx, main_model, None, pinned=False)
     for round_index in range(args.repeats):
         for name, sample in samples.items():
             _say(f"round {round_index + 1}/{args.repeats}: {name}")

@@ -20,12 +20,13 @@ from grpc_reflection.v1alpha import reflection
 
 from ._api import PrewarmServicer
 from ._compile_cache import CompileCaches
+from ._compile_keys import CompileKeyParts
 from ._config import ConfigError, Settings, load_settings, render_toml
 from ._exceptions import PrewarmError
 from ._interceptor import RequestObserver
 from ._leases import LeaseServer, LeaseTable
 from ._logging import configure_logging
-from ._manifests import ManifestWatcher
+from ._manifests import CompileCacheHook, CompileSpec, ManifestWatcher
 from ._metrics import REGISTRY, StateCollector, StateReading, TierReading
 from ._metrics_server import serve_metrics
 from ._proto.prewarm.v1 import prewarm_pb2, prewarm_pb2_grpc
@@ -115,7 +116,9 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
     ):
         service = AgentService(store, puller, source, leases, settings)
         await service.start()
-        await background.enter_async_context(_metrics_and_manifests(service, settings))
+        await background.enter_async_context(
+            _metrics_and_manifests(service, settings, compile_caches)
+        )
         server = grpc.aio.server(interceptors=[RequestObserver(SERVICE_NAME)])
         prewarm_pb2_grpc.add_PrewarmServicer_to_server(
             PrewarmServicer(service, socket_path=str(socket_path), compile_caches=compile_caches),
@@ -176,7 +179,9 @@ def _count(number: int, noun: str) -> str:
 
 
 @contextlib.asynccontextmanager
-async def _metrics_and_manifests(service: AgentService, settings: Settings) -> AsyncIterator[None]:
+async def _metrics_and_manifests(
+    service: AgentService, settings: Settings, compile_caches: CompileCaches
+) -> AsyncIterator[None]:
     """The metrics endpoint (when metrics.port is set) and the prefetch manifests."""
     collector = StateCollector(lambda: _state_reading(service))
     REGISTRY.register(collector)
@@ -189,12 +194,25 @@ async def _metrics_and_manifests(service: AgentService, settings: Settings) -> A
             # The compile-cache hook is wired once the compile-cache service exists.
             await stack.enter_async_context(
                 ManifestWatcher(
-                    service, settings.manifests, settings.tiers.disk_root / "prefetch-pins.json"
+                    service,
+                    settings.manifests,
+                    settings.tiers.disk_root / "prefetch-pins.json",
+                    compile_cache=_manifest_compile_hook(compile_caches),
                 )
             )
             yield
     finally:
         REGISTRY.unregister(collector)
+
+
+def _manifest_compile_hook(compile_caches: CompileCaches) -> CompileCacheHook:
+    """Restores the compile cache a manifest entry names, once its model is cached."""
+
+    async def restore(spec: CompileSpec, model_key: str) -> object:
+        parts = CompileKeyParts(**spec.model_dump(), model_key=model_key)
+        return await compile_caches.ensure(parts, client_name="prefetch manifest")
+
+    return restore
 
 
 def _state_reading(service: AgentService) -> StateReading:

@@ -24,6 +24,7 @@ from agent_helpers import AgentFactory
 
 from agent._compile_archive import content_digest
 from agent.client import Client, CompileCacheHandle, CompileKeyParts, detect_key_parts
+from agent.testing import SampleModel
 
 PROBE = Path(__file__).with_name("compile_probe.py")
 UPLOAD_DEADLINE = 90.0
@@ -186,3 +187,24 @@ def test_a_damaged_archive_is_refused_and_the_pod_gets_an_empty_directory(
     # Working: the pod can write its artifacts there, and nothing of the archive leaked out.
     (refused.path / "inductor" / "written").write_text("ok")
     assert not list((second.disk_root / "compile" / ".tmp").iterdir())
+
+
+def test_a_manifest_entry_restores_its_compile_cache_with_the_model(
+    start_agent: AgentFactory, small_model: SampleModel, tmp_path: Path
+) -> None:
+    manifests = tmp_path / "models.d"
+    manifests.mkdir()
+    (manifests / "m.toml").write_text(
+        f'[[model]]\nuri = "{small_model.uri}"\n'
+        '[model.compile]\nengine = "vllm"\ntorch_version = "2.13.0"\ntensor_parallel = 2\n'
+    )
+    agent = start_agent(f'[manifests]\ndirectory = "{manifests}"\n')
+    with Client(agent.socket_path) as client:
+        deadline = time.monotonic() + UPLOAD_DEADLINE
+        while not (caches := client.list_compile_caches()):
+            assert time.monotonic() < deadline, "the manifest's compile cache never appeared"
+            time.sleep(0.2)
+        (model,) = client.list_models()
+    (cache,) = caches
+    assert cache.parts.model_key == model.key
+    assert (cache.parts.engine, cache.parts.tensor_parallel) == ("vllm", 2)

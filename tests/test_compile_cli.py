@@ -1,0 +1,69 @@
+"""``prewarm compile``, run as a real process against the real daemon and S3 server."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from agent_helpers import AgentFactory
+
+from agent.client import Client
+
+
+def prewarm(*args: str, socket: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}
+    env["PREWARM_SOCKET_PATH"] = str(socket)
+    return subprocess.run(
+        [sys.executable, "-m", "agent.cli", "compile", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def _ok(done: subprocess.CompletedProcess[str]) -> str:
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_ls_show_push_evict_pull(start_agent: AgentFactory, bucket: str) -> None:
+    agent = start_agent(f'[compile_cache]\nuri = "s3://{bucket}/cc"\nquiet_seconds = 60\n')
+    socket = agent.socket_path
+    with Client(socket) as client:
+        handle = client.compile_cache(torch_version="2.13.0", gpu_name="NVIDIA H100", model_key="m")
+    (handle.path / "inductor" / "kernel.so").write_bytes(b"\x7fELF" + bytes(4096))
+    short = handle.key[:10]
+
+    listed = json.loads(_ok(prewarm("ls", "--json", socket=socket)))
+    assert [c["key"] for c in listed] == [handle.key]
+    assert listed[0]["parts"]["gpu_name"] == "NVIDIA H100"
+    shown = _ok(prewarm("show", short, socket=socket))
+    assert str(handle.path) in shown
+    assert "NVIDIA H100" in shown
+
+    pushed = _ok(prewarm("push", short, socket=socket))
+    assert re.fullmatch(
+        rf"uploaded \d+ B \(sha256:[0-9a-f]{{64}}\) to s3://{bucket}/cc/{handle.key}/\n", pushed
+    ), pushed
+    assert _ok(prewarm("push", short, socket=socket)) == (
+        "not uploaded: unchanged since the last upload or restore\n"
+    )
+    assert _ok(prewarm("evict", short, socket=socket)).startswith(
+        f"evicted compile cache {handle.key[:12]}"
+    )
+    assert _ok(prewarm("ls", socket=socket)) == "no compile caches\n"
+    assert not handle.path.exists()
+
+    pulled = _ok(prewarm("pull", handle.key, socket=socket))
+    assert pulled.startswith(f"restored {handle.key} in ")
+    assert (handle.path / "inductor" / "kernel.so").read_bytes()[:4] == b"\x7fELF"
+
+    missing = prewarm("show", "0123456789", socket=socket)
+    assert missing.returncode == 1
+    assert "No compile cache has a key starting with 0123456789" in missing.stderr

@@ -191,7 +191,6 @@ async def _metrics_and_manifests(
                 await stack.enter_async_context(
                     serve_metrics(REGISTRY, settings.metrics.address, settings.metrics.port)
                 )
-            # The compile-cache hook is wired once the compile-cache service exists.
             await stack.enter_async_context(
                 ManifestWatcher(
                     service,

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv demo bench test lint typecheck pytest proto clean
+.PHONY: venv demo bench test lint typecheck pytest proto wheel clean
 
 # The venv is (re)built when pyproject.toml changes. torch is pinned to the CPU
 # build (2.13.0): an unpinned torch would pull a multi-GB CUDA build.
@@ -38,6 +38,10 @@ typecheck: $(STAMP)
 
 pytest: $(STAMP)
 	$(VENV)/bin/pytest
+
+## wheel: build dist/prewarm-<version>-py3-none-any.whl (for packaging/install.sh --wheel)
+wheel: $(STAMP)
+	$(PY) -m pip wheel --quiet --no-deps --wheel-dir dist .
 
 ## proto: regenerate agent/_proto from proto/ (commit the result)
 proto: $(STAMP)

@@ -165,8 +165,8 @@ class LeaseSettings(BaseModel):
     model_config = {"extra": "forbid"}
 
     # Where clients hold leases open (a connection per lease; we read SO_PEERCRED).
-    # Unset: lease.sock next to the API socket, so one mounted directory has both.
-    socket_path: Path | None = None
+    # Unset (or empty): lease.sock next to the API socket, so one mounted directory has both.
+    socket_path: Annotated[Path | None, BeforeValidator(_empty_to_none)] = None
     # TTL of a lease nobody holds open, unless the request asks for another.
     default_ttl_seconds: float = Field(default=60.0, gt=0)
     # Longest TTL a request may ask for (longer ones are clamped).
@@ -184,8 +184,6 @@ class CompileCacheSettings(BaseModel):
     quiet_seconds: float = Field(default=30.0, gt=0)
     # Watch key directories and upload what pods produce.
     upload: bool = True
-    # A restore that takes longer is abandoned: the pod gets an empty directory and compiles.
-    restore_timeout_seconds: float = Field(default=120.0, gt=0)
 
 
 class MetricsSettings(BaseModel):

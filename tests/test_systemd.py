@@ -209,9 +209,12 @@ def test_daemon_status_counts_cached_models(s3_server: S3Server, small_model: Sa
     ):
         with Client(agent.socket_path) as client:
             client.ensure(small_model.uri)
-        status = systemd.wait_for(lambda m: "1 model cached" in (m.get("STATUS") or ""))
-    assert status.get("STATUS") == (
-        f"Serving on {agent.socket_path}: 1 model cached (0.0 GiB), 0 pulls in flight"
+        # The pull's last moments may show "1 pull in flight" too; the settled line must come.
+        settled = f"Serving on {agent.socket_path}: 1 model cached (0.0 GiB), 0 pulls in flight"
+        systemd.wait_for(lambda m: m.get("STATUS") == settled)
+        ready = systemd.messages[_index(systemd.messages, "READY=1")]
+    assert ready.get("STATUS") == (
+        f"Serving on {agent.socket_path}: 0 models cached (0.0 GiB), 0 pulls in flight"
     )
 
 
@@ -337,6 +340,7 @@ def test_tmpfiles_and_sysusers_create_the_cache_roots_for_the_prewarm_user(
     for directory in ("dev/shm/prewarm", "var/lib/prewarm", "run/prewarm"):
         info = (root / directory).stat()
         assert (info.st_uid, info.st_gid, info.st_mode & 0o7777) == (uid, gid, 0o755), directory
+    assert gid == 2929  # fixed, so pods can name it in supplementalGroups
 
 
 def _id_of(name: str, database: Path) -> int:

@@ -1,0 +1,79 @@
+"""``prewarm health``: ask the agent's standard gRPC health service, for probes and scripts.
+
+Kubernetes' native ``grpc:`` probe only dials TCP ports, and the agent serves on a
+Unix socket only, so the DaemonSet's probes run this command (``exec:``) instead.
+It makes one ``grpc.health.v1.Health/Check`` call and answers with its exit status:
+
+- 0: SERVING (the cache index is rebuilt and the sockets are bound);
+- 1: the agent answered but is not serving (starting, or draining after SIGTERM);
+- 3: nothing answered on the socket within ``--timeout``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import grpc
+import typer
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from agent.client._convert import CHANNEL_OPTIONS, channel_target, resolve_socket_path
+
+__all__ = ["health_command"]
+
+EXIT_NOT_SERVING = 1
+EXIT_NO_AGENT = 3
+
+
+def health_command(
+    socket: Annotated[
+        Path | None,
+        typer.Option(
+            "--socket",
+            envvar="PREWARM_SOCKET_PATH",
+            help="The agent's socket [default: /run/prewarm/agent.sock].",
+            show_default=False,
+        ),
+    ] = None,
+    service: Annotated[
+        str,
+        typer.Option(help="Health service name; empty is the whole agent, or prewarm.v1.Prewarm."),
+    ] = "",
+    timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait for an answer.")] = 3.0,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="Print machine-readable JSON on stdout, nothing else.")
+    ] = False,
+) -> None:
+    """Exit 0 if the agent reports SERVING, 1 if it answers otherwise, 3 if it does not answer."""
+    path = resolve_socket_path(socket)
+    status, error = _check(path, service, timeout)
+    if json_out:
+        document = {"socket": str(path), "service": service, "status": status, "error": error}
+        sys.stdout.write(json.dumps(document) + "\n")
+    elif error:
+        sys.stderr.write(f"error: {error}\n")
+    else:
+        sys.stdout.write(f"{status}\n")
+    if status == "SERVING":
+        return
+    raise typer.Exit(EXIT_NO_AGENT if status == "UNREACHABLE" else EXIT_NOT_SERVING)
+
+
+def _check(path: Path, service: str, timeout: float) -> tuple[str, str]:
+    """(status name, error sentence or "")."""
+    with grpc.insecure_channel(channel_target(path), options=CHANNEL_OPTIONS) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.NOT_FOUND:
+                return "SERVICE_UNKNOWN", f"the agent on {path} knows no service {service!r}"
+            return "UNREACHABLE", (
+                f"no prewarm agent answered on {path} ({code.name}, timeout {timeout:g} s); "
+                "is prewarmd running (systemctl status prewarmd), and is the socket mounted?"
+            )
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status), ""

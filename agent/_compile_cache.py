@@ -185,13 +185,16 @@ class CompileCaches:
         """The directory for ``parts``: as it is, restored from S3, or new and empty."""
         canonical = normalise_parts(parts)
         key = compile_key(canonical)
+        directory = self._root / key
+        # A key on the node is answered without its lock: an upload of it may
+        # hold the lock for a while, and the pod has no reason to wait for that.
+        record = self._records.get(key)
+        if record is not None and directory.is_dir():
+            return await self._hit(key, record)
         async with self._key_locks[key]:
             record = self._records.get(key)
-            directory = self._root / key
             if record is not None and directory.is_dir():
-                record.last_used = time.time()
-                await self._save(key, record, strict=False)
-                return self._ensured(key, record, restored=False, seconds=0.0, note="")
+                return await self._hit(key, record)
             if skip_restore:
                 restored, seconds, note = None, 0.0, "restore skipped on request"
             elif self._remote is None:
@@ -207,6 +210,11 @@ class CompileCaches:
             extra={"key": key, "client": client_name, "restored": restored is not None},
         )
         return self._ensured(key, record, restored=restored is not None, seconds=seconds, note=note)
+
+    async def _hit(self, key: str, record: _Record) -> EnsuredCompileCache:
+        record.last_used = time.time()
+        await self._save(key, record, strict=False)
+        return self._ensured(key, record, restored=False, seconds=0.0, note="")
 
     async def pull(self, ref: str) -> EnsuredCompileCache:
         """Restore a key from S3 now, replacing the local directory; errors are raised."""
@@ -263,15 +271,13 @@ class CompileCaches:
             await self._drop(key, "manual")
         return [info]
 
-    async def hold_lock(
+    def hold_lock(
         self, parts: CompileKeyParts, client_name: str
     ) -> AsyncGenerator[LockEvent, None]:
+        """The node's compile lock for ``parts``' key (see CompileLocks.hold)."""
         key = compile_key(parts)
         directory = self._root / key
-        async for event in self.locks.hold(
-            key, client_name or "anonymous", lambda: _has_artifacts(directory)
-        ):
-            yield event
+        return self.locks.hold(key, client_name or "anonymous", lambda: _has_artifacts(directory))
 
     # -- the store's extra usage (counted in the disk budget, evicted last) ------------------------
 

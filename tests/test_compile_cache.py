@@ -23,7 +23,13 @@ import pytest
 from agent_helpers import AgentFactory
 
 from agent._compile_archive import content_digest
-from agent.client import Client, CompileCacheHandle, CompileKeyParts, detect_key_parts
+from agent.client import (
+    Client,
+    CompileCacheHandle,
+    CompileKeyParts,
+    InvalidRequest,
+    detect_key_parts,
+)
 from agent.testing import SampleModel
 
 PROBE = Path(__file__).with_name("compile_probe.py")
@@ -139,6 +145,12 @@ def test_another_key_part_gives_another_directory(
     assert again.path == one.path
     assert one.restore_note == "compile_cache.uri is not set: local only"
     assert one.env["TORCHINDUCTOR_CACHE_DIR"] == str(one.path / "inductor")
+
+
+def test_parts_without_a_torch_version_are_refused(start_agent: AgentFactory) -> None:
+    agent = start_agent()
+    with Client(agent.socket_path) as client, pytest.raises(InvalidRequest, match="torch_version"):
+        client.compile_cache(engine="vllm", model_key="m")
 
 
 def _fill(directory: Path, seed: int) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from agent_helpers import AgentFactory
 
 from agent.client import Client
+from agent.testing import SampleModel
 
 
 def prewarm(*args: str, socket: Path) -> subprocess.CompletedProcess[str]:
@@ -67,3 +68,58 @@ def test_ls_show_push_evict_pull(start_agent: AgentFactory, bucket: str) -> None
     missing = prewarm("show", "0123456789", socket=socket)
     assert missing.returncode == 1
     assert "No compile cache has a key starting with 0123456789" in missing.stderr
+
+
+def _exec(*args: str, socket: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}
+    env["PREWARM_SOCKET_PATH"] = str(socket)
+    return subprocess.run(
+        [sys.executable, "-m", "agent.cli", "exec", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+
+
+def test_exec_gives_the_command_the_compile_cache_of_its_key_parts(
+    start_agent: AgentFactory, small_model: SampleModel
+) -> None:
+    import torch
+
+    agent = start_agent()
+    done = _exec(
+        small_model.uri,
+        *("--compile-key", "engine=sglang", "--compile-key", "tensor_parallel=2"),
+        *("--compile-key", "extras.dtype=fp32", "--"),
+        *(sys.executable, "-c", "import os; print(os.environ['SGLANG_CACHE_DIR'])"),
+        socket=agent.socket_path,
+    )
+    assert done.returncode == 0, done.stderr
+    with Client(agent.socket_path) as client:
+        (cache,) = client.list_compile_caches()
+        model = client.get(small_model.uri)
+    assert done.stdout == f"{cache.path / 'sglang'}\n"
+    assert f"prewarm: compile cache {cache.key[:12]} (new: " in done.stderr
+    assert cache.parts.model_key == model.key
+    assert cache.parts.torch_version == torch.__version__  # detected by the launcher
+    assert (cache.parts.tensor_parallel, cache.parts.extras["dtype"]) == (2, "fp32")
+
+
+def test_exec_refuses_a_bad_key_part_before_running_anything(
+    start_agent: AgentFactory, small_model: SampleModel
+) -> None:
+    agent = start_agent()
+    done = _exec(
+        small_model.uri,
+        "--compile-key",
+        "tensor_parallel=eight",
+        "--",
+        "true",
+        socket=agent.socket_path,
+    )
+    assert done.returncode == 2
+    assert "tensor_parallel must be a whole number, not 'eight'" in done.stderr
+    with Client(agent.socket_path) as client:
+        assert client.list_models() == []

@@ -47,8 +47,11 @@ from agent.client import (
     InvalidRequest,
     ModelHandle,
     PrewarmError,
+    detect_key_parts,
 )
 from agent.client import Progress as PullProgress
+from agent.client._compile import key_fields_from_text
+from agent.client._compile import key_parts as key_parts_from
 
 from . import _render as render
 
@@ -137,6 +140,7 @@ def exec_command(
         _fail("give the command to run after --, e.g. -- vllm serve {model}", EXIT_INVALID)
     try:
         key_parts = parse_compile_key(compile_key or ())
+        key_fields_from_text(key_parts)  # refuse bad parts before pulling anything
     except InvalidRequest as exc:
         _fail(str(exc), EXIT_INVALID)
     client_name = name or _default_name(command)
@@ -197,16 +201,33 @@ def parse_compile_key(pairs: Sequence[str]) -> dict[str, str]:
 def _compile_cache_env(
     client: Client, key_parts: Mapping[str, str], handle: ModelHandle
 ) -> dict[str, str]:
-    """The compile cache's environment for the child.
+    """The compile cache's environment for the child (see docs/compile-cache.md).
 
-    Hook for the compile-cache RPC (EnsureCompileCache): until the client has
-    it, the command runs without a managed compile cache, and says so.
+    What the launcher can detect itself (torch, Triton, CUDA, GPU) is filled in
+    when torch is importable here; ``model_key`` defaults to the snapshot's key.
+    A compile cache the agent cannot give is a warning: the command compiles cold.
     """
-    sys.stderr.write(
-        "prewarm: warning: this prewarm has no compile-cache support yet; "
-        f"--compile-key {', '.join(key_parts)} ignored.\n"
-    )
-    return {}
+    try:
+        fields = key_fields_from_text(key_parts)
+    except InvalidRequest as exc:
+        _fail(str(exc), EXIT_INVALID)
+    fields.setdefault("model_key", handle.key)
+    try:
+        parts = detect_key_parts(**fields)
+    except ImportError:  # no torch in this image: the parts given are all there is
+        parts = key_parts_from(None, **fields)
+    try:
+        cache = client.compile_cache(parts, client_name=f"prewarm exec ({handle.key[:12]})")
+    except PrewarmError as exc:
+        sys.stderr.write(
+            f"prewarm: warning: no compile cache ({exc}); the command compiles cold.\n"
+        )
+        return {}
+    how = f"restored in {cache.restore_seconds:.2f} s" if cache.restored else "local"
+    if cache.restore_note:
+        how = f"new: {cache.restore_note}"
+    sys.stderr.write(f"prewarm: compile cache {cache.key[:12]} ({how}) -> {cache.path}\n")
+    return dict(cache.env)
 
 
 def run_child(argv: list[str], env: dict[str, str]) -> int:

@@ -21,7 +21,7 @@ import os
 import platform
 import shutil
 import subprocess
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import fields as dataclass_fields
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -47,6 +47,7 @@ __all__ = [
     "AsyncCompileMixin",
     "CompileMixin",
     "detect_key_parts",
+    "key_fields_from_text",
     "key_parts",
 ]
 
@@ -65,6 +66,38 @@ def key_parts(parts: CompileKeyParts | None = None, **fields: Any) -> CompileKey
             f"the parts are {', '.join(sorted(_KEY_FIELDS))}."
         )
     return replace(parts or CompileKeyParts(), **fields)
+
+
+_SIZES = frozenset({"tensor_parallel", "pipeline_parallel", "data_parallel"})
+
+
+def key_fields_from_text(pairs: Mapping[str, str]) -> dict[str, Any]:
+    """Key parts given as text (``--compile-key NAME=VALUE``) as ``CompileKeyParts`` fields.
+
+    Parallel sizes become numbers; ``extras.NAME`` goes into ``extras``.
+    Unknown names and non-numeric sizes are refused with InvalidRequest.
+    """
+    found: dict[str, Any] = {}
+    extras: dict[str, str] = {}
+    for name, value in pairs.items():
+        if name.startswith("extras."):
+            extras[name.removeprefix("extras.")] = value
+        elif name in _SIZES:
+            if not value.strip().isdigit():
+                raise InvalidRequest(
+                    f"Compile key part {name} must be a whole number, not {value!r}."
+                )
+            found[name] = int(value)
+        elif name in _KEY_FIELDS and name != "extras":
+            found[name] = value
+        else:
+            raise InvalidRequest(
+                f"Unknown compile key part {name!r}; the parts are "
+                f"{', '.join(sorted(_KEY_FIELDS - {'extras'}))} and extras.NAME."
+            )
+    if extras:
+        found["extras"] = extras
+    return found
 
 
 def _installed(distribution: str) -> str:

@@ -7,11 +7,15 @@ boundaries are exactly the journal's ranges (``FileChunks`` with our offsets
 and sizes), so every chunk it delivers is one range: the event loop hashes it,
 writes it at its offset and journals it, exactly as the aiobotocore plane does.
 
-Memory is bounded twice: the streamer's ring holds ``Tuning.streamer_memory``
-bytes (two ranges per stream), and the thread hands chunks over through a
-queue of ``depth`` permits, so it stops pulling while the writers lag.
-Cancelling the pull stops the thread at its next chunk; the GETs already under
-way finish first (the request timeout bounds them), then the streamer ends.
+Memory is bounded by the streamer's ring (``Tuning.streamer_memory``: two
+ranges, or two blocks per stream) and its S3 clients' in-flight buffers
+(RUNAI_STREAMER_S3_MAX_INFLIGHT_MIB). The ring is reused (``owned=False``), so
+the thread hands each chunk to the event loop through a one-slot queue and
+waits until it is written before asking the streamer for the next: the
+streamer's C++ workers keep filling the other slots meanwhile, and stop when
+the writer lags. Cancelling the pull stops the thread at its next chunk; the
+GETs already under way finish first (the request timeout bounds them), then
+the streamer ends.
 
 Retries. The CRT retries 5xx, SlowDown, resets and short reads itself, per GET
 (measured through agent.testing.FaultProxy). A failure it gives up on fails the
@@ -34,7 +38,6 @@ variables in the daemon's own environment, which nothing else there reads.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib
 import importlib.util
 import logging
@@ -45,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ._config import S3Settings
-from ._dataplane import ByteRange, DataPlane, root_cause, write_in_thread
+from ._dataplane import ByteRange, DataPlane, write_in_thread
 from ._flight import Flight
 from ._integrity import ChunkHasher
 from ._plane_aiobotocore import backoff_delay
@@ -61,7 +64,6 @@ log = logging.getLogger(__name__)
 _MODULES = ("runai_model_streamer", "runai_model_streamer_s3")
 # The streamer reads its settings from the environment when it starts.
 _START_LOCK = threading.Lock()
-_MAX_DEPTH = 8
 
 T = TypeVar("T")
 
@@ -103,54 +105,60 @@ class _Chunk:
 
 
 class _Handoff:
-    """Chunks from the streamer's thread to the event loop, ``depth`` at a time."""
+    """Chunks from the streamer's thread to the event loop, one at a time.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, depth: int) -> None:
+    The thread waits until the loop has written each chunk: the chunk is a view
+    into the streamer's ring, which reuses that memory once the thread asks for
+    the next chunk. So the ring is all the memory a pull holds, and the streamer
+    keeps filling its other slots while a chunk is written.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._permits = threading.Semaphore(depth)
+        self._written = threading.Semaphore(0)
         self._stopped = threading.Event()
-        self._queue: asyncio.Queue[_Chunk | None] = asyncio.Queue()
+        self._queue: asyncio.Queue[_Chunk | None] = asyncio.Queue(maxsize=1)
         self.error: BaseException | None = None
         self.finished: asyncio.Future[None] = loop.create_future()
 
     # -- the streamer's thread ---------------------------------------------------------------
 
     def put(self, chunk: _Chunk) -> bool:
-        """Hand one chunk over, waiting for a permit; False once the loop side stopped."""
-        self._permits.acquire()
-        if self._stopped.is_set():
+        """Hand one chunk over and wait until it is written; False once the loop stopped."""
+        if self._stopped.is_set() or not self._call(self._queue.put_nowait, chunk):
             return False
-        self._call(self._queue.put_nowait, chunk)
-        return True
+        self._written.acquire()
+        return not self._stopped.is_set()
 
     def end(self, error: BaseException | None) -> None:
         self._call(self._finish, error)
 
-    def _call(self, callback: Callable[[T], object], argument: T) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is listening
+    def _call(self, callback: Callable[[T], object], argument: T) -> bool:
+        try:
             self._loop.call_soon_threadsafe(callback, argument)
+        except RuntimeError:  # the loop is gone: nobody is listening
+            return False
+        return True
 
     # -- the event loop ------------------------------------------------------------------------
 
     def _finish(self, error: BaseException | None) -> None:
         self.error = error
-        self._queue.put_nowait(None)
+        if self._queue.empty():
+            self._queue.put_nowait(None)
         if not self.finished.done():
             self.finished.set_result(None)
 
     async def get(self) -> _Chunk | None:
-        """The next chunk, or None once the stream ended (for every reader)."""
-        chunk = await self._queue.get()
-        if chunk is None:
-            self._queue.put_nowait(None)  # let the other writers see the end too
-        return chunk
+        """The next chunk, or None once the stream ended."""
+        return await self._queue.get()
 
     def written(self) -> None:
-        self._permits.release()
+        self._written.release()
 
     def stop(self) -> None:
         self._stopped.set()
-        self._permits.release()  # wake a thread waiting for a permit
+        self._written.release()  # wake a thread waiting for its chunk to be written
 
 
 class StreamerPlane:
@@ -212,8 +220,7 @@ class StreamerPlane:
         tuning: Tuning,
         streamed: dict[str, SourceObject],
     ) -> None:
-        depth = max(2, min(tuning.concurrency, _MAX_DEPTH))
-        handoff = _Handoff(asyncio.get_running_loop(), depth)
+        handoff = _Handoff(asyncio.get_running_loop())
         files: dict[str, list[ByteRange]] = {}
         for byte_range in ranges:
             files.setdefault(byte_range.obj.key, []).append(byte_range)
@@ -227,11 +234,7 @@ class StreamerPlane:
         )
         thread.start()
         try:
-            async with asyncio.TaskGroup() as writers:
-                for _ in range(depth):
-                    writers.create_task(self._write(flight, staging, handoff, streamed))
-        except ExceptionGroup as group:
-            raise root_cause(group) from None
+            await self._write(flight, staging, handoff, streamed)
         finally:
             handoff.stop()
             # The thread must be done with the staging files and the ring before we go on.
@@ -255,11 +258,11 @@ class StreamerPlane:
                 )
             hasher = ChunkHasher()
             await write_in_thread(staging.write_at, path, [chunk.data], byte_range.start, hasher)
+            del chunk  # the ring's memory: the streamer reuses it once told
+            handoff.written()
             streamed[byte_range.obj.key] = byte_range.obj
             flight.add_bytes(byte_range.obj, byte_range.length)
             staging.complete_range(path, byte_range.start, byte_range.length, hasher.digest())
-            del chunk  # let the ring's memory go before waiting for the next one
-            handoff.written()
 
     def _produce(
         self, bucket: str, plan: list[list[ByteRange]], tuning: Tuning, handoff: _Handoff
@@ -299,7 +302,10 @@ class StreamerPlane:
             streamer.__enter__()
         delivered: Any = None
         try:
-            streamer.stream_files(requests, credentials, "cpu", memory_limit=tuning.streamer_memory)
+            # owned=False: one ring, reused; each chunk is written before the next is asked for.
+            streamer.stream_files(
+                requests, credentials, "cpu", memory_limit=tuning.streamer_memory, owned=False
+            )
             delivered = streamer.get_chunks()
             for file_index, range_index, tensor in delivered:
                 view = memoryview(tensor.numpy()).cast("B")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -56,6 +57,26 @@ app = typer.Typer(
 class TierChoice(StrEnum):
     shm = "shm"
     disk = "disk"
+
+
+class DataPlaneChoice(StrEnum):
+    auto = "auto"
+    streamer = "streamer"
+    aiobotocore = "aiobotocore"
+
+
+_SIZE = re.compile(r"\s*(\d+)\s*([kmg]?)(i?)(b?)\s*", re.IGNORECASE)
+
+
+def _parse_size(text: str) -> int:
+    """'64MiB', '64M', '1GiB', '8388608' -> bytes; KB/MB/GB (with a B, no i) are decimal."""
+    match = _SIZE.fullmatch(text)
+    if match is None:
+        raise typer.BadParameter(f"{text!r} is not a size like 64MiB, 1GiB or 8388608")
+    number, prefix, binary, byte = match.groups()
+    base = 1000 if byte and not binary else 1024
+    power = " kmg".index(prefix.lower() or " ")
+    return int(number) * int(base**power)
 
 
 SocketOption = Annotated[
@@ -180,10 +201,30 @@ def pull(
         bool,
         typer.Option("--strict-tier", help="Fail rather than use the other tier when full."),
     ] = False,
+    data_plane: Annotated[
+        DataPlaneChoice | None,
+        typer.Option(help="What moves the bytes if this starts a pull [default: the agent's]."),
+    ] = None,
+    concurrency: Annotated[
+        int | None,
+        typer.Option(min=1, help="Parallel streams if this starts a pull [default: the agent's]."),
+    ] = None,
+    chunk_size: Annotated[
+        int | None,
+        typer.Option(
+            parser=_parse_size,
+            metavar="SIZE",
+            help="Bytes per ranged GET and journal entry, e.g. 64MiB [default: the agent's].",
+        ),
+    ] = None,
     socket: SocketOption = None,
     json_out: JsonOption = False,
 ) -> None:
-    """Make sure a model is in the node cache, pulling it if needed."""
+    """Make sure a model is in the node cache, pulling it if needed.
+
+    --data-plane, --concurrency and --chunk-size apply only when this request
+    starts the pull; joining a pull in progress keeps that pull's settings.
+    """
     with _agent_errors(), Client(socket) as client:
         request: dict[str, object] = {
             "tier": tier.value if tier else None,
@@ -192,6 +233,9 @@ def pull(
             "client_name": _client_name(),
             "pin": pin,
             "strict_tier": strict_tier,
+            "data_plane": data_plane.value if data_plane else None,
+            "concurrency": concurrency,
+            "chunk_size": chunk_size,
         }
         if json_out:
             handle = client.ensure(uri, **request)  # type: ignore[arg-type]

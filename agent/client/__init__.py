@@ -43,6 +43,7 @@ from ._sync import Client, ensure
 from ._tensors import SafetensorsError, load_safetensors
 from ._types import (
     AgentStatus,
+    DataPlaneName,
     EvictResult,
     FileEntry,
     FileProblem,
@@ -76,6 +77,7 @@ __all__ = [
     "CompileKeyParts",
     "CompileLockGrant",
     "Conflict",
+    "DataPlaneName",
     "EvictResult",
     "FileEntry",
     "FileProblem",

@@ -21,6 +21,7 @@ from ._errors import granted_lease, missing_handle, translate_rpc_error
 from ._hold import AsyncLeaseHold
 from ._types import (
     AgentStatus,
+    DataPlaneName,
     EvictResult,
     LeaseGrant,
     ModelHandle,
@@ -93,6 +94,9 @@ class AsyncClient(AsyncCompileMixin):
         lease_ttl: float | None = None,
         pin: bool = False,
         strict_tier: bool = False,
+        data_plane: DataPlaneName | None = None,
+        concurrency: int | None = None,
+        chunk_size: int | None = None,
     ) -> ModelHandle:
         """Make sure ``uri`` is cached on this node, pulling it if needed, and return it.
 
@@ -109,6 +113,9 @@ class AsyncClient(AsyncCompileMixin):
             lease_ttl=lease_ttl,
             pin=pin,
             strict_tier=strict_tier,
+            data_plane=data_plane,
+            concurrency=concurrency,
+            chunk_size=chunk_size,
         )
         call = self._get_stub().EnsureModel(request, timeout=self._timeout)
         handle: ModelHandle | None = None

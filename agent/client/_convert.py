@@ -136,9 +136,19 @@ def ensure_request(
     lease_ttl: float | None = None,
     pin: bool = False,
     strict_tier: bool = False,
+    data_plane: str | None = None,
+    concurrency: int | None = None,
+    chunk_size: int | None = None,
 ) -> pb.EnsureModelRequest:
     if lease_ttl is not None and not lease:
         raise InvalidRequest("lease_ttl only applies to a lease; pass lease=True with it.")
+    if (concurrency is not None and concurrency < 1) or (chunk_size is not None and chunk_size < 1):
+        raise InvalidRequest("concurrency and chunk_size must be positive (None: the agent's).")
+    options = None
+    if data_plane or concurrency or chunk_size:
+        options = pb.PullOptions(
+            data_plane=data_plane or "", concurrency=concurrency or 0, chunk_size=chunk_size or 0
+        )
     return pb.EnsureModelRequest(
         uri=str(uri),
         tier=tier_to_proto(tier),
@@ -149,6 +159,7 @@ def ensure_request(
         lease_ttl_seconds=_ttl_seconds(lease_ttl),
         pin=pin,
         strict_tier=strict_tier,
+        pull_options=options,
     )
 
 

@@ -21,6 +21,7 @@ from ._errors import granted_lease, missing_handle, translate_rpc_error
 from ._hold import LeaseHold
 from ._types import (
     AgentStatus,
+    DataPlaneName,
     EvictResult,
     LeaseGrant,
     ModelHandle,
@@ -87,6 +88,9 @@ class Client(CompileMixin):
         lease_ttl: float | None = None,
         pin: bool = False,
         strict_tier: bool = False,
+        data_plane: DataPlaneName | None = None,
+        concurrency: int | None = None,
+        chunk_size: int | None = None,
     ) -> ModelHandle:
         """Make sure ``uri`` is cached on this node, pulling it if needed, and return it.
 
@@ -95,6 +99,9 @@ class Client(CompileMixin):
         seconds (None: the agent's default); hold it with ``LeaseHold`` or renew
         it, or use ``leased()``, which does both. ``pin=True`` pins the snapshot;
         ``strict_tier=True`` fails rather than use the other tier when ``tier`` is full.
+        ``data_plane`` ("auto", "streamer", "aiobotocore"), ``concurrency`` (streams)
+        and ``chunk_size`` (bytes) override the agent's settings for a pull this call
+        starts (None: the agent's); a call that joins a pull in progress gets its settings.
         """
         request = convert.ensure_request(
             uri,
@@ -106,6 +113,9 @@ class Client(CompileMixin):
             lease_ttl=lease_ttl,
             pin=pin,
             strict_tier=strict_tier,
+            data_plane=data_plane,
+            concurrency=concurrency,
+            chunk_size=chunk_size,
         )
         call = self._stub.EnsureModel(request, timeout=self._timeout)
         handle: ModelHandle | None = None

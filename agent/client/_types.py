@@ -9,6 +9,7 @@ from typing import Literal
 
 __all__ = [
     "AgentStatus",
+    "DataPlaneName",
     "EvictResult",
     "FileEntry",
     "FileProblem",
@@ -26,6 +27,8 @@ __all__ = [
 ]
 
 TierName = Literal["shm", "disk"]
+# Which data plane a pull uses (see docs/data-planes.md).
+DataPlaneName = Literal["auto", "streamer", "aiobotocore"]
 PhaseName = Literal["resolve", "download", "verify", "publish", "done"]
 
 

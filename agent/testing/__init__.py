@@ -11,12 +11,16 @@
 - ``MemorySource``: an in-memory stand-in for S3 behind the puller's
   ObjectSource interface, with scripted mid-transfer failures (``RangeRead``
   records what was asked of it).
+- ``FaultProxy``: a loopback HTTP proxy in front of an S3 server that answers
+  requests matching a ``Fault`` rule with a 500, a 503 SlowDown, a reset, a
+  truncated body or a stalled one.
 
 Importing this package needs only the agent's own dependencies; moto, boto3,
 numpy and safetensors (the ``dev`` extra) are imported when first used.
 """
 
 from ._daemon import AgentProcess, AgentStartupError
+from ._fault_proxy import Fault, FaultKind, FaultProxy
 from ._memory_source import MemorySource, RangeRead
 from ._models import SampleModel, make_safetensors_model, upload_directory, upload_model
 from ._s3server import CONTROL_PATH, RecordedRequest, S3Server, S3ServerError
@@ -26,6 +30,9 @@ __all__ = [
     "CONTROL_PATH",
     "AgentProcess",
     "AgentStartupError",
+    "Fault",
+    "FaultKind",
+    "FaultProxy",
     "MemorySource",
     "NotifyMessage",
     "NotifySocket",

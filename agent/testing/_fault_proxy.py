@@ -11,8 +11,10 @@ answers some of them badly, by rules a test sets::
 
 Faults: ``internal_error`` (HTTP 500, S3's InternalError body), ``slow_down``
 (HTTP 503, S3's SlowDown body), ``reset`` (the connection is reset before any
-response byte) and ``truncate`` (the upstream response's headers, promising the
-whole body, then ``after_bytes`` of it, then the connection is closed). A rule
+response byte), ``truncate`` (the upstream response's headers, promising the
+whole body, then ``after_bytes`` of it, then the connection is closed) and
+``stall`` (the same, but the connection stays open and silent until the client
+gives up: what a low-speed limit is for). A rule
 matches requests by method and by a substring of the path, ``times`` times
 (``None``: every matching request); the first matching rule with uses left wins.
 
@@ -38,7 +40,7 @@ from typing import Literal, Self
 
 __all__ = ["Fault", "FaultKind", "FaultProxy"]
 
-FaultKind = Literal["internal_error", "slow_down", "reset", "truncate"]
+FaultKind = Literal["internal_error", "slow_down", "reset", "truncate", "stall"]
 
 _PIECE = 256 * 1024
 _HEADER_LIMIT = 64 * 1024
@@ -63,7 +65,7 @@ class Fault:
     method: str = "GET"
     # Matching requests to spoil; None spoils every one.
     times: int | None = 1
-    # truncate: body bytes sent before the connection is closed.
+    # truncate, stall: body bytes sent before the connection is closed or goes silent.
     after_bytes: int = 0
     used: int = field(default=0, init=False)
 
@@ -82,6 +84,10 @@ class Fault:
     @classmethod
     def truncate(cls, *, after_bytes: int, key: str = "", times: int | None = 1) -> Fault:
         return cls("truncate", key=key, times=times, after_bytes=after_bytes)
+
+    @classmethod
+    def stall(cls, *, after_bytes: int = 0, key: str = "", times: int | None = 1) -> Fault:
+        return cls("stall", key=key, times=times, after_bytes=after_bytes)
 
     def _matches(self, method: str, path: str) -> bool:
         left = self.times is None or self.used < self.times
@@ -252,6 +258,9 @@ class FaultProxy:
                 keep = await self._relay(upstream[0], writer, request.method, limit)
                 with self._lock:
                     self._forwarded += 1
+                if fault is not None and fault.kind == "stall":
+                    while await reader.read(_PIECE):
+                        pass  # say nothing more until the client hangs up
                 if not keep:
                     return
         except (ConnectionError, asyncio.IncompleteReadError, ValueError):

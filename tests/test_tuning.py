@@ -1,0 +1,123 @@
+"""Tuning arithmetic: concurrency from model size, precedence, and the streamer's variables."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent import InvalidRequest
+from agent._config import S3Settings
+from agent._tuning import (
+    STREAMER_MIN_BLOCK,
+    PullOptions,
+    auto_concurrency,
+    concurrency_ceiling,
+    streamer_environment,
+    tune,
+)
+
+MiB = 1024**2
+GB = 10**9
+
+
+@pytest.mark.parametrize(
+    ("size", "expected"),
+    [
+        (0, 1),  # an empty model still gets a stream
+        (1, 1),
+        (4 * GB, 1),
+        (4 * GB + 1, 2),
+        (67 * GB, 17),
+        (145 * GB, 37),  # the published example: 145 GB -> 37 streams
+    ],
+)
+def test_auto_concurrency_is_one_stream_per_4_gb(size: int, expected: int) -> None:
+    assert auto_concurrency(size, cpus=512, maximum=512) == expected
+
+
+def test_auto_concurrency_is_capped_by_cpus_and_the_maximum() -> None:
+    assert auto_concurrency(203 * GB, cpus=8, maximum=64) == 8
+    assert auto_concurrency(203 * GB, cpus=192, maximum=32) == 32
+
+
+def test_config_pins_concurrency_and_a_request_overrides_it() -> None:
+    settings = S3Settings(concurrency=6)
+    assert tune(settings, 200 * GB, cpus=192).concurrency == 6
+    assert tune(settings, 200 * GB, PullOptions(concurrency=3), cpus=192).concurrency == 3
+
+
+def test_auto_concurrency_follows_the_model_size() -> None:
+    settings = S3Settings(max_concurrency=64)
+    assert tune(settings, 10 * GB, cpus=192).concurrency == 3
+    assert tune(settings, 10 * GB, cpus=2).concurrency == 2
+
+
+def test_a_request_cannot_exceed_the_ceiling() -> None:
+    assert tune(S3Settings(max_concurrency=8), GB, PullOptions(concurrency=100)).concurrency == 8
+    pinned = S3Settings(concurrency=100, max_concurrency=8)
+    assert concurrency_ceiling(pinned) == 100  # a pinned value above the maximum is kept
+    assert tune(pinned, GB, PullOptions(concurrency=50)).concurrency == 50
+
+
+def test_chunk_size_and_timeouts_come_from_config_unless_the_request_says() -> None:
+    settings = S3Settings(chunk_size=32 * MiB, request_timeout_ms=2500, low_speed_limit="2MiB")
+    tuning = tune(settings, GB)
+    assert tuning.chunk_size == 32 * MiB
+    assert tuning.request_timeout == 2.5
+    assert tuning.low_speed_limit == 2 * MiB
+    assert tune(settings, GB, PullOptions(chunk_size=8 * MiB)).chunk_size == 8 * MiB
+
+
+def test_default_timeouts_follow_the_published_guidance() -> None:
+    tuning = tune(S3Settings(), GB)
+    assert tuning.request_timeout == 3.0
+    assert tuning.low_speed_limit == MiB
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"data_plane": "fastest"},
+        {"concurrency": 0},
+        {"chunk_size": 1000},
+        {"chunk_size": 8 * 1024**3},
+    ],
+)
+def test_bad_pull_options_are_invalid_requests(options: dict[str, object]) -> None:
+    with pytest.raises(InvalidRequest):
+        PullOptions(**options)  # type: ignore[arg-type]
+
+
+def test_streamer_block_is_at_least_its_minimum_and_ring_holds_two_ranges() -> None:
+    small = tune(S3Settings(chunk_size=MiB, concurrency=1), GB)
+    assert small.streamer_block == STREAMER_MIN_BLOCK
+    assert small.streamer_memory == 2 * STREAMER_MIN_BLOCK
+    big = tune(S3Settings(chunk_size=256 * MiB, concurrency=4), GB)
+    assert big.streamer_memory == 2 * 256 * MiB
+
+
+def test_streamer_environment_maps_the_settings() -> None:
+    settings = S3Settings(
+        endpoint_url="http://127.0.0.1:9000",
+        region="eu-west-1",
+        addressing_style="path",
+        request_timeout_ms=3000,
+        low_speed_limit="1MiB",
+    )
+    env = streamer_environment(settings, tune(settings, 10 * GB, PullOptions(concurrency=5)))
+    assert env["AWS_ENDPOINT_URL"] == "http://127.0.0.1:9000"
+    assert env["AWS_REGION"] == "eu-west-1"
+    assert env["RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING"] == "0"
+    assert env["RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS"] == "3000"
+    assert env["RUNAI_STREAMER_S3_LOW_SPEED_LIMIT"] == str(MiB)
+    assert env["RUNAI_STREAMER_CONCURRENCY"] == "5"
+    assert int(env["RUNAI_STREAMER_CHUNK_BYTESIZE"]) >= STREAMER_MIN_BLOCK
+
+
+def test_streamer_environment_without_a_custom_endpoint_keeps_virtual_hosts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    env = streamer_environment(S3Settings())
+    assert "AWS_ENDPOINT_URL" not in env
+    assert "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING" not in env
+    assert "RUNAI_STREAMER_CONCURRENCY" not in env  # per pull, set when a pull starts

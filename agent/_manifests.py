@@ -47,6 +47,7 @@ from typing import Any, Self
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from watchfiles import awatch
 
+from ._compile_keys import CompileKeyParts, normalise_parts
 from ._config import ManifestSettings
 from ._exceptions import InvalidRequest, NotFound, PrewarmError, SourceChanged, SourceUnavailable
 from ._logging import bind_request
@@ -140,6 +141,18 @@ class _EntrySchema(BaseModel):
             return list(check_globs(value, what="A glob"))
         except InvalidRequest as exc:
             raise ValueError(str(exc)) from exc
+
+    @field_validator("compile")
+    @classmethod
+    def _valid_compile(cls, value: CompileSpec | None) -> CompileSpec | None:
+        # The compile cache's own rules (torch_version required, known engine...),
+        # so a bad table is reported with its line now, not when the model is cached.
+        if value is not None:
+            try:
+                normalise_parts(CompileKeyParts(**value.model_dump()))
+            except InvalidRequest as exc:
+                raise ValueError(str(exc)) from exc
+        return value
 
 
 class _FileSchema(BaseModel):
@@ -293,6 +306,7 @@ class ManifestWatcher:
         # Snapshot key each pinned entry had pinned; only pins made here.
         self._pinned: dict[Identity, str] = {}
         self._stop = asyncio.Event()
+        self._refreshing = asyncio.Lock()
         self._tasks: asyncio.TaskGroup | None = None
 
     @property
@@ -351,6 +365,10 @@ class ManifestWatcher:
             )
 
     async def _refresh(self) -> None:
+        async with self._refreshing:  # the first read and the first change may overlap
+            await self._refresh_now()
+
+    async def _refresh_now(self) -> None:
         self._files = await asyncio.to_thread(_read_directory, self._directory, self._files)
         desired: dict[Identity, ManifestEntry] = {}
         for state in self._files.values():
@@ -462,8 +480,10 @@ class ManifestWatcher:
                     "%s (%s) was already pinned by hand; leaving that pin alone", entry.uri, key
                 )
             else:
-                await self._service.pin(key, True)
+                # Recorded first: if the entry goes away while the pin is being
+                # written, the removal finds it and undoes it.
                 self._pinned[entry.identity] = key
+                await self._service.pin(key, True)
                 await self._save_state()
                 log.info("pinned %s (%s) for %s", entry.uri, key, entry.where)
         if entry.compile is not None:
@@ -473,16 +493,19 @@ class ManifestWatcher:
         self, entry: ManifestEntry, spec: CompileSpec, key: str
     ) -> None:
         if self._compile_cache is None:
-            log.info(
-                "%s names a compile cache, but this agent has no compile-cache support yet; "
-                "skipped",
-                entry.where,
-            )
+            log.info("%s names a compile cache; this agent serves none, skipped", entry.where)
             return
-        await self._compile_cache(spec, key)
+        try:
+            await self._compile_cache(spec, key)
+        except PrewarmError as exc:
+            # The model is cached either way; pods just compile cold.
+            MANIFEST_ERRORS.labels("compile").inc()
+            log.error("compile cache of %s (%s) not restored: %s", entry.uri, entry.where, exc)
 
     async def _unpin(self, identity: Identity, reason: str) -> None:
-        key = self._pinned.pop(identity)
+        key = self._pinned.pop(identity, None)
+        if key is None:
+            return  # undone meanwhile
         with contextlib.suppress(NotFound):  # evicted by force meanwhile: nothing to undo
             await self._service.pin(key, False)
             log.info("unpinned %s (%s): %s", identity[0], key, reason, extra={"key": key})

@@ -82,8 +82,9 @@ EVICTIONS = Counter(
 )
 MANIFEST_ERRORS = Counter(
     "prewarm_manifest_errors",
-    "Prefetch manifest problems: a file that could not be read or parsed (file), or an "
-    "entry whose prefetch failed (pull).",
+    "Prefetch manifest problems: a file that could not be read or parsed (file), an entry "
+    "whose prefetch failed (pull), a compile cache a manifest named that was not restored "
+    "(compile).",
     ["kind"],
     registry=REGISTRY,
 )

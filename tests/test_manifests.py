@@ -66,6 +66,7 @@ def test_a_manifest_lists_normalised_entries_with_their_lines(tmp_path: Path) ->
         "\n"
         "[model.compile]\n"
         'engine = "vllm"\n'
+        'torch_version = "2.13.0"\n'
         "tensor_parallel = 8\n"
         "\n"
         "[[model]]\n"
@@ -74,12 +75,12 @@ def test_a_manifest_lists_normalised_entries_with_their_lines(tmp_path: Path) ->
     first, second = read_manifest(path)
     assert (first.uri, first.tier, first.pin, first.line) == ("s3://models/llama/", "disk", True, 2)
     assert first.include == ("*.json", "*.safetensors")
-    assert first.compile == CompileSpec(engine="vllm", tensor_parallel=8)
+    assert first.compile == CompileSpec(engine="vllm", torch_version="2.13.0", tensor_parallel=8)
     assert (second.uri, second.tier, second.pin, second.line) == (
         "s3://models/qwen/",
         None,
         False,
-        12,
+        13,
     )
     assert second.compile is None
 
@@ -106,6 +107,11 @@ def test_a_manifest_lists_normalised_entries_with_their_lines(tmp_path: Path) ->
             "integer",
         ),
         ('[[model]]\ntier = "shm"\n', 1, "required key missing"),
+        (
+            '[[model]]\nuri = "s3://models/a/"\n\n[model.compile]\nengine = "vllm"\n',
+            4,
+            "torch_version is required",
+        ),
         ('[[model]]\nuri = "s3://models/a/"\ninclude = [""]\n', 3, "empty"),
         ('[[model]]\nuri = "s3://models/a/\n', 2, "not valid TOML"),
     ],
@@ -115,6 +121,7 @@ def test_a_manifest_lists_normalised_entries_with_their_lines(tmp_path: Path) ->
         "bad-uri",
         "bad-compile-part",
         "missing-uri",
+        "compile-without-torch-version",
         "empty-glob",
         "toml-syntax",
     ],

@@ -14,8 +14,9 @@ the thread hands each chunk to the event loop through a one-slot queue and
 waits until it is written before asking the streamer for the next: the
 streamer's C++ workers keep filling the other slots meanwhile, and stop when
 the writer lags. Cancelling the pull stops the thread at its next chunk; the
-GETs already under way finish first (the request timeout bounds them), then
-the streamer ends.
+GETs already under way finish first, then the streamer ends. The pull waits
+for that at most two request timeouts: a thread stuck on a silent S3 (the CRT
+retrying) is left to end on its own, holding nothing but its ring.
 
 Retries. The CRT retries 5xx, SlowDown, resets and short reads itself, per GET
 (measured through agent.testing.FaultProxy). A failure it gives up on fails the
@@ -64,6 +65,8 @@ log = logging.getLogger(__name__)
 _MODULES = ("runai_model_streamer", "runai_model_streamer_s3")
 # The streamer reads its settings from the environment when it starts.
 _START_LOCK = threading.Lock()
+# How long a stopped pull waits for its streamer thread, in request timeouts.
+_JOIN_GRACE_REQUESTS = 2
 
 T = TypeVar("T")
 
@@ -237,10 +240,27 @@ class StreamerPlane:
             await self._write(flight, staging, handoff, streamed)
         finally:
             handoff.stop()
-            # The thread must be done with the staging files and the ring before we go on.
-            await asyncio.shield(handoff.finished)
+            await self._join(handoff, thread, tuning)
         if handoff.error is not None:
             raise _StreamFailed(str(handoff.error)) from handoff.error
+
+    async def _join(self, handoff: _Handoff, thread: threading.Thread, tuning: Tuning) -> None:
+        """Wait for the streamer's thread to end, but not forever.
+
+        A stopped thread ends at its next chunk. If it is stuck on a GET (S3 went
+        silent), that can take the CRT's retries; past the grace it is left to end
+        on its own: it holds only its own ring, never the staging files.
+        """
+        grace = _JOIN_GRACE_REQUESTS * tuning.request_timeout
+        try:
+            async with asyncio.timeout(grace):
+                await asyncio.shield(handoff.finished)
+        except TimeoutError:
+            log.warning(
+                "%s is still waiting on S3 after %.0f s; leaving it to end on its own",
+                thread.name,
+                grace,
+            )
 
     async def _write(
         self,

@@ -8,7 +8,9 @@ byte-identical to the source; a pull that cannot succeed must publish nothing.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -276,3 +278,29 @@ async def test_a_body_that_is_always_cut_short_is_never_published(
         with pytest.raises(SourceUnavailable, match=victim):
             await agent.ensure(small_model.uri, PullOptions(data_plane=plane), (only(victim),))
     assert published(tmp_path) == []
+
+
+# -- stopping ---------------------------------------------------------------------------
+
+
+@needs_streamer
+async def test_stopping_a_streamer_pull_does_not_wait_out_a_silent_s3(
+    tmp_path: Path, s3_server: S3Server, small_model: SampleModel, proxy: FaultProxy
+) -> None:
+    # Every GET goes silent: the CRT would retry it for many seconds.
+    proxy.add(Fault.stall(key=small_model.prefix, times=None))
+    async with running_agent(
+        tmp_path, s3_server, proxy.endpoint_url, request_timeout_ms=1000
+    ) as agent:
+        pull = asyncio.create_task(
+            agent.ensure(small_model.uri, PullOptions(data_plane="streamer"))
+        )
+        await asyncio.to_thread(proxy.wait_injected, "stall")
+        stopping = time.monotonic()
+        # Leaving the block stops the puller, which cancels its pulls (a shutdown).
+    stopped = time.monotonic() - stopping
+    with pytest.raises(asyncio.CancelledError):
+        await pull
+    assert stopped < 10, stopped
+    assert published(tmp_path) == []
+    assert list((tmp_path / "disk" / "staging").iterdir())  # kept for a resume

@@ -60,7 +60,7 @@ class Fault:
     """One rule: which requests to spoil, how, and how many times."""
 
     kind: FaultKind
-    # Substring of the request path (e.g. an object key); empty matches every path.
+    # Substring of the request path, query excluded (e.g. an object key); empty matches all.
     key: str = ""
     method: str = "GET"
     # Matching requests to spoil; None spoils every one.
@@ -89,9 +89,10 @@ class Fault:
     def stall(cls, *, after_bytes: int = 0, key: str = "", times: int | None = 1) -> Fault:
         return cls("stall", key=key, times=times, after_bytes=after_bytes)
 
-    def _matches(self, method: str, path: str) -> bool:
+    def _matches(self, method: str, target: str) -> bool:
         left = self.times is None or self.used < self.times
-        return left and method == self.method and self.key in urllib.parse.unquote(path)
+        path = urllib.parse.unquote(urllib.parse.urlsplit(target).path)
+        return left and method == self.method and self.key in path
 
 
 @dataclass
@@ -112,7 +113,7 @@ class FaultProxy:
         self._upstream = (parsed.hostname, parsed.port or 80)
         self._host = host
         self._port = port
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._faults: list[Fault] = []
         self._injected: Counter[str] = Counter()
         self._forwarded = 0
@@ -138,6 +139,14 @@ class FaultProxy:
         with self._lock:
             return self._injected[kind] if kind else sum(self._injected.values())
 
+    def wait_injected(self, kind: FaultKind, count: int = 1, timeout: float = 30.0) -> None:
+        """Block until ``count`` faults of ``kind`` were injected; TimeoutError otherwise."""
+        with self._lock:
+            if not self._lock.wait_for(lambda: self._injected[kind] >= count, timeout):
+                raise TimeoutError(
+                    f"{self._injected[kind]} of {count} {kind} faults injected in {timeout} s."
+                )
+
     @property
     def forwarded(self) -> int:
         """Requests answered by the upstream server (truncated ones included)."""
@@ -150,6 +159,7 @@ class FaultProxy:
                 if fault._matches(method, path):
                     fault.used += 1
                     self._injected[fault.kind] += 1
+                    self._lock.notify_all()
                     return fault
             return None
 

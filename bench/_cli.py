@@ -71,6 +71,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="py-spy the daemon during a cold pull (auto: when below 0.9x the ceiling)",
     )
     parser.add_argument(
+        "--planes",
+        default=",".join(PLANES),
+        help=f"data planes for the cold section (default {','.join(PLANES)})",
+    )
+    parser.add_argument(
         "--agent-env",
         action="append",
         default=[],
@@ -83,6 +88,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(args.sections) - set(SECTIONS)
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+    args.planes = [p.strip() for p in args.planes.split(",") if p.strip()]
+    if set(args.planes) - set(PLANES):
+        parser.error(f"unknown planes in {args.planes}; choose from {', '.join(PLANES)}")
     args.scale_factors = [float(x) for x in args.scale.split(",") if x.strip()]
     return args
 
@@ -219,7 +227,7 @@ def _run(args: argparse.Namespace, server: S3rver, scratch: Path, work: Path) ->
             samples[name] = Sample(name)
     planes: list[str] = []
     if "cold" in sections:
-        planes = list(PLANES)
+        planes = list(args.planes)
         for plane in planes:
             samples[f"prewarm cold ({plane})"] = Sample(f"prewarm cold ({plane})")
         samples[DEFAULTS] = Sample(DEFAULTS)

@@ -96,7 +96,7 @@ else
     [ -f "$source_dir/pyproject.toml" ] || die "no source tree at $source_dir; pass --wheel"
     target="$source_dir"
 fi
-[ -z "$extras" ] || target="$target[$extras]"
+[ -z "$extras" ] || target="${target}[${extras}]"
 
 say "creating the virtualenv in $prefix with $("$python" --version 2>&1)"
 mkdir -p "$prefix"

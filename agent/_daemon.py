@@ -157,6 +157,9 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
                 "stopping: draining requests", extra={"grace": settings.shutdown_grace_seconds}
             )
             await health_servicer.enter_graceful_shutdown()
+            # A held compile lock is a stream that never ends by itself: end them now
+            # rather than make the drain wait out its grace period.
+            compile_caches.locks.close()
         finally:
             await server.stop(settings.shutdown_grace_seconds)
             with contextlib.suppress(FileNotFoundError):

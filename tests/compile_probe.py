@@ -14,7 +14,7 @@ import time
 import torch
 from torch import nn
 
-BLOCKS = 3
+BLOCKS = 2
 WIDTH = 64
 
 

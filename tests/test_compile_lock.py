@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 from agent_helpers import AgentFactory
@@ -107,3 +108,16 @@ async def test_waiters_go_once_the_cache_has_settled_with_artifacts(
             async with asyncio.timeout(WAIT):
                 grant = await waiter  # while pod-1 still holds the lock
     assert (grant.warm, grant.exclusive, grant.waited_for) == (True, False, "pod-1")
+
+
+async def test_a_held_lock_does_not_hold_up_the_agent_stopping(start_agent: AgentFactory) -> None:
+    agent = start_agent("shutdown_grace_seconds = 60\n")
+    async with (
+        AsyncClient(agent.socket_path) as client,
+        client.compile_lock(PARTS, client_name="pod-1"),
+    ):
+        started = time.monotonic()
+        code = await asyncio.to_thread(agent.stop)
+        stopped_in = time.monotonic() - started
+    assert code == 0
+    assert stopped_in < 20  # far below the 60 s grace the lock's stream would otherwise get

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import urllib.request
 
 import pytest
@@ -70,8 +71,16 @@ def test_metrics_count_a_failed_request_by_its_status_code(
     agent, port = metered_agent
     with Client(agent.socket_path) as client, pytest.raises(NotFound):
         client.ensure(f"s3://{bucket}/nothing-here/")
-    samples = scrape(port)
-    assert value(samples, "prewarm_requests_total", method="EnsureModel", result="NOT_FOUND") == 1
+    # The status reaches the client as the handler unwinds, a moment before the
+    # interceptor counts it: wait (bounded) for the count to appear.
+    deadline = time.monotonic() + 10
+    while True:
+        samples = scrape(port)
+        failed = value(samples, "prewarm_requests_total", method="EnsureModel", result="NOT_FOUND")
+        if failed or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert failed == 1
     assert value(samples, "prewarm_requests_total", method="EnsureModel", result="ok") == 0
 
 

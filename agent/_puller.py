@@ -125,12 +125,12 @@ class Puller:
         assert self._tasks is not None, "Puller used outside its context"
         options = options or PullOptions()
         plane = self._plane(options.data_plane or self._settings.data_plane)
-        tuning = tune(self._settings, snapshot.total_bytes, options)
+        tuning = tune(self._settings, snapshot.total_bytes, options, plane=plane.name)
         flight = Flight(snapshot, tier)
         self._flights[snapshot.key] = flight
         self._pulls[snapshot.key] = (plane, tuning)
         log.info(
-            "pulling %s with %s: %d streams, %d-byte chunks",
+            "pulling %s with %s: concurrency %d, %d-byte chunks",
             snapshot.uri,
             plane.name,
             tuning.concurrency,

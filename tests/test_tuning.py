@@ -7,6 +7,7 @@ import pytest
 from agent import InvalidRequest
 from agent._config import S3Settings
 from agent._tuning import (
+    GETS_PER_STREAM,
     STREAMER_MIN_BLOCK,
     PullOptions,
     auto_concurrency,
@@ -41,34 +42,56 @@ def test_auto_concurrency_is_capped_by_cpus_and_the_maximum() -> None:
 
 def test_config_pins_concurrency_and_a_request_overrides_it() -> None:
     settings = S3Settings(concurrency=6)
-    assert tune(settings, 200 * GB, cpus=192).concurrency == 6
-    assert tune(settings, 200 * GB, PullOptions(concurrency=3), cpus=192).concurrency == 3
+    assert tune(settings, 200 * GB, plane="streamer", cpus=192).concurrency == 6
+    assert (
+        tune(
+            settings, 200 * GB, PullOptions(concurrency=3), plane="aiobotocore", cpus=192
+        ).concurrency
+        == 3
+    )
 
 
 def test_auto_concurrency_follows_the_model_size() -> None:
     settings = S3Settings(max_concurrency=64)
-    assert tune(settings, 10 * GB, cpus=192).concurrency == 3
-    assert tune(settings, 10 * GB, cpus=2).concurrency == 2
+    assert tune(settings, 10 * GB, plane="streamer", cpus=192).concurrency == 3
+    assert tune(settings, 10 * GB, plane="streamer", cpus=2).concurrency == 2
+
+
+def test_aiobotocore_runs_several_gets_per_automatic_stream() -> None:
+    settings = S3Settings(max_concurrency=64)
+    assert tune(settings, 10 * GB, plane="aiobotocore", cpus=192).concurrency == 3 * GETS_PER_STREAM
+    assert tune(settings, 2 * GB, plane="aiobotocore", cpus=2).concurrency == GETS_PER_STREAM
+    assert tune(settings, 900 * GB, plane="aiobotocore", cpus=192).concurrency == 64
+    # A pinned value is GETs, as is.
+    assert tune(S3Settings(concurrency=3), GB, plane="aiobotocore").concurrency == 3
 
 
 def test_a_request_cannot_exceed_the_ceiling() -> None:
-    assert tune(S3Settings(max_concurrency=8), GB, PullOptions(concurrency=100)).concurrency == 8
+    assert (
+        tune(
+            S3Settings(max_concurrency=8), GB, PullOptions(concurrency=100), plane="streamer"
+        ).concurrency
+        == 8
+    )
     pinned = S3Settings(concurrency=100, max_concurrency=8)
     assert concurrency_ceiling(pinned) == 100  # a pinned value above the maximum is kept
-    assert tune(pinned, GB, PullOptions(concurrency=50)).concurrency == 50
+    assert tune(pinned, GB, PullOptions(concurrency=50), plane="streamer").concurrency == 50
 
 
 def test_chunk_size_and_timeouts_come_from_config_unless_the_request_says() -> None:
     settings = S3Settings(chunk_size=32 * MiB, request_timeout_ms=2500, low_speed_limit="2MiB")
-    tuning = tune(settings, GB)
+    tuning = tune(settings, GB, plane="aiobotocore")
     assert tuning.chunk_size == 32 * MiB
     assert tuning.request_timeout == 2.5
     assert tuning.low_speed_limit == 2 * MiB
-    assert tune(settings, GB, PullOptions(chunk_size=8 * MiB)).chunk_size == 8 * MiB
+    assert (
+        tune(settings, GB, PullOptions(chunk_size=8 * MiB), plane="aiobotocore").chunk_size
+        == 8 * MiB
+    )
 
 
 def test_default_timeouts_follow_the_published_guidance() -> None:
-    tuning = tune(S3Settings(), GB)
+    tuning = tune(S3Settings(), GB, plane="streamer")
     assert tuning.request_timeout == 3.0
     assert tuning.low_speed_limit == MiB
 
@@ -88,10 +111,10 @@ def test_bad_pull_options_are_invalid_requests(options: dict[str, object]) -> No
 
 
 def test_streamer_block_is_at_least_its_minimum_and_ring_holds_two_ranges() -> None:
-    small = tune(S3Settings(chunk_size=MiB, concurrency=1), GB)
+    small = tune(S3Settings(chunk_size=MiB, concurrency=1), GB, plane="streamer")
     assert small.streamer_block == STREAMER_MIN_BLOCK
     assert small.streamer_memory == 2 * STREAMER_MIN_BLOCK
-    big = tune(S3Settings(chunk_size=256 * MiB, concurrency=4), GB)
+    big = tune(S3Settings(chunk_size=256 * MiB, concurrency=4), GB, plane="streamer")
     assert big.streamer_memory == 2 * 256 * MiB
 
 
@@ -103,7 +126,8 @@ def test_streamer_environment_maps_the_settings() -> None:
         request_timeout_ms=3000,
         low_speed_limit="1MiB",
     )
-    env = streamer_environment(settings, tune(settings, 10 * GB, PullOptions(concurrency=5)))
+    tuning = tune(settings, 10 * GB, PullOptions(concurrency=5), plane="streamer")
+    env = streamer_environment(settings, tuning)
     assert env["AWS_ENDPOINT_URL"] == "http://127.0.0.1:9000"
     assert env["AWS_REGION"] == "eu-west-1"
     assert env["RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING"] == "0"

@@ -384,10 +384,14 @@ def _timings(handle: ModelHandle) -> dict[str, float]:
     t = handle.timings
     return {
         "resolve": t.resolve,
+        "wait": t.wait,
         "download": t.download,
         "verify": t.verify,
         "publish": t.publish,
         "agent_total": t.total,
+        # In no phase: setting up the staging files (posix_fallocate of every
+        # file) between the resolve and the first GET.
+        "outside_phases": t.total - (t.resolve + t.wait + t.download + t.verify + t.publish),
     }
 
 

@@ -65,6 +65,7 @@ def judge_targets(
                 ">= 0.90x the ceiling's throughput",
                 f"{ratio:.2f}x ({_rate(cold)} vs {_rate(ceiling)})",
                 ratio >= 0.9,
+                _phases_note(cold, ceiling),
             )
         )
         if alternatives:
@@ -186,6 +187,19 @@ def judge_targets(
             )
         )
     return targets
+
+
+def _phases_note(cold: Sample, ceiling: Sample) -> str:
+    """Where the best cold run's time went, by the agent's own phase timings."""
+    runs = cold.extra.get("runs", [])
+    if not runs or "download" not in runs[0]:
+        return ""
+    best = min(runs, key=lambda run: run["seconds"])
+    return (
+        f"best run: download phase {best['download']:.2f} s "
+        f"({ceiling.best / best['download']:.2f}x the ceiling), outside any phase "
+        f"(staging set-up) {best['outside_phases']:.2f} s, resolve {best['resolve']:.2f} s"
+    )
 
 
 def _rate(sample: Sample) -> str:

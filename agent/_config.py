@@ -184,6 +184,8 @@ class CompileCacheSettings(BaseModel):
     quiet_seconds: float = Field(default=30.0, gt=0)
     # Watch key directories and upload what pods produce.
     upload: bool = True
+    # A restore that takes longer is abandoned: the pod gets an empty directory and compiles.
+    restore_timeout_seconds: float = Field(default=120.0, gt=0)
 
 
 class MetricsSettings(BaseModel):

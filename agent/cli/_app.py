@@ -34,6 +34,7 @@ from agent.client import (
 from agent.client import Progress as PullProgress
 
 from . import _render as render
+from ._compile import compile_app
 from ._exec import exec_command
 from ._health import health_command
 
@@ -378,3 +379,4 @@ def status(socket: SocketOption = None, json_out: JsonOption = False) -> None:
 # `prewarm exec URI [OPTIONS] -- CMD ...`: everything after -- belongs to CMD.
 app.command("exec")(exec_command)
 app.command("health")(health_command)
+app.add_typer(compile_app, name="compile")

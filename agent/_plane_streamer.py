@@ -31,9 +31,9 @@ the plane sends S3 a HEAD with If-Match for it: an object that changed during
 the pull fails it with SourceChanged instead of publishing a mix.
 
 Settings reach the streamer through the process environment, which it reads
-when it starts (see ``streamer_environment``); starts are serialized so each
-sees its own pull's concurrency and block size. The plane sets these
-variables in the daemon's own environment, which nothing else there reads.
+when it starts (see ``streamer_environment``): each start sets them, under a
+lock, so it sees its own pull's concurrency and block size. They stay in the
+daemon's own environment, which nothing else there reads.
 """
 
 from __future__ import annotations
@@ -173,7 +173,6 @@ class StreamerPlane:
         self._settings = settings
         self._source = source
         self._fallback = fallback
-        os.environ.update(streamer_environment(settings))
 
     async def download(
         self,

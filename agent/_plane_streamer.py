@@ -79,7 +79,7 @@ def streamer_unavailable() -> str | None:
         except (ImportError, ValueError) as exc:
             return f"{module} cannot be imported: {exc}"
         if spec is None:
-            return f"{module} is not installed (pip install 'prewarm[streamer]')"
+            return f"{module} is not installed"
     return None
 
 

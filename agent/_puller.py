@@ -106,11 +106,6 @@ class Puller:
     def flight_for(self, key: str) -> Flight | None:
         return self._flights.get(key)
 
-    def settings_of(self, flight: Flight) -> tuple[str, Tuning] | None:
-        """The data plane and tuning a flight in progress runs with."""
-        pull = self._pulls.get(flight.key)
-        return None if pull is None else (pull[0].name, pull[1])
-
     def join(
         self, snapshot: Snapshot, tier: TierName, options: PullOptions | None = None
     ) -> tuple[Flight, bool]:

@@ -265,8 +265,10 @@ def markdown_table(samples: Mapping[str, Sample], targets: list[Target]) -> str:
     errors = [f"- {s.name}: {s.error}" for s in samples.values() if s.error is not None]
     if errors:
         lines += ["", *errors]
-    lines += ["", "| target | goal | measured | met |", "|---|---|---|---|"]
+    lines += ["", "| target | goal | measured | met | note |", "|---|---|---|---|---|"]
     for target in targets:
         verdict = {True: "yes", False: "**no**", None: "n/a"}[target.met]
-        lines.append(f"| {target.name} | {target.goal} | {target.measured} | {verdict} |")
+        lines.append(
+            f"| {target.name} | {target.goal} | {target.measured} | {verdict} | {target.note} |"
+        )
     return "\n".join(lines) + "\n"

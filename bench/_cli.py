@@ -389,6 +389,7 @@ def _scaling(
                 "median": s.median,
                 "seconds_per_gib": s.best / (m.total_bytes / GiB),
                 "vm_hwm": s.extra.get("peak_vm_hwm"),
+                "runs": s.extra.get("runs", []),
             }
             for m, s in good
         ],

@@ -28,7 +28,7 @@ from agent.testing import AgentProcess
 
 from ._contenders import Context, RunResult, run_child
 from ._model import BenchModel
-from ._s3rver import cpu_seconds
+from ._s3rver import cpu_seconds, cpu_split
 
 __all__ = [
     "RssSampler",
@@ -154,6 +154,7 @@ def cold_pull(
         served = ctx.server.bytes_sent()
         server_cpu = ctx.server.cpu_seconds()
         agent_cpu = cpu_seconds(agent.pid)
+        user, system = cpu_split(agent.pid)
         baseline = _status_fields(agent.pid).get("VmRSS", 0)
         with RssSampler(agent.pid) as sampler:
             started = time.perf_counter()
@@ -166,6 +167,8 @@ def cold_pull(
             server_cpu=ctx.server.cpu_seconds() - server_cpu,
             served=ctx.server.bytes_sent() - served,
             extra={
+                "agent_user_cpu": cpu_split(agent.pid)[0] - user,
+                "agent_system_cpu": cpu_split(agent.pid)[1] - system,
                 "plane": client.status().data_plane,
                 "hit": handle.hit,
                 "rss_before_pull": baseline,

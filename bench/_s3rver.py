@@ -199,6 +199,13 @@ def _proc_io(pid: int) -> dict[str, int]:
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds a live process has used."""
+    user, system = cpu_split(pid)
+    return user + system
+
+
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds a live process has used."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     # fields[11], fields[12]: utime, stime (the 14th and 15th of the whole line).
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ticks = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / ticks, int(fields[12]) / ticks

@@ -156,6 +156,7 @@ def cold_pull(
         agent_cpu = cpu_seconds(agent.pid)
         user, system = cpu_split(agent.pid)
         baseline = _status_fields(agent.pid).get("VmRSS", 0)
+        vmstat = _vmstat()
         with RssSampler(agent.pid) as sampler:
             started = time.perf_counter()
             handle = client.ensure(model.uri, tier="shm")
@@ -169,6 +170,10 @@ def cold_pull(
             extra={
                 "agent_user_cpu": cpu_split(agent.pid)[0] - user,
                 "agent_system_cpu": cpu_split(agent.pid)[1] - system,
+                # Page reclaim during the pull, machine-wide: the tier, the server's
+                # page cache and everything else share the RAM.
+                "reclaim": _vmstat_delta(vmstat),
+                "mem_available_after": _meminfo("MemAvailable"),
                 "plane": client.status().data_plane,
                 "hit": handle.hit,
                 "rss_before_pull": baseline,
@@ -411,6 +416,38 @@ def _status_fields(pid: int) -> dict[str, int]:
         if len(parts) == 2 and parts[1] == "kB":
             fields[name] = int(parts[0]) * KiB
     return fields
+
+
+_RECLAIM_COUNTERS = (
+    "allocstall_normal",
+    "allocstall_movable",
+    "pgscan_direct",
+    "pgsteal_direct",
+    "pgscan_kswapd",
+    "pgsteal_kswapd",
+    "compact_stall",
+)
+
+
+def _vmstat() -> dict[str, int]:
+    counters: dict[str, int] = {}
+    for line in Path("/proc/vmstat").read_text().splitlines():
+        name, _, value = line.partition(" ")
+        if name in _RECLAIM_COUNTERS:
+            counters[name] = int(value)
+    return counters
+
+
+def _vmstat_delta(before: dict[str, int]) -> dict[str, int]:
+    after = _vmstat()
+    return {name: after[name] - before.get(name, 0) for name in after}
+
+
+def _meminfo(field: str) -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * KiB
+    return 0
 
 
 def _descendants(pid: int) -> list[int]:

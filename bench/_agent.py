@@ -60,12 +60,25 @@ def agent_config(ctx: Context, plane: str | None, *, pinned: bool = True) -> str
 
 @contextlib.contextmanager
 def running_agent(
-    ctx: Context, plane: str | None, *, pinned: bool = True
+    ctx: Context, plane: str | None, *, pinned: bool = True, source: Path | None = None
 ) -> Iterator[AgentProcess]:
-    """A fresh daemon on a fresh root (its shm tier on /dev/shm), removed afterwards."""
+    """A fresh daemon on a fresh root (its shm tier on /dev/shm), removed afterwards.
+
+    ``source``: run the ``agent`` package of another checkout instead (an A/B of
+    two versions of the agent in one run).
+    """
     root = Path(tempfile.mkdtemp(prefix="pw-", dir=ctx.scratch))
     env = ctx.server.env() | dict(ctx.agent_env)
-    agent = AgentProcess(env=env, root=root, config=agent_config(ctx, plane, pinned=pinned))
+    argv = None
+    if source is not None:
+        code = (
+            f"import runpy, sys; sys.path.insert(0, {str(source)!r}); "
+            "runpy.run_module('agent', run_name='__main__', alter_sys=True)"
+        )
+        argv = [sys.executable, "-c", code]
+    agent = AgentProcess(
+        env=env, root=root, config=agent_config(ctx, plane, pinned=pinned), argv=argv
+    )
     try:
         agent.start()
         yield agent
@@ -143,11 +156,16 @@ class RssSampler:
 
 
 def cold_pull(
-    ctx: Context, model: BenchModel, plane: str | None, *, pinned: bool = True
+    ctx: Context,
+    model: BenchModel,
+    plane: str | None,
+    *,
+    pinned: bool = True,
+    source: Path | None = None,
 ) -> RunResult:
     """One cold pull of ``model`` by one client into the shm tier of a fresh daemon."""
     with (
-        running_agent(ctx, plane, pinned=pinned) as agent,
+        running_agent(ctx, plane, pinned=pinned, source=source) as agent,
         Client(agent.socket_path) as client,
     ):
         assert agent.pid is not None

@@ -76,6 +76,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"data planes for the cold section (default {','.join(PLANES)})",
     )
     parser.add_argument(
+        "--compare-source",
+        type=Path,
+        metavar="DIR",
+        help="another checkout of prewarm: adds a cold row (aiobotocore) run with its agent",
+    )
+    parser.add_argument(
         "--agent-env",
         action="append",
         default=[],
@@ -231,6 +237,8 @@ def _run(args: argparse.Namespace, server: S3rver, scratch: Path, work: Path) ->
         for plane in planes:
             samples[f"prewarm cold ({plane})"] = Sample(f"prewarm cold ({plane})")
         samples[DEFAULTS] = Sample(DEFAULTS)
+        if args.compare_source is not None:
+            samples[_compare_name(args.compare_source)] = Sample(_compare_name(args.compare_source))
     elif "concurrent" in sections:
         samples[f"prewarm cold ({default_plane})"] = Sample(f"prewarm cold ({default_plane})")
     many_name = f"prewarm {args.clients} clients ({default_plane})"
@@ -250,6 +258,10 @@ def _run(args: argparse.Namespace, server: S3rver, scratch: Path, work: Path) ->
         runners[f"prewarm cold ({plane})"] = _cold_runner(ctx, main_model, plane)
     runners.setdefault(f"prewarm cold ({default_plane})", _cold_runner(ctx, main_model, None))
     runners[DEFAULTS] = functools.partial(agent.cold_pull, ctx, main_model, None, pinned=False)
+    if args.compare_source is not None:
+        runners[_compare_name(args.compare_source)] = functools.partial(
+            agent.cold_pull, ctx, main_model, "aiobotocore", source=args.compare_source.resolve()
+        )
     for round_index in range(args.repeats):
         for name, sample in samples.items():
             _say(f"round {round_index + 1}/{args.repeats}: {name}")
@@ -327,6 +339,19 @@ def _warm(args: argparse.Namespace, ctx: Context, model: BenchModel) -> dict[str
         paged.nbytes = sample.nbytes
     paged.error = sample.error
     return {sample.name: sample, paged.name: paged}
+
+
+def _compare_name(source: Path) -> str:
+    import subprocess
+
+    result = subprocess.run(
+        ["git", "-C", str(source), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    label = result.stdout.strip() or source.name
+    return f"prewarm cold (aiobotocore, {label})"
 
 
 def _cold_runner(ctx: Context, model: BenchModel, plane: str | None) -> Callable[[], RunResult]:

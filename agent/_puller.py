@@ -93,7 +93,7 @@ class Puller:
         finally:
             # A flight cancelled before its task ever ran never settled itself.
             for flight in list(self._flights.values()):
-                self._finish(flight, None, asyncio.CancelledError(), keep_staging=True)
+                self._abandon(flight)
 
     @property
     def data_plane(self) -> str:
@@ -132,42 +132,53 @@ class Puller:
             tuning.chunk_size,
         )
         # Counted against the tier from now on, so concurrent placements see it.
-        self._store.begin_staging(tier, snapshot.key, snapshot.total_bytes)
-        flight._task = self._tasks.create_task(self._run(flight), name=f"pull-{snapshot.key}")
+        superseded = self._store.begin_staging(tier, snapshot.key, snapshot.total_bytes)
+        flight._task = self._tasks.create_task(
+            self._run(flight, superseded), name=f"pull-{snapshot.key}"
+        )
         return flight, True
 
-    async def _run(self, flight: Flight) -> None:
+    async def _run(self, flight: Flight, superseded: list[Path]) -> None:
         keep_staging = False
         try:
+            await self._store.purge(superseded)
             model = await self._pull(flight)
-        except asyncio.CancelledError as exc:
-            keep_staging = True  # shutdown: the journal lets the next pull resume
-            self._finish(flight, None, exc, keep_staging)
+        except asyncio.CancelledError:
+            self._abandon(flight)  # shutdown: the journal lets the next pull resume
             raise
         except SourceUnavailable as exc:
             keep_staging = True  # S3 trouble is transient; resume once it is back
             log.warning("pull of %s stopped, resumable: %s", flight.snapshot.uri, exc)
-            self._finish(flight, None, exc, keep_staging)
+            await self._finish(flight, None, exc, keep_staging)
         except PrewarmError as exc:
             log.warning("pull of %s failed: %s", flight.snapshot.uri, exc)
-            self._finish(flight, None, exc, keep_staging)
+            await self._finish(flight, None, exc, keep_staging)
         except Exception as exc:
             log.exception("pull of %s failed unexpectedly", flight.snapshot.uri)
-            self._finish(flight, None, exc, keep_staging)
+            await self._finish(flight, None, exc, keep_staging)
         else:
-            self._finish(flight, model, None, keep_staging)
+            await self._finish(flight, model, None, keep_staging)
 
-    def _finish(
+    async def _finish(
         self,
         flight: Flight,
         model: CachedModel | None,
         error: BaseException | None,
         keep_staging: bool,
     ) -> None:
+        """Settle the flight once its staging directory is gone (or kept for resume)."""
         self._flights.pop(flight.key, None)
         self._pulls.pop(flight.key, None)
-        self._store.end_staging(flight.key, keep=keep_staging)
+        # Deleted in a worker thread: the loop keeps serving while a big tree goes.
+        await self._store.purge(self._store.end_staging(flight.key, keep=keep_staging))
         flight._settle(model, error)
+
+    def _abandon(self, flight: Flight) -> None:
+        """Settle a cancelled flight at once, keeping its staging directory for resume."""
+        self._flights.pop(flight.key, None)
+        self._pulls.pop(flight.key, None)
+        self._store.end_staging(flight.key, keep=True)
+        flight._settle(None, asyncio.CancelledError())
 
     async def _pull(self, flight: Flight) -> CachedModel:
         snapshot = flight.snapshot

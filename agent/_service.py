@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from ._config import Settings
 from ._eviction import Evictor
@@ -180,6 +181,7 @@ class AgentService:
                 pin=pin,
             )
             return
+        stale: list[Path] = []
         async with self._evictor.lock:
             flight = self._puller.flight_for(snapshot.key)
             started_it = flight is None
@@ -188,8 +190,9 @@ class AgentService:
                     snapshot, tier or self.default_tier, strict=strict_tier
                 )
                 await self._evictor.evict(victims, f"making room for {snapshot.uri}")
-                self._store.discard_leftovers_of(str(snapshot.uri), keep=snapshot.key)
+                stale = self._store.discard_leftovers_of(str(snapshot.uri), keep=snapshot.key)
                 flight, _ = self._puller.join(snapshot, placed, options)
+        await self._store.purge(stale)  # outside the lock: deleting can take a while
         log.info(
             "%s pull of %s (%s) on %s for %s",
             "starting" if started_it else "joining",

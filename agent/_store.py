@@ -22,7 +22,7 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -362,37 +362,62 @@ class Store:
     def staging_path(self, tier: TierName, key: str) -> Path:
         return self._roots[tier] / "staging" / key
 
-    def begin_staging(self, tier: TierName, key: str, total_bytes: int) -> None:
-        """A pull of ``key`` starts on ``tier``: count its bytes until it ends."""
+    def begin_staging(self, tier: TierName, key: str, total_bytes: int) -> list[Path]:
+        """A pull of ``key`` starts on ``tier``: count its bytes until it ends.
+
+        Returns what to ``purge``: a leftover of the same snapshot on the other
+        tier, which this pull will not resume.
+        """
         self._in_flight[key] = (tier, total_bytes)
         leftover = self._leftovers.get(key)
         if leftover is not None and leftover.tier != tier:
-            self.discard_leftover(key)  # it lives on the other tier; this pull starts clean
+            return self.discard_leftover(key)
+        return []
 
-    def end_staging(self, key: str, *, keep: bool) -> None:
-        """A pull ended. ``keep`` leaves its directory for a later pull to resume."""
+    def end_staging(self, key: str, *, keep: bool) -> list[Path]:
+        """A pull ended. ``keep`` leaves its directory for a later pull to resume.
+
+        Otherwise the directory is moved into ``trash/`` at once (it stops
+        counting and cannot be resumed) and returned for ``purge``, so the
+        event loop never waits on deleting a large tree.
+        """
         tier, total = self._in_flight.pop(key, (None, 0))
         staging = self._roots[tier] / "staging" / key if tier else None
         if keep and tier is not None and staging is not None and staging.exists():
             self._leftovers[key] = Leftover(key, tier, staging, total)
-            return
+            return []
         leftover = self._leftovers.pop(key, None)
-        for path in {staging, leftover.path if leftover else None} - {None}:
-            assert path is not None
-            _remove_tree(path)
+        paths = {staging, leftover.path if leftover else None} - {None}
+        return [self._retire(path) for path in paths if path is not None]
 
-    def discard_leftover(self, key: str) -> None:
+    def discard_leftover(self, key: str) -> list[Path]:
+        """Forget a resumable pull; returns what to ``purge``."""
         leftover = self._leftovers.pop(key, None)
         in_flight = self._in_flight.get(key)
         if leftover is not None and (in_flight is None or in_flight[0] != leftover.tier):
-            _remove_tree(leftover.path)
+            return [self._retire(leftover.path)]
+        return []
 
-    def discard_leftovers_of(self, uri: str, keep: str) -> None:
+    def _retire(self, path: Path) -> Path:
+        # staging/ and trash/ share a filesystem: the rename is O(1) whatever the size.
+        doomed = path.parent.parent / "trash" / f"{path.name}.{secrets.token_hex(4)}"
+        with contextlib.suppress(FileNotFoundError):
+            path.rename(doomed)
+        return doomed
+
+    async def purge(self, paths: Iterable[Path]) -> None:
+        """Delete retired directories in a worker thread (start-up empties trash/ too)."""
+        for path in paths:
+            await asyncio.to_thread(_remove_tree, path)
+
+    def discard_leftovers_of(self, uri: str, keep: str) -> list[Path]:
         """Drop resumable pulls of other snapshots of a URI: they can never resume now."""
+        doomed: list[Path] = []
         for leftover in list(self._leftovers.values()):
             header = read_header(leftover.path)
             if leftover.key != keep and (header is None or header.uri == uri):
-                self.discard_leftover(leftover.key)
+                doomed += self.discard_leftover(leftover.key)
+        return doomed
 
     async def publish(self, staging: Path, model: CachedModel) -> CachedModel:
         """Move a complete staging data directory into place, then write its manifest.

@@ -4,28 +4,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from typing import Any, NoReturn
 
 import grpc
-from google.protobuf.timestamp_pb2 import Timestamp
 
 from ._compile_api import CompileCacheApi
 from ._compile_cache import CompileCaches
 from ._exceptions import (
-    AccessDenied,
-    Conflict,
-    IntegrityError,
     InvalidRequest,
-    NoSpace,
-    NotFound,
     PrewarmError,
-    SourceChanged,
-    SourceUnavailable,
 )
 from ._flight import Flight, PullProgress
 from ._leases import LeaseRecord
 from ._proto.prewarm.v1 import prewarm_pb2 as pb
 from ._proto.prewarm.v1 import prewarm_pb2_grpc as pb_grpc
+from ._rpc import abort, status_code_for, timestamp
 from ._service import AgentService, EnsureResult, EvictResult
 from ._snapshot import TierName
 from ._store import CachedModel, TierUsage
@@ -33,18 +25,9 @@ from ._tuning import DATA_PLANE_CHOICES, PullOptions
 
 __all__ = ["PrewarmServicer", "status_code_for"]
 
+
 log = logging.getLogger(__name__)
 
-_STATUS_BY_ERROR: tuple[tuple[type[PrewarmError], grpc.StatusCode], ...] = (
-    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
-    (NotFound, grpc.StatusCode.NOT_FOUND),
-    (AccessDenied, grpc.StatusCode.PERMISSION_DENIED),
-    (NoSpace, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (Conflict, grpc.StatusCode.FAILED_PRECONDITION),
-    (SourceChanged, grpc.StatusCode.ABORTED),
-    (SourceUnavailable, grpc.StatusCode.UNAVAILABLE),
-    (IntegrityError, grpc.StatusCode.DATA_LOSS),
-)
 _TIER_TO_PB: dict[TierName, pb.Tier.ValueType] = {"shm": pb.TIER_SHM, "disk": pb.TIER_DISK}
 _PB_TO_TIER: dict[pb.Tier.ValueType, TierName] = {v: k for k, v in _TIER_TO_PB.items()}
 _PHASE_TO_PB: dict[str, pb.Phase.ValueType] = {
@@ -54,18 +37,6 @@ _PHASE_TO_PB: dict[str, pb.Phase.ValueType] = {
     "publish": pb.PHASE_PUBLISH,
     "done": pb.PHASE_DONE,
 }
-
-
-def status_code_for(error: PrewarmError) -> grpc.StatusCode:
-    for error_type, code in _STATUS_BY_ERROR:
-        if isinstance(error, error_type):
-            return code
-    return grpc.StatusCode.INTERNAL
-
-
-async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: PrewarmError) -> NoReturn:
-    await context.abort(status_code_for(error), str(error))
-    raise AssertionError("unreachable: abort raises")  # pragma: no cover
 
 
 class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
@@ -87,15 +58,15 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
     ) -> AsyncIterator[pb.EnsureModelEvent]:
         tier = _PB_TO_TIER.get(request.tier) if request.tier else None
         if request.tier and tier is None:
-            await _abort(context, InvalidRequest(f"Unknown tier {request.tier}; use shm or disk."))
+            await abort(context, InvalidRequest(f"Unknown tier {request.tier}; use shm or disk."))
         if request.lease_ttl_seconds < 0:
-            await _abort(context, InvalidRequest("lease_ttl_seconds must not be negative."))
+            await abort(context, InvalidRequest("lease_ttl_seconds must not be negative."))
         try:
             options = (
                 _pull_options(request.pull_options) if request.HasField("pull_options") else None
             )
         except PrewarmError as exc:
-            await _abort(context, exc)
+            await abort(context, exc)
         yield pb.EnsureModelEvent(progress=pb.Progress(phase=pb.PHASE_RESOLVE))
         try:
             async for event in self._service.ensure(
@@ -116,7 +87,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
                     yield pb.EnsureModelEvent(handle=self._handle(event))
         except PrewarmError as exc:
             log.info("EnsureModel %s: %s", request.uri, exc)
-            await _abort(context, exc)
+            await abort(context, exc)
 
     async def GetModel(
         self,
@@ -126,7 +97,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         try:
             return self._model_info(self._service.get(request.ref), with_files=True)
         except PrewarmError as exc:
-            await _abort(context, exc)
+            await abort(context, exc)
 
     async def ListModels(
         self,
@@ -145,7 +116,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         try:
             result = await self._service.evict(request.ref, force=request.force)
         except PrewarmError as exc:
-            await _abort(context, exc)
+            await abort(context, exc)
         log.info(
             "evicted %s: %d snapshots, %d bytes",
             request.ref,
@@ -164,7 +135,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
                 raise InvalidRequest("ttl_seconds must not be negative.")
             return self._lease(self._service.renew_lease(request.id, request.ttl_seconds or None))
         except PrewarmError as exc:
-            await _abort(context, exc)
+            await abort(context, exc)
 
     async def ReleaseLease(
         self,
@@ -174,7 +145,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         try:
             self._service.release_lease(request.id)
         except PrewarmError as exc:
-            await _abort(context, exc)
+            await abort(context, exc)
         return pb.ReleaseLeaseResponse()
 
     async def PinModel(
@@ -185,7 +156,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         try:
             model = await self._service.pin(request.ref, request.pinned)
         except PrewarmError as exc:
-            await _abort(context, exc)
+            await abort(context, exc)
         return self._model_info(model, with_files=False)
 
     async def CollectGarbage(
@@ -210,7 +181,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
                 request.ref, every=request.all, report_only=request.report_only
             )
         except PrewarmError as exc:
-            await _abort(context, exc)
+            await abort(context, exc)
         return pb.VerifyModelsResponse(
             results=[
                 pb.ModelVerification(
@@ -265,8 +236,8 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
             tier=_TIER_TO_PB[model.tier],
             total_bytes=model.total_bytes,
             file_count=len(model.files),
-            created=_timestamp(model.created),
-            last_used=_timestamp(usage.last_used),
+            created=timestamp(model.created),
+            last_used=timestamp(usage.last_used),
             hit_count=usage.hit_count,
             include=model.include,
             exclude=model.exclude,
@@ -280,7 +251,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
     def _lease(self, lease: LeaseRecord) -> pb.Lease:
         granted = pb.Lease(id=lease.id, key=lease.key, socket_path=self._service.lease_socket_path)
         if lease.expires is not None:
-            granted.expires.CopyFrom(_timestamp(lease.expires))
+            granted.expires.CopyFrom(timestamp(lease.expires))
         return granted
 
     def _handle(self, result: EnsureResult) -> pb.ModelHandle:
@@ -325,12 +296,6 @@ def _pull_options(message: pb.PullOptions) -> PullOptions:
     )
 
 
-def _timestamp(seconds: float) -> Timestamp:
-    stamp = Timestamp()
-    stamp.FromNanoseconds(int(seconds * 1e9))
-    return stamp
-
-
 def _files(model: CachedModel) -> list[pb.FileEntry]:
     return [pb.FileEntry(path=f.path, size=f.size, etag=f.etag) for f in model.files]
 
@@ -366,13 +331,13 @@ def _lease_info(lease: LeaseRecord) -> pb.LeaseInfo:
     info = pb.LeaseInfo(
         id=lease.id,
         client_name=lease.client_name,
-        acquired=_timestamp(lease.acquired),
+        acquired=timestamp(lease.acquired),
         held=lease.held,
     )
     if lease.holder is not None:
         info.pid, info.uid, info.gid = lease.holder.pid, lease.holder.uid, lease.holder.gid
     if lease.expires is not None:
-        info.expires.CopyFrom(_timestamp(lease.expires))
+        info.expires.CopyFrom(timestamp(lease.expires))
     return info
 
 
@@ -383,5 +348,5 @@ def _pull_status(flight: Flight) -> pb.PullStatus:
         tier=_TIER_TO_PB[flight.tier],
         progress=_progress(flight.progress),
         waiters=flight.waiters,
-        started=_timestamp(flight.started),
+        started=timestamp(flight.started),
     )

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
-from typing import Any, NoReturn
 
 import grpc
-from google.protobuf.timestamp_pb2 import Timestamp
 
 from ._compile_cache import CompileCacheInfo, CompileCaches, EnsuredCompileCache
 from ._compile_keys import CompileKeyParts
 from ._exceptions import Conflict, PrewarmError
 from ._proto.prewarm.v1 import prewarm_pb2 as pb
+from ._rpc import abort, timestamp
 
 __all__ = ["CompileCacheApi", "parts_from_proto", "parts_to_proto"]
 
@@ -25,52 +25,18 @@ _LOCK_STATE = {
 }
 
 
-async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: PrewarmError) -> NoReturn:
-    # _api imports this module for the mixin, so its status mapping is imported late.
-    from ._api import status_code_for
-
-    await context.abort(status_code_for(error), str(error))
-    raise AssertionError("unreachable: abort raises")  # pragma: no cover
-
-
 def parts_from_proto(parts: pb.CompileKeyParts) -> CompileKeyParts:
-    return CompileKeyParts(
-        engine=parts.engine,
-        engine_version=parts.engine_version,
-        torch_version=parts.torch_version,
-        triton_version=parts.triton_version,
-        cuda_version=parts.cuda_version,
-        gpu_name=parts.gpu_name,
-        model_key=parts.model_key,
-        tensor_parallel=parts.tensor_parallel,
-        pipeline_parallel=parts.pipeline_parallel,
-        data_parallel=parts.data_parallel,
-        config_hash=parts.config_hash,
-        extras=dict(parts.extras),
-    )
+    values = {name: getattr(parts, name) for name in _PART_FIELDS}
+    return CompileKeyParts(**values, extras=dict(parts.extras))
 
 
 def parts_to_proto(parts: CompileKeyParts) -> pb.CompileKeyParts:
-    return pb.CompileKeyParts(
-        engine=parts.engine,
-        engine_version=parts.engine_version,
-        torch_version=parts.torch_version,
-        triton_version=parts.triton_version,
-        cuda_version=parts.cuda_version,
-        gpu_name=parts.gpu_name,
-        model_key=parts.model_key,
-        tensor_parallel=parts.tensor_parallel,
-        pipeline_parallel=parts.pipeline_parallel,
-        data_parallel=parts.data_parallel,
-        config_hash=parts.config_hash,
-        extras=dict(parts.extras),
-    )
+    values = {name: getattr(parts, name) for name in _PART_FIELDS}
+    return pb.CompileKeyParts(**values, extras=dict(parts.extras))
 
 
-def _timestamp(seconds: float) -> Timestamp:
-    stamp = Timestamp()
-    stamp.FromNanoseconds(int(seconds * 1e9))
-    return stamp
+# The message and the dataclass name their fields alike; extras (a map) is copied apart.
+_PART_FIELDS = tuple(f.name for f in dataclasses.fields(CompileKeyParts) if f.name != "extras")
 
 
 def _info(info: CompileCacheInfo) -> pb.CompileCacheInfo:
@@ -80,13 +46,13 @@ def _info(info: CompileCacheInfo) -> pb.CompileCacheInfo:
         parts=parts_to_proto(info.parts),
         bytes=info.bytes,
         file_count=info.file_count,
-        created=_timestamp(info.created),
-        last_used=_timestamp(info.last_used),
+        created=timestamp(info.created),
+        last_used=timestamp(info.last_used),
         uploaded_digest=info.uploaded_digest,
         restored=info.restored,
     )
     if info.uploaded:
-        message.uploaded.CopyFrom(_timestamp(info.uploaded))
+        message.uploaded.CopyFrom(timestamp(info.uploaded))
     return message
 
 
@@ -127,7 +93,7 @@ class CompileCacheApi:
                 client_name=request.client_name,
             )
         except PrewarmError as exc:
-            await _abort(context, exc)
+            await abort(context, exc)
         return _handle(ensured)
 
     async def ListCompileCaches(
@@ -140,7 +106,7 @@ class CompileCacheApi:
         try:
             caches = await self._caches().caches()
         except PrewarmError as exc:
-            await _abort(context, exc)
+            await abort(context, exc)
         return pb.ListCompileCachesResponse(caches=[_info(c) for c in caches])
 
     async def EvictCompileCache(
@@ -153,7 +119,7 @@ class CompileCacheApi:
         try:
             evicted = await self._caches().evict(request.key)
         except PrewarmError as exc:
-            await _abort(context, exc)
+            await abort(context, exc)
         return pb.EvictCompileCacheResponse(
             evicted=[_info(c) for c in evicted], bytes_freed=sum(c.bytes for c in evicted)
         )
@@ -166,7 +132,7 @@ class CompileCacheApi:
         try:
             outcome = await self._caches().push(request.key)
         except PrewarmError as exc:
-            await _abort(context, exc)
+            await abort(context, exc)
         return pb.PushCompileCacheResponse(
             uploaded=outcome.uploaded,
             uri=outcome.uri,
@@ -183,7 +149,7 @@ class CompileCacheApi:
         try:
             ensured = await self._caches().pull(request.key)
         except PrewarmError as exc:
-            await _abort(context, exc)
+            await abort(context, exc)
         return _handle(ensured)
 
     async def CompileLock(
@@ -208,4 +174,4 @@ class CompileCacheApi:
                         warm=event.warm,
                     )
         except PrewarmError as exc:
-            await _abort(context, exc)
+            await abort(context, exc)

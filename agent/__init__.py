@@ -4,7 +4,7 @@ The package root stays light on purpose: pods import ``agent.client``, which
 must not drag in the daemon's dependencies.
 """
 
-from ._exceptions import (
+from agent._exceptions import (
     AccessDenied,
     AgentUnavailable,
     Conflict,
@@ -17,7 +17,7 @@ from ._exceptions import (
     SourceUnavailable,
     UnsafeObjectKey,
 )
-from ._version import __version__
+from agent._version import __version__
 
 __all__ = [
     "AccessDenied",

@@ -2,6 +2,6 @@
 
 import sys
 
-from ._daemon import main
+from agent._daemon import main
 
 sys.exit(main())

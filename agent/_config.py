@@ -19,7 +19,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from ._exceptions import InvalidRequest
+from agent._exceptions import InvalidRequest
 
 __all__ = [
     "DEFAULT_CONFIG_PATH",

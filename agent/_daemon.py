@@ -18,24 +18,24 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ._api import PrewarmServicer
-from ._compile_cache import CompileCaches
-from ._compile_keys import CompileKeyParts
-from ._config import ConfigError, Settings, load_settings, render_toml
-from ._exceptions import PrewarmError
-from ._interceptor import RequestObserver
-from ._leases import LeaseServer, LeaseTable
-from ._logging import configure_logging
-from ._manifests import CompileCacheHook, CompileSpec, ManifestWatcher
-from ._metrics import REGISTRY, StateCollector, StateReading, TierReading
-from ._metrics_server import serve_metrics
-from ._proto.prewarm.v1 import prewarm_pb2, prewarm_pb2_grpc
-from ._puller import Puller
-from ._s3 import S3Source
-from ._sdnotify import SystemdNotifier
-from ._service import AgentService
-from ._store import Store, TierBudget
-from ._version import __version__
+from agent._config import ConfigError, Settings, load_settings, render_toml
+from agent._exceptions import PrewarmError
+from agent._proto.prewarm.v1 import prewarm_pb2, prewarm_pb2_grpc
+from agent._version import __version__
+from agent.compile.cache import CompileCaches
+from agent.compile.keys import CompileKeyParts
+from agent.edge.interceptor import RequestObserver
+from agent.edge.servicer import PrewarmServicer
+from agent.obs.logs import configure_logging
+from agent.obs.metrics import REGISTRY, StateCollector, StateReading, TierReading
+from agent.obs.metrics_server import serve_metrics
+from agent.obs.sdnotify import SystemdNotifier
+from agent.prefetch.manifests import CompileCacheHook, CompileSpec, ManifestWatcher
+from agent.pull.puller import Puller
+from agent.service.operations import AgentService
+from agent.source.s3 import S3Source
+from agent.store.leases import LeaseServer, LeaseTable
+from agent.store.store import Store, TierBudget
 
 __all__ = ["main", "serve"]
 

@@ -9,8 +9,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from ._exceptions import InvalidRequest
-from ._uri import ModelUri
+from agent._exceptions import InvalidRequest
+from agent._uri import ModelUri
 
 __all__ = [
     "KEY_LENGTH",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ._exceptions import InvalidRequest, UnsafeObjectKey
+from agent._exceptions import InvalidRequest, UnsafeObjectKey
 
 __all__ = ["ModelUri", "parse_uri", "safe_relative_path"]
 

@@ -36,11 +36,11 @@ REPO = Path(__file__).resolve().parent.parent
 def _child(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(REPO))
     from agent._config import S3Settings
-    from agent._puller import Puller
-    from agent._resolver import resolve
-    from agent._s3 import S3Source
-    from agent._store import Store
     from agent._uri import parse_uri
+    from agent.pull.puller import Puller
+    from agent.pull.resolver import resolve
+    from agent.source.s3 import S3Source
+    from agent.store.store import Store
 
     plane, concurrency, chunk_mib = args.child.split(":")
 

@@ -20,7 +20,6 @@ import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from agent._exceptions import PrewarmError
-from agent._leases import LeaseRecord, LeaseServer, LeaseTable
 from agent._proto.prewarm.v1 import prewarm_pb2 as pb
 from agent._proto.prewarm.v1 import prewarm_pb2_grpc as pb_grpc
 from agent.client import (
@@ -34,6 +33,7 @@ from agent.client import (
     ModelInfo,
     NotFound,
 )
+from agent.store.leases import LeaseRecord, LeaseServer, LeaseTable
 
 T = TypeVar("T")
 KEY = "k1"

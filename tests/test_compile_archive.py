@@ -10,8 +10,8 @@ import pytest
 import zstandard
 from agent_helpers import tree_digest
 
-from agent._compile_archive import content_digest, pack, unpack
 from agent._exceptions import IntegrityError
+from agent.compile.archive import content_digest, pack, unpack
 
 NO_LIMIT = 1 << 40
 

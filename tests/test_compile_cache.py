@@ -22,7 +22,6 @@ from typing import Any
 import pytest
 from agent_helpers import AgentFactory
 
-from agent._compile_archive import content_digest
 from agent.client import (
     Client,
     CompileCacheHandle,
@@ -30,6 +29,7 @@ from agent.client import (
     InvalidRequest,
     detect_key_parts,
 )
+from agent.compile.archive import content_digest
 from agent.testing import SampleModel
 
 PROBE = Path(__file__).with_name("compile_probe.py")

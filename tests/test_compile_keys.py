@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from agent._compile_keys import CompileKeyParts, compile_key, engine_env, normalise_parts
 from agent._exceptions import InvalidRequest
 from agent.client import detect_key_parts
+from agent.compile.keys import CompileKeyParts, compile_key, engine_env, normalise_parts
 
 BASE = CompileKeyParts(
     engine="vllm",

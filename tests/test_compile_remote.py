@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from agent._compile_archive import PackResult, pack, unpack
-from agent._compile_remote import RemoteCompileCaches
 from agent._config import S3Settings
-from agent._s3 import S3Source
 from agent._uri import parse_uri
+from agent.compile.archive import PackResult, pack, unpack
+from agent.compile.remote import RemoteCompileCaches
+from agent.source.s3 import S3Source
 from agent.testing import S3Server
 
 KEY = "c0ffee" + "0" * 26

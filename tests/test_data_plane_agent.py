@@ -12,9 +12,9 @@ from agent_helpers import AgentFactory, object_gets, tree_digest
 
 import agent
 from agent import InvalidRequest
-from agent._dataplane import AUTO_DATA_PLANE
-from agent._plane_streamer import streamer_unavailable
 from agent.client import Client
+from agent.source.plane import AUTO_DATA_PLANE
+from agent.source.streamer_plane import streamer_unavailable
 from agent.testing import AgentProcess, AgentStartupError, RecordedRequest, S3Server, SampleModel
 
 MiB = 1024 * 1024

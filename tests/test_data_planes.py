@@ -20,13 +20,13 @@ import pytest
 
 from agent import SourceUnavailable
 from agent._config import Settings
-from agent._leases import LeaseTable
-from agent._plane_streamer import streamer_unavailable
-from agent._puller import Puller
-from agent._s3 import S3Source
-from agent._service import AgentService, EnsureResult
-from agent._store import Store
-from agent._tuning import DataPlaneChoice, PullOptions
+from agent.pull.puller import Puller
+from agent.pull.tuning import DataPlaneChoice, PullOptions
+from agent.service.operations import AgentService, EnsureResult
+from agent.source.s3 import S3Source
+from agent.source.streamer_plane import streamer_unavailable
+from agent.store.leases import LeaseTable
+from agent.store.store import Store
 from agent.testing import Fault, FaultKind, FaultProxy, S3Server, SampleModel
 
 MiB = 1024 * 1024

@@ -18,7 +18,7 @@ import xxhash
 from botocore.httpchecksum import Crc32Checksum, Sha256Checksum
 
 from agent import IntegrityError
-from agent._integrity import (
+from agent.check.hashes import (
     ALGORITHM,
     ChunkDigests,
     ChunkHasher,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from agent import Conflict, InvalidRequest, NotFound
-from agent._leases import (
+from agent.store.leases import (
     HELLO_LIMIT,
     LeaseServer,
     LeaseTable,

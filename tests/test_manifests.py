@@ -11,8 +11,8 @@ from typing import TypeVar
 import pytest
 from agent_helpers import AgentFactory
 
-from agent._manifests import CompileSpec, ManifestError, read_manifest
 from agent.client import Client, ModelInfo
+from agent.prefetch.manifests import CompileSpec, ManifestError, read_manifest
 from agent.testing import AgentProcess, SampleModel
 
 T = TypeVar("T")

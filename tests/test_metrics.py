@@ -106,7 +106,10 @@ def test_every_log_line_of_a_pull_carries_the_uri_key_peer_and_client(
     lines = [json.loads(line) for line in agent_daemon.log_text().splitlines() if line[:1] == "{"]
     about_the_pull = [line for line in lines if small_model.uri in line["msg"]]
     # The service's "starting pull" line and the puller's "published" line at least.
-    assert {line["logger"] for line in about_the_pull} >= {"agent._service", "agent._puller"}
+    assert {line["logger"] for line in about_the_pull} >= {
+        "agent.service.operations",
+        "agent.pull.puller",
+    }
     for line in about_the_pull:
         assert line["uri"] == small_model.uri, line
         assert line["key"] == handle.key, line

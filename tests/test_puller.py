@@ -12,13 +12,13 @@ import pytest
 
 from agent import NoSpace, SourceChanged, SourceUnavailable
 from agent._config import S3Settings, Settings
-from agent._flight import PullProgress
-from agent._leases import LeaseTable
-from agent._puller import Puller
-from agent._resolver import resolve
-from agent._service import AgentService, EnsureResult
-from agent._store import Store
 from agent._uri import parse_uri
+from agent.pull.flight import PullProgress
+from agent.pull.puller import Puller
+from agent.pull.resolver import resolve
+from agent.service.operations import AgentService, EnsureResult
+from agent.store.leases import LeaseTable
+from agent.store.store import Store
 from agent.testing import MemorySource
 
 MiB = 1024 * 1024

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from agent import IntegrityError
-from agent._safetensors import (
+from agent.check.safetensors import (
     CHECK,
     DTYPE_BITS,
     MAX_HEADER_BYTES,

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 from agent._config import Settings
-from agent._sdnotify import SystemdNotifier
 from agent.client import Client
+from agent.obs.sdnotify import SystemdNotifier
 from agent.testing import (
     AgentProcess,
     NotifyMessage,
@@ -129,7 +129,7 @@ def test_notifier_logs_once_and_carries_on_when_nobody_listens(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     notifier = SystemdNotifier.from_environment({"NOTIFY_SOCKET": str(tmp_path / "gone.sock")})
-    with caplog.at_level(logging.WARNING, logger="agent._sdnotify"):
+    with caplog.at_level(logging.WARNING, logger="agent.obs.sdnotify"):
         notifier.ready("a")
         notifier.status("b")
     assert [r.getMessage() for r in caplog.records if "cannot notify" in r.getMessage()] == [

@@ -6,7 +6,7 @@ import pytest
 
 from agent import InvalidRequest
 from agent._config import S3Settings
-from agent._tuning import (
+from agent.pull.tuning import (
     GETS_PER_STREAM,
     STREAMER_MIN_BLOCK,
     PullOptions,

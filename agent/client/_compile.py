@@ -30,9 +30,9 @@ from typing import Any
 
 import grpc
 
-from agent._compile_keys import CompileKeyParts
 from agent._exceptions import InvalidRequest, PrewarmError
 from agent._proto.prewarm.v1 import prewarm_pb2 as pb
+from agent.compile.keys import CompileKeyParts
 
 from ._compile_types import (
     CompileCacheHandle,

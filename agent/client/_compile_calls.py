@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from agent._compile_keys import CompileKeyParts
+from agent.compile.keys import CompileKeyParts
 
 from ._async import AsyncClient
 from ._compile_types import CompileCacheHandle

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from agent._compile_keys import CompileKeyParts
+from agent.compile.keys import CompileKeyParts
 
 __all__ = [
     "CompileCacheHandle",

@@ -2,7 +2,7 @@
 
 The safetensors format is an 8-byte little-endian header length, a JSON header
 (name -> dtype, shape, data_offsets relative to the data section), then the
-data section. ``agent._safetensors`` validates the header (the same check the
+data section. ``agent.check.safetensors`` validates the header (the same check the
 agent runs before publishing) before anything is mapped. Each tensor here is a
 view of a private copy-on-write mapping of its file: reading costs page faults
 against the page cache (or /dev/shm), and writing to a tensor copies only the
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agent._exceptions import IntegrityError, NotFound
-from agent._safetensors import SafetensorsHeader, read_header
+from agent.check.safetensors import SafetensorsHeader, read_header
 
 from ._types import ModelHandle
 

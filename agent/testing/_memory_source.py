@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 from agent._exceptions import NotFound, SourceChanged
-from agent._integrity import S3Checksum
-from agent._s3 import ListedObject, RangeReadError
 from agent._uri import ModelUri
+from agent.check.hashes import S3Checksum
+from agent.source.s3 import ListedObject, RangeReadError
 
 __all__ = ["MemorySource", "RangeRead"]
 

@@ -1,0 +1,1 @@
+"""Content checks that need no network: content hashes, safetensors headers."""

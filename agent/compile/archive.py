@@ -1,0 +1,395 @@
+"""A compile-cache directory as one ``.tar.zst`` archive, and a content digest of it.
+
+Packing skips what is not an artifact: lock files, temporary files and
+directories (inductor's ``.<pid>.<tid>.tmp``, Triton's ``tmp.pid_*``,
+``tempfile``'s ``tmpXXXXXXXX``), byte-code caches. A file that changes while it
+is being packed aborts the pack (``ChangedDuringPack``); the watcher packs
+again once the directory is quiet.
+
+The digest covers each kept file's relative path, kind, executable bit, size
+and sha256, in path order: it is the same for the same content wherever the
+directory lives, and it is what an uploaded archive is named and checked by.
+
+Unpacking trusts nothing in the archive. Refused, with IntegrityError: absolute
+paths, ``..`` components, links that point outside the directory (or anything
+written through a link), hard links, devices, FIFOs, more bytes than allowed,
+and content whose digest differs from the one expected (a truncated or
+corrupt archive). Everything runs in worker threads; nothing here is async.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import posixpath
+import re
+import stat
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import zstandard
+
+from agent._exceptions import IntegrityError, PrewarmError
+
+__all__ = [
+    "ChangedDuringPack",
+    "PackResult",
+    "UnpackResult",
+    "content_digest",
+    "is_ignored",
+    "pack",
+    "unpack",
+    "walk_artifacts",
+]
+
+DIGEST_PREFIX = "sha256:"
+_DIGEST_SALT = b"prewarm-compile-cache-v1\n"
+_COPY_BLOCK = 1024 * 1024
+# Compressed bytes fed to the decompressor at a time (see _FrameReader).
+_INPUT_BLOCK = 1024
+_ZSTD_LEVEL = 3
+_TEMPFILE_NAME = re.compile(r"^tmp[a-z0-9_]{8}$")
+_IGNORED_SUFFIXES = (".lock", ".tmp", ".temp", ".partial", ".part", ".swp", "~")
+_IGNORED_NAMES = frozenset({"__pycache__"})
+
+
+class ChangedDuringPack(PrewarmError):
+    """A file changed (or vanished) while the directory was being packed; pack again later."""
+
+
+@dataclass(frozen=True, slots=True)
+class PackResult:
+    digest: str
+    file_count: int
+    # Bytes of the files packed, and of the compressed archive.
+    content_bytes: int
+    archive_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class UnpackResult:
+    digest: str
+    file_count: int
+    content_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    path: str  # relative, with "/" separators
+    kind: str  # "f" (regular file) or "l" (symbolic link)
+    executable: bool
+    size: int
+    content: str  # sha256 of the bytes, or the link's target
+
+
+def is_ignored(relative: str) -> bool:
+    """True for paths that are not artifacts: locks, temporary files, partial writes."""
+    for part in relative.split("/"):
+        if part in _IGNORED_NAMES or part.endswith(_IGNORED_SUFFIXES):
+            return True
+        if part.startswith(("tmp.", ".nfs")) or _TEMPFILE_NAME.match(part):
+            return True
+    return False
+
+
+def _digest_of(entries: list[_Entry]) -> str:
+    hasher = hashlib.sha256(_DIGEST_SALT)
+    for entry in sorted(entries, key=lambda e: e.path):
+        mode = "x" if entry.executable else "-"
+        hasher.update(
+            f"{entry.kind}\0{entry.path}\0{mode}\0{entry.size}\0{entry.content}\n".encode(
+                "utf-8", "surrogateescape"
+            )
+        )
+    return DIGEST_PREFIX + hasher.hexdigest()
+
+
+def walk_artifacts(directory: Path) -> Iterator[tuple[str, os.DirEntry[str]]]:
+    """Every kept file and link under ``directory``, never following links, in path order."""
+    pending = [""]
+    while pending:
+        prefix = pending.pop()
+        base = directory / prefix if prefix else directory
+        try:
+            listing = sorted(os.scandir(base), key=lambda e: e.name)
+        except FileNotFoundError:
+            continue  # removed while we walked; its files are not artifacts any more
+        children: list[str] = []
+        for item in listing:
+            relative = f"{prefix}/{item.name}" if prefix else item.name
+            if is_ignored(relative):
+                continue
+            if item.is_dir(follow_symlinks=False):
+                children.append(relative)
+            elif item.is_file(follow_symlinks=False) or item.is_symlink():
+                yield relative, item
+        pending.extend(reversed(children))
+
+
+def _link_target_inside(relative: str, target: str) -> bool:
+    if not target or target.startswith("/") or "\x00" in target:
+        return False
+    resolved = posixpath.normpath(posixpath.join(posixpath.dirname(relative), target))
+    return resolved != ".." and not resolved.startswith("../")
+
+
+class _HashingReader:
+    """Reads a file for tarfile while hashing it; stops at the size announced in the header."""
+
+    def __init__(self, handle: IO[bytes], size: int) -> None:
+        self._handle = handle
+        self._left = size
+        self.hasher = hashlib.sha256()
+
+    def read(self, amount: int = -1) -> bytes:
+        if amount < 0 or amount > self._left:
+            amount = self._left
+        data = self._handle.read(amount)
+        self._left -= len(data)
+        self.hasher.update(data)
+        return data
+
+
+def _tar_info(name: str, *, size: int = 0, mode: int = 0o644) -> tarfile.TarInfo:
+    # Fixed owner and time: the archive says only what the digest covers.
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = size, mode, 0
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    return info
+
+
+def _pack_file(tar: tarfile.TarFile, directory: Path, relative: str) -> _Entry:
+    path = directory / relative
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (FileNotFoundError, OSError) as exc:
+        raise ChangedDuringPack(f"{relative} went away while packing ({exc}).") from exc
+    with os.fdopen(fd, "rb") as handle:
+        before = os.fstat(handle.fileno())
+        if not stat.S_ISREG(before.st_mode):
+            raise ChangedDuringPack(f"{relative} is no longer a regular file.")
+        executable = bool(before.st_mode & 0o111)
+        info = _tar_info(relative, size=before.st_size, mode=0o755 if executable else 0o644)
+        reader = _HashingReader(handle, before.st_size)
+        try:
+            tar.addfile(info, reader)
+        except OSError as exc:  # tarfile's "unexpected end of data": the file shrank
+            raise ChangedDuringPack(f"{relative} shrank while packing.") from exc
+        after = os.fstat(handle.fileno())
+    if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+        raise ChangedDuringPack(f"{relative} was written to while packing.")
+    return _Entry(relative, "f", executable, before.st_size, reader.hasher.hexdigest())
+
+
+def pack(directory: Path, archive: Path) -> PackResult:
+    """Write ``directory``'s artifacts to ``archive`` (.tar.zst) and return their digest.
+
+    Raises ChangedDuringPack when a file changes under it; ``archive`` is then
+    incomplete and the caller removes it.
+    """
+    entries: list[_Entry] = []
+    with archive.open("wb") as raw:
+        compressor = zstandard.ZstdCompressor(level=_ZSTD_LEVEL, write_checksum=True)
+        with (
+            compressor.stream_writer(raw, closefd=False) as compressed,
+            tarfile.open(fileobj=compressed, mode="w|", format=tarfile.PAX_FORMAT) as tar,
+        ):
+            for relative, item in walk_artifacts(directory):
+                if item.is_symlink():
+                    target = str(Path(item.path).readlink())
+                    if not _link_target_inside(relative, target):
+                        continue  # a link out of the cache is no artifact of it
+                    info = _tar_info(relative, mode=0o777)
+                    info.type, info.linkname = tarfile.SYMTYPE, target
+                    tar.addfile(info)
+                    entries.append(_Entry(relative, "l", False, 0, target))
+                else:
+                    entries.append(_pack_file(tar, directory, relative))
+        raw.flush()
+        os.fsync(raw.fileno())
+        archive_bytes = raw.tell()
+    return PackResult(
+        digest=_digest_of(entries),
+        file_count=len(entries),
+        content_bytes=sum(e.size for e in entries),
+        archive_bytes=archive_bytes,
+    )
+
+
+def content_digest(directory: Path) -> PackResult:
+    """The digest ``pack`` would give, without writing an archive."""
+    entries: list[_Entry] = []
+    for relative, item in walk_artifacts(directory):
+        if item.is_symlink():
+            target = str(Path(item.path).readlink())
+            if _link_target_inside(relative, target):
+                entries.append(_Entry(relative, "l", False, 0, target))
+            continue
+        hasher = hashlib.sha256()
+        try:
+            with open(item.path, "rb") as handle:  # noqa: PTH123 - DirEntry path
+                size = 0
+                while block := handle.read(_COPY_BLOCK):
+                    hasher.update(block)
+                    size += len(block)
+                executable = bool(os.fstat(handle.fileno()).st_mode & 0o111)
+        except FileNotFoundError as exc:
+            raise ChangedDuringPack(f"{relative} went away while hashing.") from exc
+        entries.append(_Entry(relative, "f", executable, size, hasher.hexdigest()))
+    return PackResult(_digest_of(entries), len(entries), sum(e.size for e in entries), 0)
+
+
+def _refuse(archive: Path, member: str, why: str) -> IntegrityError:
+    return IntegrityError(
+        f"Refused compile-cache archive {archive.name}: member {member!r} {why}. The archive "
+        "was not extracted; the pod gets an empty directory and the next upload replaces it.",
+        path=member,
+        check="unsafe-archive",
+    )
+
+
+def _safe_member_name(archive: Path, name: str) -> str:
+    if "\x00" in name or name.startswith("/") or not name:
+        raise _refuse(archive, name, "has an absolute or empty path")
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if not parts or ".." in parts:
+        raise _refuse(archive, name, "has a '..' component")
+    return "/".join(parts)
+
+
+class _Extractor:
+    def __init__(self, archive: Path, dest: Path, max_bytes: int) -> None:
+        self.archive = archive
+        self.dest = dest
+        self.max_bytes = max_bytes
+        self.entries: list[_Entry] = []
+        self.links: set[str] = set()
+        self.written = 0
+
+    def member(self, tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:
+        name = _safe_member_name(self.archive, member.name)
+        parents = name.split("/")[:-1]
+        if any("/".join(parents[: i + 1]) in self.links for i in range(len(parents))):
+            raise _refuse(self.archive, member.name, "lies under a link")
+        target = self.dest / name
+        if member.isdir():
+            target.mkdir(parents=True, exist_ok=True)
+        elif member.isreg():
+            self._file(tar, member, name, target)
+        elif member.issym():
+            if not _link_target_inside(name, member.linkname):
+                raise _refuse(self.archive, member.name, f"links outside ({member.linkname!r})")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.symlink_to(member.linkname)
+            self.links.add(name)
+            self.entries.append(_Entry(name, "l", False, 0, member.linkname))
+        elif member.islnk():
+            raise _refuse(self.archive, member.name, "is a hard link")
+        else:
+            raise _refuse(self.archive, member.name, "is a device, FIFO or other special file")
+
+    def _file(self, tar: tarfile.TarFile, member: tarfile.TarInfo, name: str, target: Path) -> None:
+        self.written += member.size
+        if self.written > self.max_bytes:
+            raise IntegrityError(
+                f"Refused compile-cache archive {self.archive.name}: it unpacks to more than "
+                f"{self.max_bytes} bytes, more than the disk tier can take.",
+                path=name,
+                check="size",
+            )
+        source = tar.extractfile(member)
+        if source is None:  # pragma: no cover - regular members always have data
+            raise _refuse(self.archive, member.name, "has no data")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        executable = bool(member.mode & 0o111)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        hasher = hashlib.sha256()
+        with os.fdopen(os.open(target, flags, 0o755 if executable else 0o644), "wb") as out:
+            while block := source.read(_COPY_BLOCK):
+                hasher.update(block)
+                out.write(block)
+        self.entries.append(_Entry(name, "f", executable, member.size, hasher.hexdigest()))
+
+
+class _FrameReader:
+    """Decompresses one zstd frame for tarfile, refusing input that ends before the frame.
+
+    zstandard's stream reader returns a short read, not an error, when the
+    input stops mid-frame; this reader says so. Input goes in small blocks,
+    so even a pathological archive expands by a bounded amount per step.
+    """
+
+    def __init__(self, raw: IO[bytes], archive: Path) -> None:
+        self._raw = raw
+        self._archive = archive
+        self._frame = zstandard.ZstdDecompressor().decompressobj()
+        self._buffer = bytearray()
+        self._ended = False
+
+    def read(self, amount: int = -1) -> bytes:
+        while not self._ended and (amount < 0 or len(self._buffer) < amount):
+            block = self._raw.read(_INPUT_BLOCK)
+            if not block:
+                if not self._frame.eof:
+                    raise IntegrityError(
+                        f"Compile-cache archive {self._archive.name} ends mid-stream: it is "
+                        "truncated.",
+                        path=self._archive.name,
+                        check="archive",
+                    )
+                self._ended = True
+                break
+            self._buffer += self._frame.decompress(block)
+            if self._frame.eof:
+                if self._frame.unused_data or self._raw.read(1):
+                    raise IntegrityError(
+                        f"Compile-cache archive {self._archive.name} has data after its end.",
+                        path=self._archive.name,
+                        check="archive",
+                    )
+                self._ended = True
+        if amount < 0:
+            amount = len(self._buffer)
+        data = bytes(self._buffer[:amount])
+        del self._buffer[:amount]
+        return data
+
+
+def unpack(archive: Path, dest: Path, *, expected_digest: str, max_bytes: int) -> UnpackResult:
+    """Extract ``archive`` into the empty directory ``dest`` and check its digest.
+
+    Raises IntegrityError (check "unsafe-archive", "archive", "digest" or
+    "size") when the archive is unsafe, unreadable, truncated or not what was
+    expected; ``dest`` then holds a partial extraction for the caller to remove.
+    """
+    extractor = _Extractor(archive, dest, max_bytes)
+    try:
+        with archive.open("rb") as raw:
+            stream = _FrameReader(raw, archive)
+            with tarfile.open(fileobj=stream, mode="r|") as tar:  # type: ignore[call-overload]
+                for member in tar:
+                    extractor.member(tar, member)
+            # tarfile stops at its end-of-archive marker; the frame must end as well.
+            while stream.read(_COPY_BLOCK):
+                pass
+    except FileExistsError as exc:
+        raise _refuse(archive, exc.filename or "?", "appears twice") from exc
+    except (tarfile.TarError, zstandard.ZstdError, EOFError) as exc:
+        raise IntegrityError(
+            f"Compile-cache archive {archive.name} is corrupt or truncated ({exc}).",
+            path=archive.name,
+            check="archive",
+        ) from exc
+    digest = _digest_of(extractor.entries)
+    if digest != expected_digest:
+        raise IntegrityError(
+            f"Compile-cache archive {archive.name} holds content {digest}, not the "
+            f"{expected_digest} its pointer names: it is truncated or corrupt.",
+            path=archive.name,
+            check="digest",
+        )
+    return UnpackResult(digest, len(extractor.entries), sum(e.size for e in extractor.entries))

@@ -1,0 +1,185 @@
+"""What a torch.compile cache depends on, the key derived from it, and each engine's env.
+
+Standard library only: the client imports this module too, so that a pod can
+build and check key parts without the daemon's dependencies.
+
+Every part is normalised before hashing (whitespace, case of the engine name,
+unset parallel sizes as 1, extras in sorted order), so two pods that describe
+the same setup in slightly different words share one key. Anything that is a
+real difference (another torch build, another GPU, another tensor-parallel
+size) gives another key: compiled artifacts are only valid for the exact stack
+that produced them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from agent._exceptions import InvalidRequest
+
+__all__ = [
+    "ENGINES",
+    "KEY_FORMAT",
+    "CompileKeyParts",
+    "EngineName",
+    "compile_key",
+    "engine_env",
+    "normalise_parts",
+    "parts_from_dict",
+    "parts_to_dict",
+]
+
+EngineName = Literal["torch", "vllm", "sglang"]
+ENGINES: tuple[EngineName, ...] = ("torch", "vllm", "sglang")
+_ALIASES: Mapping[str, EngineName] = {"pytorch": "torch", "": "torch"}
+# Bumped when the hashed document changes shape: every key changes with it.
+KEY_FORMAT = 1
+KEY_LENGTH = 32
+_MAX_TEXT = 256
+_MAX_EXTRAS = 64
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_SPACES = re.compile(r"\s+")
+
+
+@dataclass(frozen=True, slots=True)
+class CompileKeyParts:
+    """What compiled artifacts depend on. Any change gives another cache key.
+
+    ``torch_version`` is required: every torch change invalidates compiled
+    artifacts. ``engine_version`` defaults to the torch version for plain
+    PyTorch. Parallel sizes of 0 mean 1. ``extras`` holds anything else that
+    changes what gets compiled (dtype, max batch size, the Python version...).
+    """
+
+    engine: str = "torch"
+    engine_version: str = ""
+    torch_version: str = ""
+    triton_version: str = ""
+    cuda_version: str = ""
+    gpu_name: str = ""
+    model_key: str = ""
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    data_parallel: int = 1
+    config_hash: str = ""
+    extras: dict[str, str] = field(default_factory=dict)
+
+
+def _text(name: str, value: object, *, collapse: bool = False) -> str:
+    if not isinstance(value, str):
+        raise InvalidRequest(f"Compile key part {name} must be a string, not {value!r}.")
+    text = _SPACES.sub(" ", value).strip() if collapse else value.strip()
+    if _CONTROL.search(text):
+        raise InvalidRequest(f"Compile key part {name} contains control characters: {value!r}.")
+    if len(text) > _MAX_TEXT:
+        raise InvalidRequest(
+            f"Compile key part {name} is {len(text)} characters long; at most {_MAX_TEXT} are "
+            "allowed (hash long values, e.g. put a config's sha256 in config_hash)."
+        )
+    return text
+
+
+def _size(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidRequest(
+            f"Compile key part {name} must be a whole number >= 0 (0 means 1), not {value!r}."
+        )
+    return value or 1
+
+
+def normalise_parts(parts: CompileKeyParts) -> CompileKeyParts:
+    """The canonical form of ``parts``; raises InvalidRequest saying what is wrong."""
+    engine_text = _text("engine", parts.engine).lower()
+    engine = _ALIASES.get(engine_text, engine_text)
+    if engine not in ENGINES:
+        raise InvalidRequest(
+            f"Unknown engine {parts.engine!r}; use one of {', '.join(ENGINES)} "
+            "(plain PyTorch is 'torch')."
+        )
+    torch_version = _text("torch_version", parts.torch_version)
+    if not torch_version:
+        raise InvalidRequest(
+            "Compile key part torch_version is required: every torch change invalidates "
+            "compiled artifacts. Pass torch.__version__ (the client's detect_key_parts() does)."
+        )
+    if not isinstance(parts.extras, Mapping):
+        raise InvalidRequest(
+            f"Compile key part extras must map names to strings, not {parts.extras!r}."
+        )
+    if len(parts.extras) > _MAX_EXTRAS:
+        raise InvalidRequest(
+            f"{len(parts.extras)} extras given; at most {_MAX_EXTRAS} are allowed."
+        )
+    extras: dict[str, str] = {}
+    for raw_name, raw_value in parts.extras.items():
+        name = _text("extras key", raw_name)
+        if not name:
+            raise InvalidRequest("An extras key is empty; name every extra part.")
+        extras[name] = _text(f"extras[{name!r}]", raw_value)
+    engine_version = _text("engine_version", parts.engine_version)
+    return CompileKeyParts(
+        engine=engine,
+        engine_version=engine_version or (torch_version if engine == "torch" else ""),
+        torch_version=torch_version,
+        triton_version=_text("triton_version", parts.triton_version),
+        cuda_version=_text("cuda_version", parts.cuda_version),
+        gpu_name=_text("gpu_name", parts.gpu_name, collapse=True),
+        model_key=_text("model_key", parts.model_key),
+        tensor_parallel=_size("tensor_parallel", parts.tensor_parallel),
+        pipeline_parallel=_size("pipeline_parallel", parts.pipeline_parallel),
+        data_parallel=_size("data_parallel", parts.data_parallel),
+        config_hash=_text("config_hash", parts.config_hash),
+        extras=dict(sorted(extras.items())),
+    )
+
+
+def parts_to_dict(parts: CompileKeyParts) -> dict[str, Any]:
+    """A JSON-ready dict of the parts (extras as a plain, sorted dict)."""
+    document: dict[str, Any] = {f.name: getattr(parts, f.name) for f in fields(parts)}
+    document["extras"] = dict(sorted(parts.extras.items()))
+    return document
+
+
+def parts_from_dict(document: Mapping[str, Any]) -> CompileKeyParts:
+    """Parts from a dict as ``parts_to_dict`` writes it; unknown names are refused."""
+    known = {f.name for f in fields(CompileKeyParts)}
+    unknown = set(document) - known
+    if unknown:
+        raise InvalidRequest(f"Unknown compile key parts: {', '.join(sorted(unknown))}.")
+    return replace(CompileKeyParts(), **dict(document))
+
+
+def compile_key(parts: CompileKeyParts) -> str:
+    """The cache key of (normalised) parts: 32 hex digits of a sha256."""
+    canonical = normalise_parts(parts)
+    document = {"v": KEY_FORMAT, **parts_to_dict(canonical)}
+    encoded = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(encoded.encode()).hexdigest()[:KEY_LENGTH]
+
+
+def engine_env(engine: str, directory: Path, key: str) -> dict[str, str]:
+    """The environment variables that point an engine's compile caches into ``directory``.
+
+    Sources (see docs/compile-cache.md): torch reads TORCHINDUCTOR_CACHE_DIR
+    and TRITON_CACHE_DIR; SGLang keeps its own kernel caches under
+    SGLANG_CACHE_DIR; vLLM keeps everything under VLLM_CACHE_ROOT and points
+    inductor (and, on some paths, Triton) at a directory of its own inside it.
+    TORCH_COMPILE_CACHE_KEY_TAG goes into every torch.compile cache key, so
+    artifacts made for this key never mix with others in a shared remote cache.
+    """
+    env = {
+        "TORCHINDUCTOR_CACHE_DIR": str(directory / "inductor"),
+        "TRITON_CACHE_DIR": str(directory / "triton"),
+        "TORCH_COMPILE_CACHE_KEY_TAG": f"prewarm-{key[:16]}",
+    }
+    if engine == "sglang":
+        env["SGLANG_CACHE_DIR"] = str(directory / "sglang")
+    elif engine == "vllm":
+        env["VLLM_CACHE_ROOT"] = str(directory / "vllm")
+    return env

@@ -1,0 +1,177 @@
+"""The compile-cache RPCs, as a mixin of the gRPC servicer (see _api.PrewarmServicer)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from agent._exceptions import Conflict, PrewarmError
+from agent._proto.prewarm.v1 import prewarm_pb2 as pb
+from agent.compile.cache import CompileCacheInfo, CompileCaches, EnsuredCompileCache
+from agent.compile.keys import CompileKeyParts
+from agent.edge.status import abort, timestamp
+
+__all__ = ["CompileCacheApi", "parts_from_proto", "parts_to_proto"]
+
+log = logging.getLogger(__name__)
+
+_LOCK_STATE = {
+    "waiting": pb.CompileLockEvent.STATE_WAITING,
+    "granted": pb.CompileLockEvent.STATE_GRANTED,
+}
+
+
+def parts_from_proto(parts: pb.CompileKeyParts) -> CompileKeyParts:
+    values = {name: getattr(parts, name) for name in _PART_FIELDS}
+    return CompileKeyParts(**values, extras=dict(parts.extras))
+
+
+def parts_to_proto(parts: CompileKeyParts) -> pb.CompileKeyParts:
+    values = {name: getattr(parts, name) for name in _PART_FIELDS}
+    return pb.CompileKeyParts(**values, extras=dict(parts.extras))
+
+
+# The message and the dataclass name their fields alike; extras (a map) is copied apart.
+_PART_FIELDS = tuple(f.name for f in dataclasses.fields(CompileKeyParts) if f.name != "extras")
+
+
+def _info(info: CompileCacheInfo) -> pb.CompileCacheInfo:
+    message = pb.CompileCacheInfo(
+        key=info.key,
+        path=str(info.path),
+        parts=parts_to_proto(info.parts),
+        bytes=info.bytes,
+        file_count=info.file_count,
+        created=timestamp(info.created),
+        last_used=timestamp(info.last_used),
+        uploaded_digest=info.uploaded_digest,
+        restored=info.restored,
+    )
+    if info.uploaded:
+        message.uploaded.CopyFrom(timestamp(info.uploaded))
+    return message
+
+
+def _handle(ensured: EnsuredCompileCache) -> pb.CompileCacheHandle:
+    info = ensured.info
+    return pb.CompileCacheHandle(
+        key=info.key,
+        path=str(info.path),
+        env=ensured.env,
+        restored=ensured.restored,
+        restore_seconds=ensured.restore_seconds,
+        restore_note=ensured.restore_note,
+        parts=parts_to_proto(info.parts),
+        bytes=info.bytes,
+        file_count=info.file_count,
+    )
+
+
+class CompileCacheApi:
+    """EnsureCompileCache, List/Evict/Push/PullCompileCache and CompileLock."""
+
+    _compile_caches: CompileCaches | None
+
+    def _caches(self) -> CompileCaches:
+        if self._compile_caches is None:
+            raise Conflict("This agent was started without compile caches.")
+        return self._compile_caches
+
+    async def EnsureCompileCache(
+        self,
+        request: pb.EnsureCompileCacheRequest,
+        context: grpc.aio.ServicerContext[pb.EnsureCompileCacheRequest, pb.CompileCacheHandle],
+    ) -> pb.CompileCacheHandle:
+        try:
+            ensured = await self._caches().ensure(
+                parts_from_proto(request.parts),
+                skip_restore=request.skip_restore,
+                client_name=request.client_name,
+            )
+        except PrewarmError as exc:
+            await abort(context, exc)
+        return _handle(ensured)
+
+    async def ListCompileCaches(
+        self,
+        request: pb.ListCompileCachesRequest,
+        context: grpc.aio.ServicerContext[
+            pb.ListCompileCachesRequest, pb.ListCompileCachesResponse
+        ],
+    ) -> pb.ListCompileCachesResponse:
+        try:
+            caches = await self._caches().caches()
+        except PrewarmError as exc:
+            await abort(context, exc)
+        return pb.ListCompileCachesResponse(caches=[_info(c) for c in caches])
+
+    async def EvictCompileCache(
+        self,
+        request: pb.EvictCompileCacheRequest,
+        context: grpc.aio.ServicerContext[
+            pb.EvictCompileCacheRequest, pb.EvictCompileCacheResponse
+        ],
+    ) -> pb.EvictCompileCacheResponse:
+        try:
+            evicted = await self._caches().evict(request.key)
+        except PrewarmError as exc:
+            await abort(context, exc)
+        return pb.EvictCompileCacheResponse(
+            evicted=[_info(c) for c in evicted], bytes_freed=sum(c.bytes for c in evicted)
+        )
+
+    async def PushCompileCache(
+        self,
+        request: pb.PushCompileCacheRequest,
+        context: grpc.aio.ServicerContext[pb.PushCompileCacheRequest, pb.PushCompileCacheResponse],
+    ) -> pb.PushCompileCacheResponse:
+        try:
+            outcome = await self._caches().push(request.key)
+        except PrewarmError as exc:
+            await abort(context, exc)
+        return pb.PushCompileCacheResponse(
+            uploaded=outcome.uploaded,
+            uri=outcome.uri,
+            digest=outcome.digest,
+            bytes=outcome.bytes,
+            skipped_reason=outcome.skipped_reason,
+        )
+
+    async def PullCompileCache(
+        self,
+        request: pb.PullCompileCacheRequest,
+        context: grpc.aio.ServicerContext[pb.PullCompileCacheRequest, pb.CompileCacheHandle],
+    ) -> pb.CompileCacheHandle:
+        try:
+            ensured = await self._caches().pull(request.key)
+        except PrewarmError as exc:
+            await abort(context, exc)
+        return _handle(ensured)
+
+    async def CompileLock(
+        self,
+        request: pb.CompileLockRequest,
+        context: grpc.aio.ServicerContext[pb.CompileLockRequest, pb.CompileLockEvent],
+    ) -> AsyncIterator[pb.CompileLockEvent]:
+        name = request.client_name or "anonymous"
+        try:
+            # aclosing: the lock passes on the moment this call ends, even when
+            # gRPC cancels it because the pod went away.
+            async with contextlib.aclosing(
+                self._caches().hold_lock(parts_from_proto(request.parts), name)
+            ) as events:
+                async for event in events:
+                    if event.state == "granted":
+                        log.info("compile lock %s granted to %s", event.key, name)
+                    yield pb.CompileLockEvent(
+                        state=_LOCK_STATE[event.state],
+                        key=event.key,
+                        holder=event.holder,
+                        warm=event.warm,
+                    )
+        except PrewarmError as exc:
+            await abort(context, exc)

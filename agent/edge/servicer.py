@@ -1,0 +1,352 @@
+"""The gRPC edge: protobuf in, domain calls, protobuf out, errors to status codes."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from agent._exceptions import (
+    InvalidRequest,
+    PrewarmError,
+)
+from agent._proto.prewarm.v1 import prewarm_pb2 as pb
+from agent._proto.prewarm.v1 import prewarm_pb2_grpc as pb_grpc
+from agent._snapshot import TierName
+from agent.compile.cache import CompileCaches
+from agent.edge.compile_servicer import CompileCacheApi
+from agent.edge.status import abort, status_code_for, timestamp
+from agent.pull.flight import Flight, PullProgress
+from agent.pull.tuning import DATA_PLANE_CHOICES, PullOptions
+from agent.service.operations import AgentService, EnsureResult, EvictResult
+from agent.store.leases import LeaseRecord
+from agent.store.store import CachedModel, TierUsage
+
+__all__ = ["PrewarmServicer", "status_code_for"]
+
+
+log = logging.getLogger(__name__)
+
+_TIER_TO_PB: dict[TierName, pb.Tier.ValueType] = {"shm": pb.TIER_SHM, "disk": pb.TIER_DISK}
+_PB_TO_TIER: dict[pb.Tier.ValueType, TierName] = {v: k for k, v in _TIER_TO_PB.items()}
+_PHASE_TO_PB: dict[str, pb.Phase.ValueType] = {
+    "resolve": pb.PHASE_RESOLVE,
+    "download": pb.PHASE_DOWNLOAD,
+    "verify": pb.PHASE_VERIFY,
+    "publish": pb.PHASE_PUBLISH,
+    "done": pb.PHASE_DONE,
+}
+
+
+class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
+    def __init__(
+        self,
+        service: AgentService,
+        *,
+        socket_path: str,
+        compile_caches: CompileCaches | None = None,
+    ) -> None:
+        self._service = service
+        self._socket_path = socket_path
+        self._compile_caches = compile_caches
+
+    async def EnsureModel(
+        self,
+        request: pb.EnsureModelRequest,
+        context: grpc.aio.ServicerContext[pb.EnsureModelRequest, pb.EnsureModelEvent],
+    ) -> AsyncIterator[pb.EnsureModelEvent]:
+        tier = _PB_TO_TIER.get(request.tier) if request.tier else None
+        if request.tier and tier is None:
+            await abort(context, InvalidRequest(f"Unknown tier {request.tier}; use shm or disk."))
+        if request.lease_ttl_seconds < 0:
+            await abort(context, InvalidRequest("lease_ttl_seconds must not be negative."))
+        try:
+            options = (
+                _pull_options(request.pull_options) if request.HasField("pull_options") else None
+            )
+        except PrewarmError as exc:
+            await abort(context, exc)
+        yield pb.EnsureModelEvent(progress=pb.Progress(phase=pb.PHASE_RESOLVE))
+        try:
+            async for event in self._service.ensure(
+                request.uri,
+                tier=tier,
+                include=list(request.include),
+                exclude=list(request.exclude),
+                client_name=request.client_name,
+                lease=request.lease,
+                lease_ttl=request.lease_ttl_seconds or None,
+                pin=request.pin,
+                strict_tier=request.strict_tier,
+                options=options,
+            ):
+                if isinstance(event, PullProgress):
+                    yield pb.EnsureModelEvent(progress=_progress(event))
+                else:
+                    yield pb.EnsureModelEvent(handle=self._handle(event))
+        except PrewarmError as exc:
+            log.info("EnsureModel %s: %s", request.uri, exc)
+            await abort(context, exc)
+
+    async def GetModel(
+        self,
+        request: pb.GetModelRequest,
+        context: grpc.aio.ServicerContext[pb.GetModelRequest, pb.ModelInfo],
+    ) -> pb.ModelInfo:
+        try:
+            return self._model_info(self._service.get(request.ref), with_files=True)
+        except PrewarmError as exc:
+            await abort(context, exc)
+
+    async def ListModels(
+        self,
+        request: pb.ListModelsRequest,
+        context: grpc.aio.ServicerContext[pb.ListModelsRequest, pb.ListModelsResponse],
+    ) -> pb.ListModelsResponse:
+        return pb.ListModelsResponse(
+            models=[self._model_info(m, with_files=False) for m in self._service.list_models()]
+        )
+
+    async def EvictModel(
+        self,
+        request: pb.EvictModelRequest,
+        context: grpc.aio.ServicerContext[pb.EvictModelRequest, pb.EvictModelResponse],
+    ) -> pb.EvictModelResponse:
+        try:
+            result = await self._service.evict(request.ref, force=request.force)
+        except PrewarmError as exc:
+            await abort(context, exc)
+        log.info(
+            "evicted %s: %d snapshots, %d bytes",
+            request.ref,
+            len(result.evicted),
+            result.bytes_freed,
+        )
+        return self._evict_response(result)
+
+    async def RenewLease(
+        self,
+        request: pb.RenewLeaseRequest,
+        context: grpc.aio.ServicerContext[pb.RenewLeaseRequest, pb.Lease],
+    ) -> pb.Lease:
+        try:
+            if request.ttl_seconds < 0:
+                raise InvalidRequest("ttl_seconds must not be negative.")
+            return self._lease(self._service.renew_lease(request.id, request.ttl_seconds or None))
+        except PrewarmError as exc:
+            await abort(context, exc)
+
+    async def ReleaseLease(
+        self,
+        request: pb.ReleaseLeaseRequest,
+        context: grpc.aio.ServicerContext[pb.ReleaseLeaseRequest, pb.ReleaseLeaseResponse],
+    ) -> pb.ReleaseLeaseResponse:
+        try:
+            self._service.release_lease(request.id)
+        except PrewarmError as exc:
+            await abort(context, exc)
+        return pb.ReleaseLeaseResponse()
+
+    async def PinModel(
+        self,
+        request: pb.PinModelRequest,
+        context: grpc.aio.ServicerContext[pb.PinModelRequest, pb.ModelInfo],
+    ) -> pb.ModelInfo:
+        try:
+            model = await self._service.pin(request.ref, request.pinned)
+        except PrewarmError as exc:
+            await abort(context, exc)
+        return self._model_info(model, with_files=False)
+
+    async def CollectGarbage(
+        self,
+        request: pb.CollectGarbageRequest,
+        context: grpc.aio.ServicerContext[pb.CollectGarbageRequest, pb.CollectGarbageResponse],
+    ) -> pb.CollectGarbageResponse:
+        tier = _PB_TO_TIER.get(request.tier) if request.tier else None
+        result = await self._service.collect_garbage(tier)
+        return pb.CollectGarbageResponse(
+            evicted=[self._model_info(m, with_files=False) for m in result.evicted],
+            bytes_freed=result.bytes_freed,
+        )
+
+    async def VerifyModels(
+        self,
+        request: pb.VerifyModelsRequest,
+        context: grpc.aio.ServicerContext[pb.VerifyModelsRequest, pb.VerifyModelsResponse],
+    ) -> pb.VerifyModelsResponse:
+        try:
+            results = await self._service.verify(
+                request.ref, every=request.all, report_only=request.report_only
+            )
+        except PrewarmError as exc:
+            await abort(context, exc)
+        return pb.VerifyModelsResponse(
+            results=[
+                pb.ModelVerification(
+                    uri=r.model.uri,
+                    key=r.model.key,
+                    ok=not r.problems,
+                    problems=[
+                        pb.FileProblem(path=p.path, check=p.check, detail=p.detail)
+                        for p in r.problems
+                    ],
+                    evicted=r.evicted,
+                    bytes_checked=r.model.total_bytes,
+                    seconds=r.seconds,
+                )
+                for r in results
+            ]
+        )
+
+    async def Status(
+        self,
+        request: pb.StatusRequest,
+        context: grpc.aio.ServicerContext[pb.StatusRequest, pb.StatusResponse],
+    ) -> pb.StatusResponse:
+        status = self._service.status()
+        compiles = self._compile_caches.statistics() if self._compile_caches else (0, 0)
+        return pb.StatusResponse(
+            version=status.version,
+            tiers=[_tier_status(t, status.leased_per_tier.get(t.tier, 0)) for t in status.tiers],
+            pulls=[_pull_status(f) for f in status.pulls],
+            model_count=status.model_count,
+            uptime_seconds=status.uptime_seconds,
+            data_plane=status.data_plane,
+            socket_path=self._socket_path,
+            default_tier=_TIER_TO_PB[status.default_tier],
+            lease_count=status.lease_count,
+            compile_cache_count=compiles[0],
+            compile_cache_bytes=compiles[1],
+        )
+
+    def _evict_response(self, result: EvictResult) -> pb.EvictModelResponse:
+        return pb.EvictModelResponse(
+            evicted=[self._model_info(m, with_files=False) for m in result.evicted],
+            bytes_freed=result.bytes_freed,
+        )
+
+    def _model_info(self, model: CachedModel, *, with_files: bool) -> pb.ModelInfo:
+        usage = self._service.usage(model.key)
+        info = pb.ModelInfo(
+            uri=model.uri,
+            key=model.key,
+            path=str(model.path),
+            tier=_TIER_TO_PB[model.tier],
+            total_bytes=model.total_bytes,
+            file_count=len(model.files),
+            created=timestamp(model.created),
+            last_used=timestamp(usage.last_used),
+            hit_count=usage.hit_count,
+            include=model.include,
+            exclude=model.exclude,
+            leases=[_lease_info(lease) for lease in self._service.leases_for(model.key)],
+            pinned=usage.pinned,
+        )
+        if with_files:
+            info.files.extend(_files(model))
+        return info
+
+    def _lease(self, lease: LeaseRecord) -> pb.Lease:
+        granted = pb.Lease(id=lease.id, key=lease.key, socket_path=self._service.lease_socket_path)
+        if lease.expires is not None:
+            granted.expires.CopyFrom(timestamp(lease.expires))
+        return granted
+
+    def _handle(self, result: EnsureResult) -> pb.ModelHandle:
+        model, t = result.model, result.timings
+        handle = pb.ModelHandle(
+            uri=model.uri,
+            key=model.key,
+            path=str(model.path),
+            tier=_TIER_TO_PB[model.tier],
+            hit=result.hit,
+            files=_files(model),
+            total_bytes=model.total_bytes,
+            timings=pb.PhaseTimings(
+                resolve_seconds=t.resolve,
+                wait_seconds=t.wait,
+                download_seconds=t.download,
+                verify_seconds=t.verify,
+                publish_seconds=t.publish,
+                total_seconds=t.total,
+            ),
+            resolved_offline=result.resolved_offline,
+            resumed_bytes=result.resumed_bytes,
+        )
+        if result.lease is not None:
+            handle.lease.CopyFrom(self._lease(result.lease))
+        return handle
+
+
+def _pull_options(message: pb.PullOptions) -> PullOptions:
+    """The request's overrides; zero values mean "the agent's setting"."""
+    if message.data_plane and message.data_plane not in DATA_PLANE_CHOICES:
+        raise InvalidRequest(
+            f"Unknown data plane {message.data_plane!r}; use one of "
+            f"{', '.join(DATA_PLANE_CHOICES)} (or leave it empty for the agent's)."
+        )
+    if message.concurrency < 0 or message.chunk_size < 0:
+        raise InvalidRequest("concurrency and chunk_size must not be negative.")
+    return PullOptions(
+        data_plane=message.data_plane or None,
+        concurrency=message.concurrency or None,
+        chunk_size=message.chunk_size or None,
+    )
+
+
+def _files(model: CachedModel) -> list[pb.FileEntry]:
+    return [pb.FileEntry(path=f.path, size=f.size, etag=f.etag) for f in model.files]
+
+
+def _progress(progress: PullProgress) -> pb.Progress:
+    return pb.Progress(
+        phase=_PHASE_TO_PB[progress.phase],
+        bytes_done=progress.bytes_done,
+        bytes_total=progress.bytes_total,
+        files_done=progress.files_done,
+        files_total=progress.files_total,
+        key=progress.key,
+    )
+
+
+def _tier_status(usage: TierUsage, leased: int) -> pb.TierStatus:
+    return pb.TierStatus(
+        tier=_TIER_TO_PB[usage.tier],
+        root=str(usage.root),
+        capacity_bytes=usage.capacity_bytes,
+        used_bytes=usage.used_bytes,
+        free_bytes=usage.free_bytes,
+        model_count=usage.model_count,
+        budget_bytes=usage.budget_bytes,
+        reserve_bytes=usage.reserve_bytes,
+        staging_bytes=usage.staging_bytes,
+        leased_count=leased,
+        pinned_count=usage.pinned_count,
+    )
+
+
+def _lease_info(lease: LeaseRecord) -> pb.LeaseInfo:
+    info = pb.LeaseInfo(
+        id=lease.id,
+        client_name=lease.client_name,
+        acquired=timestamp(lease.acquired),
+        held=lease.held,
+    )
+    if lease.holder is not None:
+        info.pid, info.uid, info.gid = lease.holder.pid, lease.holder.uid, lease.holder.gid
+    if lease.expires is not None:
+        info.expires.CopyFrom(timestamp(lease.expires))
+    return info
+
+
+def _pull_status(flight: Flight) -> pb.PullStatus:
+    return pb.PullStatus(
+        uri=str(flight.snapshot.uri),
+        key=flight.key,
+        tier=_TIER_TO_PB[flight.tier],
+        progress=_progress(flight.progress),
+        waiters=flight.waiters,
+        started=timestamp(flight.started),
+    )

@@ -1,0 +1,1 @@
+"""Observability: metrics, the metrics endpoint, structured logs, sd_notify."""

@@ -1,0 +1,163 @@
+"""Prometheus metrics of the agent: defined once here, updated where things happen.
+
+Counters and histograms are updated as events happen (requests in the API's
+interceptor, lookups and phases in the service, bytes in the puller, evictions
+where they are decided). Gauges of state (tier bytes and budgets, pulls in
+flight, leases) are read when scraped, by ``StateCollector``, so they can never
+drift from the store; the daemon registers one for its service and serves
+``REGISTRY`` over HTTP only when ``metrics.port`` is set (see _metrics_server).
+Every name is documented in docs/observability.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from agent._version import __version__
+
+__all__ = [
+    "BYTES_PULLED",
+    "CACHE_LOOKUPS",
+    "COMPILE_CACHE_PHASE_SECONDS",
+    "EVICTIONS",
+    "MANIFEST_ERRORS",
+    "PHASE_SECONDS",
+    "REGISTRY",
+    "REQUESTS",
+    "StateCollector",
+    "StateReading",
+    "TierReading",
+]
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+# Seconds: from a hit (milliseconds) to a cold pull of a 200 GiB model (minutes).
+_PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+
+REQUESTS = Counter(
+    "prewarm_requests",
+    "RPCs handled, by method and result (ok or the gRPC status code name).",
+    ["method", "result"],
+    registry=REGISTRY,
+)
+CACHE_LOOKUPS = Counter(
+    "prewarm_cache_lookups",
+    "EnsureModel outcomes: hit (cached), miss (pulled or joined a pull), offline (stale-served).",
+    ["result"],
+    registry=REGISTRY,
+)
+BYTES_PULLED = Counter(
+    "prewarm_bytes_pulled",
+    "Bytes fetched from S3 into the cache, by tier, counted as they are written "
+    "(bytes a resumed pull found on disk are not counted again).",
+    ["tier"],
+    registry=REGISTRY,
+)
+PHASE_SECONDS = Histogram(
+    "prewarm_phase_seconds",
+    "Duration of each phase of an EnsureModel request (resolve, wait, download, verify, "
+    "publish, total), by lookup result (hit, miss, offline); only misses have "
+    "wait/download/verify/publish.",
+    ["phase", "lookup"],
+    buckets=_PHASE_BUCKETS,
+    registry=REGISTRY,
+)
+COMPILE_CACHE_PHASE_SECONDS = Histogram(
+    "prewarm_compile_cache_phase_seconds",
+    "Duration of compile-cache restores and uploads.",
+    ["phase"],
+    buckets=_PHASE_BUCKETS,
+    registry=REGISTRY,
+)
+EVICTIONS = Counter(
+    "prewarm_evictions",
+    "Snapshots evicted, by tier and reason (pressure, watermark, gc, manual, verify).",
+    ["tier", "reason"],
+    registry=REGISTRY,
+)
+MANIFEST_ERRORS = Counter(
+    "prewarm_manifest_errors",
+    "Prefetch manifest problems: a file that could not be read or parsed (file), an entry "
+    "whose prefetch failed (pull), a compile cache a manifest named that was not restored "
+    "(compile).",
+    ["kind"],
+    registry=REGISTRY,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TierReading:
+    tier: str
+    # Published snapshots only; pulls in progress and resumable leftovers are staging.
+    used_bytes: int
+    staging_bytes: int
+    budget_bytes: int
+    model_count: int
+
+
+@dataclass(frozen=True, slots=True)
+class StateReading:
+    """What the state gauges show, read at scrape time."""
+
+    tiers: tuple[TierReading, ...]
+    pulls_in_flight: int
+    leases: int
+
+
+class StateCollector(Collector):
+    """Gauges read from the running agent at each scrape.
+
+    ``read`` runs on the thread that serves the scrape; the daemon serves
+    metrics from its event loop, the only thread that changes the store.
+    """
+
+    def __init__(self, read: Callable[[], StateReading]) -> None:
+        self._read = read
+
+    def describe(self) -> Iterator[Metric]:
+        # Names only: registering must not read state that is not set up yet.
+        yield from self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        reading = self._read()
+        used, staging, budget, models, pulls, leases, info = self._families()
+        for tier in reading.tiers:
+            used.add_metric([tier.tier], tier.used_bytes)
+            staging.add_metric([tier.tier], tier.staging_bytes)
+            budget.add_metric([tier.tier], tier.budget_bytes)
+            models.add_metric([tier.tier], tier.model_count)
+        pulls.add_metric([], reading.pulls_in_flight)
+        leases.add_metric([], reading.leases)
+        info.add_metric([__version__], 1)
+        yield from (used, staging, budget, models, pulls, leases, info)
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, ...]:
+        return (
+            GaugeMetricFamily(
+                "prewarm_tier_used_bytes",
+                "Bytes held by the published snapshots of each tier.",
+                labels=["tier"],
+            ),
+            GaugeMetricFamily(
+                "prewarm_tier_staging_bytes",
+                "Bytes held by pulls in progress and resumable leftovers, by tier.",
+                labels=["tier"],
+            ),
+            GaugeMetricFamily(
+                "prewarm_tier_budget_bytes", "Most bytes each tier may hold.", labels=["tier"]
+            ),
+            GaugeMetricFamily(
+                "prewarm_tier_models", "Published snapshots on each tier.", labels=["tier"]
+            ),
+            GaugeMetricFamily("prewarm_pulls_in_flight", "Pulls running now."),
+            GaugeMetricFamily("prewarm_leases", "Live leases (held open or within their TTL)."),
+            GaugeMetricFamily(
+                "prewarm_build_info", "Always 1; the agent's version.", labels=["version"]
+            ),
+        )

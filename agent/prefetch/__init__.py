@@ -1,0 +1,1 @@
+"""Manifests in models.d: parsing and the watcher that prefetches and pins."""

@@ -1,0 +1,624 @@
+"""Prefetch manifests: the models a node should hold, listed in TOML files.
+
+Every ``*.toml`` file in ``manifests.directory`` (``/etc/prewarm/models.d``)
+lists models as an array of tables (the format is in docs/manifests.md)::
+
+    [[model]]
+    uri = "s3://models/llama-3-8b/"
+    tier = "shm"            # optional; the agent's default_tier otherwise
+    pin = true              # optional; never evicted by pressure while listed
+    include = ["*.safetensors", "*.json"]
+    exclude = ["original/*"]
+
+    [model.compile]         # optional: compile-cache key parts to restore too
+    engine = "vllm"
+    engine_version = "0.9.1"
+
+The directory is read when the agent starts and watched (watchfiles) while it
+runs. An entry that appears is pulled in the background through the same path
+as a pod's request (``AgentService.ensure``: single flight, placement,
+eviction, metrics), at most ``manifests.concurrency`` at a time. A pinned
+entry's snapshot is pinned once cached; when the entry goes away (or loses
+``pin``), the snapshot the manifest pinned is unpinned. Pins the manifests
+made are remembered in a small state file, so an entry removed while the
+agent was down is unpinned at the next start, and a pin someone made by hand
+is never undone by a manifest.
+
+A file that cannot be read, is not valid TOML, or does not follow the schema is
+reported in the log with its path and line and ignored; a file that was good
+and turns bad keeps its last good entries until it is fixed or removed, so a
+half-saved edit never unpins anything. Nothing here stops the agent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import tomllib
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from watchfiles import awatch
+
+from agent._config import ManifestSettings
+from agent._exceptions import (
+    InvalidRequest,
+    NotFound,
+    PrewarmError,
+    SourceChanged,
+    SourceUnavailable,
+)
+from agent._snapshot import TierName, check_globs
+from agent._uri import parse_uri
+from agent.compile.keys import CompileKeyParts, normalise_parts
+from agent.obs.logs import bind_request
+from agent.obs.metrics import MANIFEST_ERRORS
+from agent.service.operations import AgentService, EnsureResult
+
+__all__ = [
+    "CompileCacheHook",
+    "CompileSpec",
+    "ManifestEntry",
+    "ManifestError",
+    "ManifestWatcher",
+    "read_manifest",
+]
+
+log = logging.getLogger(__name__)
+
+STATE_FORMAT = 1
+# Transient S3 trouble at boot should not leave a node without its models:
+# retry those pulls with capped exponential backoff until the entry changes.
+_RETRY_BASE_SECONDS = 5.0
+_RETRY_CAP_SECONDS = 300.0
+_TOML_LINE = re.compile(r"at line (\d+)")
+_ENTRY_HEADER = re.compile(r"^\s*\[\[\s*model\s*\]\]")
+_SCHEMA_HINT = (
+    " Each [[model]] takes uri and optionally tier, pin, include, exclude, strict_tier and "
+    "a [model.compile] table; see docs/manifests.md."
+)
+
+# (uri, include, exclude): what a snapshot key is made of, less the objects.
+Identity = tuple[str, tuple[str, ...], tuple[str, ...]]
+
+
+class ManifestError(InvalidRequest):
+    """A manifest file cannot be used; ``path`` and ``line`` say where (line 0: unknown)."""
+
+    def __init__(self, message: str, *, path: Path, line: int) -> None:
+        super().__init__(message)
+        self.path = path
+        self.line = line
+
+
+class CompileSpec(BaseModel):
+    """Compile-cache key parts; the model's snapshot key is added when it is known."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine: str = ""
+    engine_version: str = ""
+    torch_version: str = ""
+    triton_version: str = ""
+    cuda_version: str = ""
+    gpu_name: str = ""
+    tensor_parallel: int = Field(default=0, ge=0)
+    pipeline_parallel: int = Field(default=0, ge=0)
+    data_parallel: int = Field(default=0, ge=0)
+    config_hash: str = ""
+    extras: dict[str, str] = Field(default_factory=dict)
+
+
+# Called with an entry's compile-cache key parts and the model's snapshot key
+# once the model is cached; restores (or creates) that compile cache.
+CompileCacheHook = Callable[[CompileSpec, str], Awaitable[object]]
+
+
+class _EntrySchema(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    uri: str
+    tier: TierName | None = None
+    pin: bool = False
+    include: list[str] = Field(default_factory=list)
+    exclude: list[str] = Field(default_factory=list)
+    strict_tier: bool = False
+    compile: CompileSpec | None = None
+
+    @field_validator("uri")
+    @classmethod
+    def _valid_uri(cls, value: str) -> str:
+        try:
+            return str(parse_uri(value))
+        except InvalidRequest as exc:
+            raise ValueError(str(exc)) from exc
+
+    @field_validator("include", "exclude")
+    @classmethod
+    def _valid_globs(cls, value: list[str]) -> list[str]:
+        try:
+            return list(check_globs(value, what="A glob"))
+        except InvalidRequest as exc:
+            raise ValueError(str(exc)) from exc
+
+    @field_validator("compile")
+    @classmethod
+    def _valid_compile(cls, value: CompileSpec | None) -> CompileSpec | None:
+        # The compile cache's own rules (torch_version required, known engine...),
+        # so a bad table is reported with its line now, not when the model is cached.
+        if value is not None:
+            try:
+                normalise_parts(CompileKeyParts(**value.model_dump()))
+            except InvalidRequest as exc:
+                raise ValueError(str(exc)) from exc
+        return value
+
+
+class _FileSchema(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: list[_EntrySchema] = Field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestEntry:
+    """One model a manifest asks for, and where it was written."""
+
+    uri: str
+    tier: TierName | None
+    pin: bool
+    include: tuple[str, ...]
+    exclude: tuple[str, ...]
+    strict_tier: bool
+    compile: CompileSpec | None
+    # Where the entry is written, for the log; not part of what it asks for.
+    path: Path = field(compare=False)
+    line: int = field(compare=False)
+
+    @property
+    def identity(self) -> Identity:
+        return (self.uri, self.include, self.exclude)
+
+    @property
+    def where(self) -> str:
+        return f"{self.path}:{self.line}"
+
+
+def read_manifest(path: Path) -> tuple[ManifestEntry, ...]:
+    """The entries of one manifest file; ManifestError says what is wrong and where."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ManifestError(
+            f"Cannot read manifest {path}: {exc}. Fix its permissions or encoding (UTF-8).",
+            path=path,
+            line=0,
+        ) from exc
+    try:
+        document = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        found = _TOML_LINE.search(str(exc))
+        # tomllib (3.11) puts the position in the message only: "at line 3, column 5"
+        # or "at end of document".
+        line = int(found[1]) if found else len(text.splitlines())
+        raise ManifestError(
+            f"Manifest {path}, line {line}: not valid TOML: {exc}.", path=path, line=line
+        ) from exc
+    try:
+        parsed = _FileSchema.model_validate(document)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        location = error["loc"]
+        line = _line_of(text, location)
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in location).lstrip(".")
+        extra = f" (and {exc.error_count() - 1} more problems)" if exc.error_count() > 1 else ""
+        hint = _SCHEMA_HINT if error["type"] in ("extra_forbidden", "missing") else ""
+        raise ManifestError(
+            f"Manifest {path}, line {line}: {where}: {_describe(error)}{extra}.{hint}",
+            path=path,
+            line=line,
+        ) from exc
+    headers = _entry_lines(text)
+    return tuple(
+        ManifestEntry(
+            uri=entry.uri,
+            tier=entry.tier,
+            pin=entry.pin,
+            include=tuple(entry.include),
+            exclude=tuple(entry.exclude),
+            strict_tier=entry.strict_tier,
+            compile=entry.compile,
+            path=path,
+            line=headers[index] if index < len(headers) else 0,
+        )
+        for index, entry in enumerate(parsed.model)
+    )
+
+
+def _describe(error: Mapping[str, Any]) -> str:
+    if error["type"] == "extra_forbidden":
+        return "unknown key"
+    if error["type"] == "missing":
+        return "required key missing"
+    message = str(error["msg"])
+    return message.removeprefix("Value error, ").rstrip(".")
+
+
+def _entry_lines(text: str) -> list[int]:
+    """1-based line of each ``[[model]]`` header, in order."""
+    return [n for n, line in enumerate(text.splitlines(), 1) if _ENTRY_HEADER.match(line)]
+
+
+def _line_of(text: str, location: Sequence[int | str]) -> int:
+    """Best guess at the line a schema error points to (0 when nothing matches).
+
+    tomllib keeps no positions, so the entry is found by counting ``[[model]]``
+    headers, and the key by its ``name =`` line inside the entry.
+    """
+    lines = text.splitlines()
+    start, end = 0, len(lines)
+    rest = list(location)
+    if len(rest) >= 2 and rest[0] == "model" and isinstance(rest[1], int):
+        headers = [line - 1 for line in _entry_lines(text)]
+        if rest[1] < len(headers):
+            start = headers[rest[1]]
+            end = headers[rest[1] + 1] if rest[1] + 1 < len(headers) else len(lines)
+        rest = rest[2:]
+    found = start + 1 if start or location[:1] == ("model",) else 0
+    for name in (part for part in rest if isinstance(part, str)):
+        key = re.compile(rf"^\s*\[*\s*(model\.)?[\"']?{re.escape(name)}[\"']?\s*(=|\])")
+        for number in range(start, end):
+            if key.match(lines[number]):
+                found, start = number + 1, number
+                break
+    return found
+
+
+class ManifestWatcher:
+    """Reads, watches and acts on the manifest directory; owns every task it starts.
+
+    ``async with ManifestWatcher(service, settings, state_path):`` reads the
+    directory, starts the pulls it asks for and watches it until the block
+    exits; exiting stops the watch and cancels prefetches that are still
+    running (a pull they started goes on for anyone else waiting on it, and is
+    resumable after a shutdown). ``compile_cache`` restores compile caches
+    named by ``[model.compile]`` tables; without it those tables are only
+    validated.
+    """
+
+    def __init__(
+        self,
+        service: AgentService,
+        settings: ManifestSettings,
+        state_path: Path,
+        *,
+        compile_cache: CompileCacheHook | None = None,
+    ) -> None:
+        self._service = service
+        self._directory = settings.directory
+        self._slots = asyncio.Semaphore(settings.concurrency)
+        self._state_path = state_path
+        self._compile_cache = compile_cache
+        self._files: dict[Path, _FileState] = {}
+        self._desired: dict[Identity, ManifestEntry] = {}
+        self._prefetches: dict[Identity, asyncio.Task[None]] = {}
+        # Snapshot key each pinned entry had pinned; only pins made here.
+        self._pinned: dict[Identity, str] = {}
+        self._stop = asyncio.Event()
+        self._refreshing = asyncio.Lock()
+        self._tasks: asyncio.TaskGroup | None = None
+
+    @property
+    def entries(self) -> tuple[ManifestEntry, ...]:
+        """What the manifests currently ask for (merged across files)."""
+        return tuple(self._desired.values())
+
+    async def __aenter__(self) -> Self:
+        self._pinned = await asyncio.to_thread(_load_state, self._state_path)
+        self._tasks = asyncio.TaskGroup()
+        await self._tasks.__aenter__()
+        try:
+            if await asyncio.to_thread(self._directory.is_dir):
+                # Watch first, read second: a file written in between is seen by both.
+                self._tasks.create_task(self._watch(), name="manifest-watch")
+            else:
+                log.info(
+                    "no manifest directory %s: prefetch is off (create it and restart "
+                    "prewarmd to use manifests)",
+                    self._directory,
+                    extra={"directory": str(self._directory)},
+                )
+            await self._refresh()
+        except BaseException as exc:
+            await self.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        assert self._tasks is not None
+        # The watch thread checks this event; cancelling alone would wait for its timeout.
+        self._stop.set()
+        for task in self._prefetches.values():
+            task.cancel()
+        await self._tasks.__aexit__(exc_type, exc, tb)
+
+    async def _watch(self) -> None:
+        try:
+            async for _ in awatch(
+                self._directory, stop_event=self._stop, recursive=False, watch_filter=None
+            ):
+                # Any change re-reads the whole directory: files are small, and a
+                # ConfigMap update swaps a symlink rather than touching the files.
+                await self._refresh()
+        except OSError as exc:
+            log.error(
+                "cannot watch manifest directory %s (%s); changes need a restart of prewarmd",
+                self._directory,
+                exc,
+                extra={"directory": str(self._directory)},
+            )
+
+    async def _refresh(self) -> None:
+        async with self._refreshing:  # the first read and the first change may overlap
+            await self._refresh_now()
+
+    async def _refresh_now(self) -> None:
+        self._files = await asyncio.to_thread(_read_directory, self._directory, self._files)
+        desired: dict[Identity, ManifestEntry] = {}
+        for state in self._files.values():
+            for entry in state.entries:
+                seen = desired.get(entry.identity)
+                if seen is None:
+                    desired[entry.identity] = entry
+                elif entry.pin and not seen.pin:
+                    # Listed twice: the first listing wins, and any pin holds.
+                    desired[entry.identity] = _with_pin(seen)
+        await self._apply(desired)
+
+    async def _apply(self, desired: dict[Identity, ManifestEntry]) -> None:
+        assert self._tasks is not None
+        previous, self._desired = self._desired, desired
+        for identity, old in previous.items():
+            if desired.get(identity) != old:
+                task = self._prefetches.pop(identity, None)
+                if task is not None:
+                    task.cancel()
+        # Pins made for entries that are gone or no longer pinned, including
+        # ones removed while the agent was down (they come from the state file).
+        for identity in list(self._pinned):
+            entry = desired.get(identity)
+            if entry is None or not entry.pin:
+                await self._unpin(identity, "no manifest pins it any more")
+        # Every listed entry not being fetched right now is ensured again: a hit
+        # costs one listing, and it brings back a model evicted by hand, picks
+        # up new objects under its prefix, and retries an entry that failed.
+        for identity, entry in desired.items():
+            if identity not in self._prefetches:
+                self._prefetches[identity] = self._tasks.create_task(
+                    self._prefetch(entry), name=f"prefetch-{entry.uri}"
+                )
+
+    async def _prefetch(self, entry: ManifestEntry) -> None:
+        bind_request(uri=entry.uri, client=f"manifest {entry.path.name}", manifest=entry.where)
+        try:
+            failures = 0
+            while True:
+                try:
+                    async with self._slots:
+                        result = await self._ensure(entry)
+                    await self._after_pull(entry, result)
+                    return
+                except (SourceUnavailable, SourceChanged) as exc:
+                    failures += 1
+                    delay = min(_RETRY_CAP_SECONDS, _RETRY_BASE_SECONDS * 2 ** (failures - 1))
+                    MANIFEST_ERRORS.labels("pull").inc()
+                    log.warning(
+                        "prefetch of %s (%s) failed, retrying in %.0f s: %s",
+                        entry.uri,
+                        entry.where,
+                        delay,
+                        exc,
+                    )
+                    await asyncio.sleep(delay)
+        except PrewarmError as exc:
+            MANIFEST_ERRORS.labels("pull").inc()
+            log.error(
+                "prefetch of %s (%s) failed: %s; fix the entry (or the bucket) and save the "
+                "file to try again",
+                entry.uri,
+                entry.where,
+                exc,
+            )
+        except Exception:
+            MANIFEST_ERRORS.labels("pull").inc()
+            log.exception("prefetch of %s (%s) failed unexpectedly", entry.uri, entry.where)
+        finally:
+            if self._prefetches.get(entry.identity) is asyncio.current_task():
+                del self._prefetches[entry.identity]
+
+    async def _ensure(self, entry: ManifestEntry) -> EnsureResult:
+        events = self._service.ensure(
+            entry.uri,
+            tier=entry.tier,
+            include=entry.include,
+            exclude=entry.exclude,
+            client_name=f"manifest {entry.path.name}",
+            strict_tier=entry.strict_tier,
+        )
+        result: EnsureResult | None = None
+        # Read to the end, as a client does: the stream ends right after the result.
+        async for event in events:
+            if isinstance(event, EnsureResult):
+                result = event
+        if result is None:
+            raise PrewarmError(f"The agent gave no answer for {entry.uri}; this is a bug.")
+        return result
+
+    async def _after_pull(self, entry: ManifestEntry, result: EnsureResult) -> None:
+        key = result.model.key
+        log.info(
+            "prefetched %s (%s) from %s: %s",
+            entry.uri,
+            key,
+            entry.where,
+            "already cached" if result.hit else "pulled",
+            extra={"key": key, "hit": result.hit},
+        )
+        owned = self._pinned.get(entry.identity)
+        if owned is not None and owned != key:
+            # The URI's objects changed: the old snapshot needs no protection now.
+            await self._unpin(entry.identity, f"{entry.uri} now resolves to {key}")
+        if entry.pin and self._pinned.get(entry.identity) != key:
+            if self._service.usage(key).pinned:
+                log.info(
+                    "%s (%s) was already pinned by hand; leaving that pin alone", entry.uri, key
+                )
+            else:
+                # Recorded first: if the entry goes away while the pin is being
+                # written, the removal finds it and undoes it.
+                self._pinned[entry.identity] = key
+                await self._service.pin(key, True)
+                await self._save_state()
+                log.info("pinned %s (%s) for %s", entry.uri, key, entry.where)
+        if entry.compile is not None:
+            await self._restore_compile_cache(entry, entry.compile, key)
+
+    async def _restore_compile_cache(
+        self, entry: ManifestEntry, spec: CompileSpec, key: str
+    ) -> None:
+        if self._compile_cache is None:
+            log.info("%s names a compile cache; this agent serves none, skipped", entry.where)
+            return
+        try:
+            await self._compile_cache(spec, key)
+        except PrewarmError as exc:
+            # The model is cached either way; pods just compile cold.
+            MANIFEST_ERRORS.labels("compile").inc()
+            log.error("compile cache of %s (%s) not restored: %s", entry.uri, entry.where, exc)
+
+    async def _unpin(self, identity: Identity, reason: str) -> None:
+        key = self._pinned.pop(identity, None)
+        if key is None:
+            return  # undone meanwhile
+        with contextlib.suppress(NotFound):  # evicted by force meanwhile: nothing to undo
+            await self._service.pin(key, False)
+            log.info("unpinned %s (%s): %s", identity[0], key, reason, extra={"key": key})
+        await self._save_state()
+
+    async def _save_state(self) -> None:
+        try:
+            await asyncio.to_thread(_save_state, self._state_path, self._pinned)
+        except OSError as exc:
+            log.warning(
+                "cannot record manifest pins in %s (%s); an entry removed while the agent is "
+                "down will stay pinned until unpinned by hand",
+                self._state_path,
+                exc,
+            )
+
+
+def _with_pin(entry: ManifestEntry) -> ManifestEntry:
+    return ManifestEntry(
+        uri=entry.uri,
+        tier=entry.tier,
+        pin=True,
+        include=entry.include,
+        exclude=entry.exclude,
+        strict_tier=entry.strict_tier,
+        compile=entry.compile,
+        path=entry.path,
+        line=entry.line,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _FileState:
+    # (mtime_ns, size, inode): the file is parsed again (and reported again) only
+    # when this changes, so a bad file is logged once, not at every event.
+    signature: tuple[int, int, int]
+    # Its entries, or the last good ones while it is bad.
+    entries: tuple[ManifestEntry, ...]
+
+
+def _read_directory(directory: Path, known: Mapping[Path, _FileState]) -> dict[Path, _FileState]:
+    """Every manifest's entries; a bad file keeps its last good entries (none if new)."""
+    try:
+        paths = sorted(
+            p for p in directory.glob("*.toml") if not p.name.startswith(".") and p.is_file()
+        )
+    except OSError as exc:
+        log.error("cannot list manifest directory %s: %s", directory, exc)
+        return dict(known)
+    files: dict[Path, _FileState] = {}
+    for path in paths:
+        try:
+            stat = path.stat()  # follows symlinks: a ConfigMap swap changes the target
+        except OSError:
+            continue  # removed since the listing
+        signature = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+        previous = known.get(path)
+        if previous is not None and previous.signature == signature:
+            files[path] = previous
+            continue
+        try:
+            files[path] = _FileState(signature, read_manifest(path))
+        except ManifestError as exc:
+            MANIFEST_ERRORS.labels("file").inc()
+            kept = previous.entries if previous is not None else ()
+            log.error(
+                "%s %s",
+                exc,
+                f"Keeping its previous {len(kept)} entries until it is fixed."
+                if kept
+                else "The file is ignored until it is fixed.",
+                extra={"file": str(exc.path), "line": exc.line},
+            )
+            files[path] = _FileState(signature, kept)
+    return files
+
+
+def _load_state(path: Path) -> dict[Identity, str]:
+    try:
+        document = json.loads(path.read_text())
+        if document.get("format") != STATE_FORMAT:
+            raise ValueError(f"unknown format {document.get('format')!r}")
+        return {
+            (pin["uri"], tuple(pin["include"]), tuple(pin["exclude"])): str(pin["key"])
+            for pin in document["pins"]
+        }
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.warning(
+            "ignoring unreadable manifest state %s (%s); pins made by manifests before are "
+            "not undone automatically",
+            path,
+            exc,
+        )
+        return {}
+
+
+def _save_state(path: Path, pinned: Mapping[Identity, str]) -> None:
+    document = {
+        "format": STATE_FORMAT,
+        "pins": [
+            {"uri": uri, "include": list(include), "exclude": list(exclude), "key": key}
+            for (uri, include, exclude), key in sorted(pinned.items())
+        ],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(json.dumps(document, indent=1) + "\n")
+    temporary.replace(path)

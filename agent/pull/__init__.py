@@ -1,0 +1,1 @@
+"""Moving a snapshot onto the node: resolver, flights, tuning, staging, the puller."""

@@ -1,0 +1,154 @@
+"""A pull in progress, as the requests waiting on it see it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from agent._snapshot import Snapshot, SourceObject, TierName
+from agent.obs.metrics import BYTES_PULLED
+from agent.store.store import CachedModel
+
+__all__ = ["Flight", "PhaseName", "PullProgress", "PullTimings"]
+
+PhaseName = Literal["resolve", "download", "verify", "publish", "done"]
+
+
+@dataclass(frozen=True, slots=True)
+class PullProgress:
+    phase: PhaseName
+    bytes_done: int
+    bytes_total: int
+    files_done: int
+    files_total: int
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class PullTimings:
+    download: float = 0.0
+    verify: float = 0.0
+    publish: float = 0.0
+
+
+class Flight:
+    """One pull in progress; any number of requests may watch it."""
+
+    def __init__(self, snapshot: Snapshot, tier: TierName) -> None:
+        self.snapshot = snapshot
+        self.tier = tier
+        self.started = time.time()
+        self.timings = PullTimings()
+        self.waiters = 0
+        # Bytes a resumed pull found complete in the staging directory.
+        self.resumed_bytes = 0
+        self.progress = PullProgress(
+            phase="download",
+            bytes_done=0,
+            bytes_total=snapshot.total_bytes,
+            files_done=0,
+            files_total=len(snapshot.objects),
+            key=snapshot.key,
+        )
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        # The pull's outcome lives in a future, not in the task, so that a
+        # failed pull never propagates into (and tears down) the task group.
+        self._outcome: asyncio.Future[CachedModel] = asyncio.get_running_loop().create_future()
+        self._outcome.add_done_callback(_mark_retrieved)
+        self._bytes_left = {obj.relative_path: obj.size for obj in snapshot.objects}
+
+    @property
+    def key(self) -> str:
+        return self.snapshot.key
+
+    @property
+    def done(self) -> bool:
+        return self._outcome.done()
+
+    async def result(self) -> CachedModel:
+        """The published model; shielded so a departing watcher never cancels the pull."""
+        return await asyncio.shield(self._outcome)
+
+    def cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def _settle(self, model: CachedModel | None, error: BaseException | None) -> None:
+        if not self._outcome.done():
+            if isinstance(error, asyncio.CancelledError):
+                self._outcome.cancel()
+            elif error is not None:
+                self._outcome.set_exception(error)
+            else:
+                assert model is not None
+                self._outcome.set_result(model)
+        self._notify()
+
+    async def watch(self, min_interval: float = 0.05) -> AsyncIterator[PullProgress]:
+        """Yield progress until the pull ends, at most one event per ``min_interval``.
+
+        Updates that arrive faster are coalesced, never dropped: the newest
+        progress goes out once the interval has passed, even if no further
+        update comes (a pull can stall on a slow range).
+        """
+        self.waiters += 1
+        try:
+            sent: PullProgress | None = None
+            last_sent = -min_interval
+            while True:
+                changed = self._changed
+                if self.done:
+                    yield self.progress
+                    return
+                wait = last_sent + min_interval - time.monotonic()
+                if self.progress != sent and wait <= 0:
+                    sent, last_sent = self.progress, time.monotonic()
+                    yield sent
+                    continue
+                if self.progress == sent:
+                    await changed.wait()
+                else:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(wait):
+                            await changed.wait()
+        finally:
+            self.waiters -= 1
+
+    def set_phase(self, phase: PhaseName) -> None:
+        self.progress = replace(self.progress, phase=phase)
+        self._notify()
+
+    def add_bytes(self, obj: SourceObject, count: int) -> None:
+        """``count`` bytes of ``obj`` arrived from the source and were written."""
+        BYTES_PULLED.labels(self.tier).inc(count)
+        self._advance(obj, count)
+
+    def add_resumed(self, obj: SourceObject, count: int) -> None:
+        """``count`` bytes of ``obj`` were found complete in the staging directory."""
+        self.resumed_bytes += count
+        self._advance(obj, count)
+
+    def _advance(self, obj: SourceObject, count: int) -> None:
+        left = self._bytes_left[obj.relative_path] - count
+        self._bytes_left[obj.relative_path] = left
+        files_done = self.progress.files_done + (1 if left == 0 else 0)
+        self.progress = replace(
+            self.progress, bytes_done=self.progress.bytes_done + count, files_done=files_done
+        )
+        self._notify()
+
+    def _notify(self) -> None:
+        # Wake everyone waiting on the current event and start a fresh one.
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+
+def _mark_retrieved(outcome: asyncio.Future[CachedModel]) -> None:
+    # A pull nobody waits for any more may fail; that is logged, not a leak warning.
+    if not outcome.cancelled():
+        outcome.exception()

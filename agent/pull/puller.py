@@ -1,0 +1,289 @@
+"""Pulls: a snapshot's objects into a staging directory, checked, then published.
+
+One flight per snapshot key. Each pull gets a ``Tuning`` (concurrency, chunk
+size, timeouts: _tuning) and a data plane (_dataplane: aiobotocore ranged GETs
+or the Run:ai Model Streamer) from the config and the request that started it;
+requests that join a flight get that flight's. Completed ranges are journaled,
+so a pull interrupted by a crash or a shutdown resumes instead of starting
+over, as long as it asks for the same chunk size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import replace
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+from agent._config import ConfigError, IntegritySettings, S3Settings
+from agent._exceptions import IntegrityError, InvalidRequest, PrewarmError, SourceUnavailable
+from agent._snapshot import Snapshot, TierName
+from agent.pull.flight import Flight
+from agent.pull.staging import StagingFiles, open_staging, verify_before_publish
+from agent.pull.tuning import DataPlaneChoice, PullOptions, Tuning, tune
+from agent.source.plane import AUTO_DATA_PLANE, DataPlane, plan_ranges
+from agent.source.ranged_plane import AiobotocorePlane
+from agent.source.s3 import ObjectSource, S3Source
+from agent.source.streamer_plane import StreamerPlane, load_streamer, streamer_unavailable
+from agent.store.store import CachedFile, CachedModel, Store
+
+__all__ = ["Puller"]
+
+log = logging.getLogger(__name__)
+
+
+class Puller:
+    """Owns every pull task; pulls outlive the requests that started them."""
+
+    def __init__(
+        self,
+        store: Store,
+        source: ObjectSource,
+        settings: S3Settings,
+        integrity: IntegritySettings | None = None,
+    ) -> None:
+        self._store = store
+        self._source = source
+        self._settings = settings
+        self._integrity = integrity or IntegritySettings()
+        self._flights: dict[str, Flight] = {}
+        self._pulls: dict[str, tuple[DataPlane, Tuning]] = {}
+        self._tasks: asyncio.TaskGroup | None = None
+        self._ranged = AiobotocorePlane(source)
+        self._streamer: StreamerPlane | None = None
+        # The streamer talks to S3 itself, so it only stands in for a real S3 source.
+        self._streamer_missing = (
+            streamer_unavailable()
+            if isinstance(source, S3Source)
+            else f"the source is {source.name}, not S3"
+        )
+
+    async def __aenter__(self) -> Self:
+        if self._streamer_missing is None:
+            if self._wants_streamer(self._settings.data_plane):
+                # Import it now (it brings torch: seconds), not in the first pull.
+                self._streamer_missing = await asyncio.to_thread(load_streamer)
+            if self._streamer_missing is None:
+                self._streamer = StreamerPlane(self._settings, self._source, self._ranged)
+        if self._settings.data_plane == "streamer" and self._streamer is None:
+            raise ConfigError(
+                f"s3.data_plane is 'streamer' but {self._streamer_missing}. Install the "
+                "streamer extra (pip install 'prewarm[streamer]') or set data_plane = 'auto'."
+            )
+        if self._settings.data_plane != "aiobotocore" and self._streamer is None:
+            log.info("data plane: aiobotocore (no streamer: %s)", self._streamer_missing)
+        self._tasks = asyncio.TaskGroup()
+        await self._tasks.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        assert self._tasks is not None
+        for flight in list(self._flights.values()):
+            flight.cancel()
+        try:
+            await self._tasks.__aexit__(exc_type, exc, tb)
+        finally:
+            # A flight cancelled before its task ever ran never settled itself.
+            for flight in list(self._flights.values()):
+                self._abandon(flight)
+
+    @property
+    def data_plane(self) -> str:
+        """The data plane a request that names none gets."""
+        return self._plane(self._settings.data_plane).name
+
+    def flights(self) -> list[Flight]:
+        return list(self._flights.values())
+
+    def flight_for(self, key: str) -> Flight | None:
+        return self._flights.get(key)
+
+    def join(
+        self, snapshot: Snapshot, tier: TierName, options: PullOptions | None = None
+    ) -> tuple[Flight, bool]:
+        """The flight for this snapshot, started if needed; True if this call started it.
+
+        ``options`` apply only to a flight this call starts: a request that
+        joins a pull in progress gets that pull's data plane and tuning.
+        """
+        flight = self._flights.get(snapshot.key)
+        if flight is not None:
+            return flight, False
+        assert self._tasks is not None, "Puller used outside its context"
+        options = options or PullOptions()
+        plane = self._plane(options.data_plane or self._settings.data_plane)
+        tuning = tune(self._settings, snapshot.total_bytes, options, plane=plane.name)
+        flight = Flight(snapshot, tier)
+        self._flights[snapshot.key] = flight
+        self._pulls[snapshot.key] = (plane, tuning)
+        log.info(
+            "pulling %s with %s: concurrency %d, %d-byte chunks",
+            snapshot.uri,
+            plane.name,
+            tuning.concurrency,
+            tuning.chunk_size,
+        )
+        # Counted against the tier from now on, so concurrent placements see it.
+        superseded = self._store.begin_staging(tier, snapshot.key, snapshot.total_bytes)
+        flight._task = self._tasks.create_task(
+            self._run(flight, superseded), name=f"pull-{snapshot.key}"
+        )
+        return flight, True
+
+    async def _run(self, flight: Flight, superseded: list[Path]) -> None:
+        keep_staging = False
+        try:
+            await self._store.purge(superseded)
+            model = await self._pull(flight)
+        except asyncio.CancelledError:
+            self._abandon(flight)  # shutdown: the journal lets the next pull resume
+            raise
+        except SourceUnavailable as exc:
+            keep_staging = True  # S3 trouble is transient; resume once it is back
+            log.warning("pull of %s stopped, resumable: %s", flight.snapshot.uri, exc)
+            await self._finish(flight, None, exc, keep_staging)
+        except PrewarmError as exc:
+            log.warning("pull of %s failed: %s", flight.snapshot.uri, exc)
+            await self._finish(flight, None, exc, keep_staging)
+        except Exception as exc:
+            log.exception("pull of %s failed unexpectedly", flight.snapshot.uri)
+            await self._finish(flight, None, exc, keep_staging)
+        else:
+            await self._finish(flight, model, None, keep_staging)
+
+    async def _finish(
+        self,
+        flight: Flight,
+        model: CachedModel | None,
+        error: BaseException | None,
+        keep_staging: bool,
+    ) -> None:
+        """Settle the flight once its staging directory is gone (or kept for resume)."""
+        self._flights.pop(flight.key, None)
+        self._pulls.pop(flight.key, None)
+        # Deleted in a worker thread: the loop keeps serving while a big tree goes.
+        await self._store.purge(self._store.end_staging(flight.key, keep=keep_staging))
+        flight._settle(model, error)
+
+    def _abandon(self, flight: Flight) -> None:
+        """Settle a cancelled flight at once, keeping its staging directory for resume."""
+        self._flights.pop(flight.key, None)
+        self._pulls.pop(flight.key, None)
+        self._store.end_staging(flight.key, keep=True)
+        flight._settle(None, asyncio.CancelledError())
+
+    async def _pull(self, flight: Flight) -> CachedModel:
+        snapshot = flight.snapshot
+        plane, tuning = self._pulls[flight.key]
+        chunk = tuning.chunk_size
+        root = self._store.staging_path(flight.tier, snapshot.key)
+        staging = await asyncio.to_thread(open_staging, root, snapshot, chunk, flight.tier)
+        try:
+            started = time.monotonic()
+            for obj in snapshot.objects:
+                done = sum(
+                    min(chunk, obj.size - index * chunk)
+                    for index in staging.digests.get(obj.relative_path, {})
+                )
+                if done or obj.size == 0:
+                    flight.add_resumed(obj, done)
+            if flight.resumed_bytes:
+                log.info(
+                    "resuming %s: %d of %d bytes already here",
+                    snapshot.uri,
+                    flight.resumed_bytes,
+                    snapshot.total_bytes,
+                )
+            await plane.download(flight, staging, plan_ranges(snapshot, staging), tuning)
+            downloaded = time.monotonic()
+            flight.timings = replace(flight.timings, download=downloaded - started)
+            flight.set_phase("verify")
+            digests = await self._verify(flight, staging)
+            verified = time.monotonic()
+            flight.timings = replace(flight.timings, verify=verified - downloaded)
+            flight.set_phase("publish")
+            staging.close()
+            model = await self._store.publish(root, _model_for(flight, digests, chunk))
+            flight.timings = replace(flight.timings, publish=time.monotonic() - verified)
+            flight.set_phase("done")
+            log.info("published %s as %s", snapshot.uri, snapshot.key)
+            return model
+        finally:
+            staging.close()
+
+    async def _verify(self, flight: Flight, staging: StagingFiles) -> dict[str, str]:
+        await asyncio.to_thread(
+            verify_before_publish,
+            staging,
+            safetensors_headers=self._integrity.safetensors_headers,
+            durable=flight.tier == "disk",
+        )
+        if self._integrity.s3_checksums:
+            await self._check_s3_checksums(flight, staging)
+        return staging.file_digests()
+
+    async def _check_s3_checksums(self, flight: Flight, staging: StagingFiles) -> None:
+        """Compare full-object checksums S3 holds with what landed on disk."""
+        bucket = flight.snapshot.uri.bucket
+        for obj in flight.snapshot.objects:
+            if not obj.checksum_algorithm:
+                continue
+            checksum = await self._source.head_checksum(bucket, obj.key, etag=obj.etag)
+            if checksum is None:
+                continue
+            matches = await asyncio.to_thread(
+                checksum.matches, staging.data_dir / obj.relative_path
+            )
+            if matches is False:
+                raise IntegrityError(
+                    f"{obj.relative_path}: its {checksum.algorithm} checksum differs from the "
+                    f"one S3 holds for s3://{bucket}/{obj.key}; not publishing. Pull it again; "
+                    "if it repeats, the object or the network path is corrupting data.",
+                    path=obj.relative_path,
+                    check=f"s3-{checksum.algorithm.lower()}",
+                )
+
+    def check(self, options: PullOptions) -> None:
+        """Raise InvalidRequest if a pull with these options could not start."""
+        self._plane(options.data_plane or self._settings.data_plane)
+
+    def _wants_streamer(self, choice: DataPlaneChoice) -> bool:
+        return choice == "streamer" or (choice == "auto" and AUTO_DATA_PLANE == "streamer")
+
+    def _plane(self, choice: DataPlaneChoice) -> DataPlane:
+        if not self._wants_streamer(choice):
+            return self._ranged
+        if self._streamer is not None:
+            return self._streamer
+        if choice == "streamer":
+            raise InvalidRequest(
+                f"This agent has no streamer data plane ({self._streamer_missing}); ask for "
+                "the aiobotocore data plane or auto."
+            )
+        return self._ranged  # auto: fall back cleanly
+
+
+def _model_for(flight: Flight, digests: dict[str, str], chunk_size: int) -> CachedModel:
+    snapshot = flight.snapshot
+    return CachedModel(
+        key=snapshot.key,
+        uri=str(snapshot.uri),
+        tier=flight.tier,
+        path=Path(),  # the store sets the published path
+        files=tuple(
+            CachedFile(o.relative_path, o.size, o.etag, digests[o.relative_path])
+            for o in snapshot.objects
+        ),
+        include=snapshot.include,
+        exclude=snapshot.exclude,
+        created=time.time(),
+        hash_chunk_size=chunk_size,
+    )

@@ -1,0 +1,204 @@
+"""The files of one pull: create or reopen them, write at offsets, check them before publish.
+
+Everything here is blocking file I/O; the puller runs it in worker threads.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agent._exceptions import IntegrityError, NoSpace
+from agent._snapshot import Snapshot, SourceObject, TierName
+from agent.check.hashes import ChunkHasher, combine
+from agent.check.safetensors import read_header as read_safetensors_header
+from agent.store.journal import DATA_DIR, CompletedRange, Journal, JournalHeader
+
+__all__ = ["StagingFiles", "open_staging", "verify_before_publish"]
+
+log = logging.getLogger(__name__)
+
+_READ_BLOCK = 4 * 1024 * 1024
+
+
+@dataclass
+class StagingFiles:
+    """Open descriptors of a pull's files, its journal, and the digests of done chunks."""
+
+    root: Path
+    snapshot: Snapshot
+    chunk_size: int
+    journal: Journal
+    fds: dict[str, int]
+    # path -> chunk index -> digest of that chunk, as written (or re-hashed on resume)
+    digests: dict[str, dict[int, bytes]] = field(default_factory=dict)
+
+    @property
+    def data_dir(self) -> Path:
+        return self.root / DATA_DIR
+
+    def is_done(self, path: str, offset: int) -> bool:
+        return offset // self.chunk_size in self.digests.get(path, {})
+
+    def write_at(self, path: str, buffers: list[bytes], offset: int, hasher: ChunkHasher) -> None:
+        """Write buffers at offset and feed them to the range's hasher (in a worker thread)."""
+        for buffer in buffers:
+            hasher.update(buffer)
+        fd = self.fds[path]
+        total = sum(len(b) for b in buffers)
+        try:
+            done = os.pwritev(fd, buffers, offset)
+            while done < total:  # pwritev may write less than asked; finish the tail
+                done += os.pwrite(fd, b"".join(buffers)[done:], offset + done)
+        except OSError as exc:
+            raise _no_space_or(exc, self.snapshot, self.root) from exc
+
+    def complete_range(self, path: str, offset: int, length: int, digest: bytes) -> None:
+        self.digests.setdefault(path, {})[offset // self.chunk_size] = digest
+        try:
+            self.journal.record(path, offset, length, digest)
+        except OSError as exc:
+            raise _no_space_or(exc, self.snapshot, self.root) from exc
+
+    def file_digests(self) -> dict[str, str]:
+        digests: dict[str, str] = {}
+        for obj in self.snapshot.objects:
+            chunks = self.digests.get(obj.relative_path, {})
+            count = -(-obj.size // self.chunk_size)
+            missing = [i for i in range(count) if i not in chunks]
+            if missing:
+                raise IntegrityError(
+                    f"{obj.relative_path}: chunks {missing[:5]} were never written; "
+                    "not publishing.",
+                    path=obj.relative_path,
+                    check="complete",
+                )
+            digests[obj.relative_path] = combine([chunks[i] for i in range(count)])
+        return digests
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
+        self.journal.close()
+
+
+def open_staging(root: Path, snapshot: Snapshot, chunk_size: int, tier: TierName) -> StagingFiles:
+    """Resume the staging directory's pull if its journal matches, else start it clean.
+
+    On resume, each range the journal lists is re-hashed from the file and kept
+    only if the digest matches, so a write torn by a power loss is fetched again.
+    """
+    header = JournalHeader.for_snapshot(snapshot, chunk_size)
+    data = root / DATA_DIR
+    completed: list[CompletedRange] = []
+    journal: Journal | None = None
+    if data.is_dir():
+        try:
+            journal, completed = Journal.resume(root, header)
+        except (OSError, ValueError) as exc:
+            log.info("not resuming %s: %s", root, exc)
+    if journal is None:
+        _clear(root)
+        data.mkdir(parents=True)
+        journal = Journal.create(root, header)
+    fds: dict[str, int] = {}
+    staging = StagingFiles(root, snapshot, chunk_size, journal, fds)
+    try:
+        for obj in snapshot.objects:
+            # On tmpfs, fallocate zero-fills every page that the pull then overwrites
+            # (0.72 s of a 3.5 s cold pull of 2 GiB, docs/benchmarks.md); the budget
+            # check has already reserved the room, and ENOSPC while writing is still
+            # a clean NoSpace. Disk filesystems reserve extents without writing them.
+            fds[obj.relative_path] = _open_file(
+                data, obj, snapshot, root, preallocate=tier != "shm"
+            )
+        staging.digests = _verified(completed, fds, chunk_size)
+    except BaseException:
+        staging.close()
+        raise
+    return staging
+
+
+def verify_before_publish(
+    staging: StagingFiles, *, safetensors_headers: bool, durable: bool
+) -> None:
+    """Sizes and safetensors headers; flush to disk first on the disk tier."""
+    for obj in staging.snapshot.objects:
+        fd = staging.fds[obj.relative_path]
+        size = os.fstat(fd).st_size
+        if size != obj.size:
+            raise IntegrityError(
+                f"{obj.relative_path} has {size} bytes after the pull but the object has "
+                f"{obj.size}; not publishing.",
+                path=obj.relative_path,
+                check="size",
+            )
+        if safetensors_headers and obj.relative_path.endswith(".safetensors"):
+            read_safetensors_header(fd, size=size, path=obj.relative_path)
+        if durable:
+            os.fsync(fd)
+
+
+def _open_file(
+    data: Path, obj: SourceObject, snapshot: Snapshot, root: Path, *, preallocate: bool
+) -> int:
+    path = data / obj.relative_path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        if os.fstat(fd).st_size != obj.size:
+            os.ftruncate(fd, obj.size)
+        if obj.size and preallocate:
+            # Reserve the blocks now: a full disk fails here, not 90 % into the pull.
+            os.posix_fallocate(fd, 0, obj.size)
+    except OSError as exc:
+        os.close(fd)
+        raise _no_space_or(exc, snapshot, root) from exc
+    return fd
+
+
+def _verified(
+    completed: Iterable[CompletedRange], fds: Mapping[str, int], chunk_size: int
+) -> dict[str, dict[int, bytes]]:
+    digests: dict[str, dict[int, bytes]] = {}
+    for done in completed:
+        hasher = ChunkHasher()
+        position, end = done.offset, done.offset + done.length
+        while position < end:
+            piece = os.pread(fds[done.path], min(_READ_BLOCK, end - position), position)
+            if not piece:
+                break
+            hasher.update(piece)
+            position += len(piece)
+        if position == end and hasher.digest() == done.digest:
+            digests.setdefault(done.path, {})[done.offset // chunk_size] = done.digest
+        else:
+            log.warning(
+                "journaled range %s@%d does not match its digest; fetching it again",
+                done.path,
+                done.offset,
+            )
+    return digests
+
+
+def _clear(root: Path) -> None:
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+
+
+def _no_space_or(exc: OSError, snapshot: Snapshot, root: Path) -> Exception:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        tier = root.parent.parent
+        return NoSpace(
+            f"The tier at {tier} ran out of space while pulling {snapshot.uri} "
+            f"({snapshot.total_bytes} bytes). Evict models (`prewarm ls`, `prewarm evict`) or "
+            "request the other tier."
+        )
+    return exc

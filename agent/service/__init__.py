@@ -1,0 +1,1 @@
+"""The agent's operations (ensure, list, evict, verify, leases), free of gRPC."""

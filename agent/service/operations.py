@@ -1,0 +1,375 @@
+"""The agent's operations, free of gRPC: what each RPC does, in domain terms."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent._config import Settings
+from agent._exceptions import Conflict, NotFound, SourceUnavailable
+from agent._snapshot import TierName, check_globs
+from agent._uri import parse_uri
+from agent._version import __version__
+from agent.check.hashes import FileProblem, verify_files
+from agent.obs.logs import bind_request
+from agent.obs.metrics import CACHE_LOOKUPS, EVICTIONS, PHASE_SECONDS
+from agent.pull.flight import Flight, PullProgress
+from agent.pull.puller import Puller
+from agent.pull.resolver import resolve
+from agent.pull.tuning import PullOptions
+from agent.source.s3 import ObjectSource
+from agent.store.eviction import Evictor
+from agent.store.leases import LeaseRecord, LeaseTable
+from agent.store.store import CachedModel, Store, TierUsage, Usage
+
+__all__ = [
+    "AgentService",
+    "AgentStatus",
+    "EnsureResult",
+    "EvictResult",
+    "RequestTimings",
+    "Verification",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTimings:
+    resolve: float = 0.0
+    wait: float = 0.0
+    download: float = 0.0
+    verify: float = 0.0
+    publish: float = 0.0
+    total: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EnsureResult:
+    model: CachedModel
+    hit: bool
+    resolved_offline: bool
+    timings: RequestTimings
+    lease: LeaseRecord | None = None
+    resumed_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EvictResult:
+    evicted: tuple[CachedModel, ...]
+    bytes_freed: int
+
+
+@dataclass(frozen=True, slots=True)
+class Verification:
+    model: CachedModel
+    problems: tuple[FileProblem, ...]
+    evicted: bool
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class AgentStatus:
+    version: str
+    tiers: tuple[TierUsage, ...]
+    leased_per_tier: dict[TierName, int]
+    pulls: tuple[Flight, ...]
+    model_count: int
+    lease_count: int
+    uptime_seconds: float
+    data_plane: str
+    default_tier: TierName
+
+
+class AgentService:
+    """Resolve, hit or pull, lease, list, evict, verify: every RPC's behaviour lives here."""
+
+    def __init__(
+        self,
+        store: Store,
+        puller: Puller,
+        source: ObjectSource,
+        leases: LeaseTable,
+        settings: Settings,
+    ) -> None:
+        self._store = store
+        self._puller = puller
+        self._source = source
+        self._leases = leases
+        self._settings = settings
+        self._evictor = Evictor(store, leases, settings.tiers)
+        self._started = time.monotonic()
+
+    @property
+    def default_tier(self) -> TierName:
+        return self._settings.default_tier
+
+    @property
+    def lease_socket_path(self) -> str:
+        return str(self._settings.lease_socket_path)
+
+    async def start(self) -> None:
+        """Bring the cache within its budgets after a restart (budgets may have shrunk)."""
+        await self._evictor.enforce_watermarks()
+
+    async def ensure(
+        self,
+        raw_uri: str,
+        *,
+        tier: TierName | None,
+        include: Sequence[str] = (),
+        exclude: Sequence[str] = (),
+        client_name: str = "",
+        lease: bool = False,
+        lease_ttl: float | None = None,
+        pin: bool = False,
+        strict_tier: bool = False,
+        options: PullOptions | None = None,
+    ) -> AsyncIterator[PullProgress | EnsureResult]:
+        """Progress events, then exactly one EnsureResult (or an exception)."""
+        started = time.monotonic()
+        uri = parse_uri(raw_uri)
+        includes = check_globs(include, what="Include")
+        excludes = check_globs(exclude, what="Exclude")
+        if options is not None:
+            self._puller.check(options)
+        fallback = (
+            self._store.newest_for(str(uri), includes, excludes)
+            if self._settings.offline_fallback
+            else None
+        )
+        try:
+            # With a cached snapshot to fall back on, a pod should not sit through
+            # botocore's whole retry schedule against an unreachable endpoint.
+            async with asyncio.timeout(self._settings.offline_after_seconds if fallback else None):
+                snapshot = await resolve(self._source, uri, includes, excludes)
+        except (SourceUnavailable, TimeoutError):
+            if fallback is None:
+                raise
+            bind_request(key=fallback.key)
+            log.warning("S3 unreachable; serving cached %s (%s) unchecked", uri, fallback.key)
+            elapsed = time.monotonic() - started
+            yield await self._answer(
+                fallback,
+                hit=True,
+                offline=True,
+                timings=RequestTimings(resolve=elapsed, total=elapsed),
+                lease=lease,
+                lease_ttl=lease_ttl,
+                client_name=client_name,
+                pin=pin,
+            )
+            return
+        resolved = time.monotonic()
+        bind_request(key=snapshot.key)
+        cached = self._store.get(snapshot.key)
+        if cached is not None:
+            yield await self._answer(
+                cached,
+                hit=True,
+                offline=False,
+                timings=RequestTimings(
+                    resolve=resolved - started, total=time.monotonic() - started
+                ),
+                lease=lease,
+                lease_ttl=lease_ttl,
+                client_name=client_name,
+                pin=pin,
+            )
+            return
+        stale: list[Path] = []
+        async with self._evictor.lock:
+            flight = self._puller.flight_for(snapshot.key)
+            started_it = flight is None
+            if flight is None:
+                placed, victims = self._evictor.place(
+                    snapshot, tier or self.default_tier, strict=strict_tier
+                )
+                await self._evictor.evict(victims, f"making room for {snapshot.uri}")
+                stale = self._store.discard_leftovers_of(str(snapshot.uri), keep=snapshot.key)
+                flight, _ = self._puller.join(snapshot, placed, options)
+        await self._store.purge(stale)  # outside the lock: deleting can take a while
+        log.info(
+            "%s pull of %s (%s) on %s for %s",
+            "starting" if started_it else "joining",
+            uri,
+            snapshot.key,
+            flight.tier,
+            client_name or "anonymous",
+            extra={"uri": str(uri), "key": snapshot.key, "client": client_name},
+        )
+        joined = time.monotonic()
+        async for progress in flight.watch():
+            yield progress
+        model = await flight.result()
+        if started_it:
+            await self._evictor.enforce_watermarks([model.tier])
+        done = time.monotonic()
+        pulled = flight.timings
+        waited = 0.0 if started_it else max(0.0, (done - joined) - _pull_seconds(flight))
+        yield await self._answer(
+            model,
+            hit=False,
+            offline=False,
+            timings=RequestTimings(
+                resolve=resolved - started,
+                wait=waited,
+                download=pulled.download,
+                verify=pulled.verify,
+                publish=pulled.publish,
+                total=done - started,
+            ),
+            lease=lease,
+            lease_ttl=lease_ttl,
+            client_name=client_name,
+            pin=pin,
+            resumed_bytes=flight.resumed_bytes,
+        )
+
+    async def _answer(
+        self,
+        model: CachedModel,
+        *,
+        hit: bool,
+        offline: bool,
+        timings: RequestTimings,
+        lease: bool,
+        lease_ttl: float | None,
+        client_name: str,
+        pin: bool,
+        resumed_bytes: int = 0,
+    ) -> EnsureResult:
+        granted = self._leases.grant(model.key, client_name, lease_ttl) if lease else None
+        if pin:
+            await self._store.set_pinned(model.key, True)
+        if hit:
+            await self._store.record_use(model.key, hit=True)
+        _observe(timings, "offline" if offline else "hit" if hit else "miss")
+        return EnsureResult(model, hit, offline, timings, granted, resumed_bytes)
+
+    # -- inspection -----------------------------------------------------------------------
+
+    def get(self, ref: str) -> CachedModel:
+        """The newest snapshot a ref names."""
+        return self._store.find(ref)[-1]
+
+    def list_models(self) -> list[CachedModel]:
+        return self._store.models()
+
+    def usage(self, key: str) -> Usage:
+        return self._store.usage(key) or Usage(last_used=0.0)
+
+    def leases_for(self, key: str) -> list[LeaseRecord]:
+        return self._leases.for_key(key)
+
+    def status(self) -> AgentStatus:
+        leased = self._leases.leased_keys()
+        per_tier: dict[TierName, int] = {}
+        for model in self._store.models():
+            if model.key in leased:
+                per_tier[model.tier] = per_tier.get(model.tier, 0) + 1
+        return AgentStatus(
+            version=__version__,
+            tiers=tuple(self._store.tier_usage(t) for t in self._store.roots()),
+            leased_per_tier=per_tier,
+            pulls=tuple(self._puller.flights()),
+            model_count=len(self._store.models()),
+            lease_count=len(self._leases.active()),
+            uptime_seconds=time.monotonic() - self._started,
+            data_plane=self._puller.data_plane,
+            default_tier=self.default_tier,
+        )
+
+    # -- management -----------------------------------------------------------------------
+
+    async def evict(self, ref: str, *, force: bool = False) -> EvictResult:
+        in_flight = self._flights_matching(ref)
+        if in_flight:
+            raise Conflict(
+                f"{ref} is being pulled right now (snapshot {in_flight[0].key}); evict it "
+                "after the pull ends."
+            )
+        targets = self._store.find(ref)
+        async with self._evictor.lock:
+            self._evictor.check_evictable(targets, force=force)
+            evicted = [await self._store.evict(model.key) for model in targets]
+        for model in evicted:
+            EVICTIONS.labels(model.tier, "manual").inc()
+            for lease in self._leases.for_key(model.key):
+                self._leases.release(lease.id)  # nothing left to protect
+        return EvictResult(tuple(evicted), sum(m.total_bytes for m in evicted))
+
+    async def collect_garbage(self, tier: TierName | None = None) -> EvictResult:
+        async with self._evictor.lock:
+            evicted = await self._evictor.collect_garbage([tier] if tier else ["shm", "disk"])
+        return EvictResult(tuple(evicted), sum(m.total_bytes for m in evicted))
+
+    async def pin(self, ref: str, pinned: bool) -> CachedModel:
+        return await self._store.set_pinned(self.get(ref).key, pinned)
+
+    def renew_lease(self, lease_id: str, ttl: float | None) -> LeaseRecord:
+        return self._leases.renew(lease_id, ttl)
+
+    def release_lease(self, lease_id: str) -> None:
+        self._leases.release(lease_id)
+
+    async def verify(self, ref: str, *, every: bool, report_only: bool) -> list[Verification]:
+        """Re-hash cached files; a snapshot that changed is evicted unless report_only."""
+        if every:
+            models = self._store.models()
+        elif ref:
+            models = self._store.find(ref)
+        else:
+            raise NotFound("Name a model to verify (URI or key), or ask for --all.")
+        results: list[Verification] = []
+        for model in models:
+            started = time.monotonic()
+            expected = [(f.path, f.size, f.digest) for f in model.files]
+            problems = await asyncio.to_thread(
+                verify_files, model.path, expected, model.hash_chunk_size
+            )
+            evicted = False
+            if problems and not report_only and self._store.get(model.key) is not None:
+                log.error(
+                    "snapshot %s of %s failed verification; evicting it",
+                    model.key,
+                    model.uri,
+                    extra={"key": model.key, "problems": [p.path for p in problems]},
+                )
+                await self._store.evict(model.key)
+                EVICTIONS.labels(model.tier, "verify").inc()
+                evicted = True
+            results.append(
+                Verification(model, tuple(problems), evicted, time.monotonic() - started)
+            )
+        return results
+
+    def _flights_matching(self, ref: str) -> list[Flight]:
+        if "://" in ref:
+            uri = str(parse_uri(ref))
+            return [f for f in self._puller.flights() if str(f.snapshot.uri) == uri]
+        key = ref.lower()
+        return [f for f in self._puller.flights() if key and f.key.startswith(key)]
+
+
+def _observe(timings: RequestTimings, lookup: str) -> None:
+    CACHE_LOOKUPS.labels(lookup).inc()
+    phases = {"resolve": timings.resolve, "total": timings.total}
+    if lookup == "miss":
+        phases |= {
+            "wait": timings.wait,
+            "download": timings.download,
+            "verify": timings.verify,
+            "publish": timings.publish,
+        }
+    for phase, seconds in phases.items():
+        PHASE_SECONDS.labels(phase, lookup).observe(seconds)
+
+
+def _pull_seconds(flight: Flight) -> float:
+    t = flight.timings
+    return t.download + t.verify + t.publish

@@ -1,0 +1,106 @@
+"""The interface between the puller and whatever moves the bulk bytes.
+
+A data plane is handed the ranges of a pull that are not in the staging
+directory yet, and must, for each one, write its bytes at its offset in the
+staging file (``StagingFiles.write_at`` with a fresh ``ChunkHasher``), report
+them to the flight (``Flight.add_bytes``), then journal the range
+(``StagingFiles.complete_range``). It returns once every range is journaled,
+or raises from the prewarm error tree naming the object and the cause; ranges
+journaled before a failure stay, so the next pull resumes after them.
+
+Two implementations: ``AiobotocorePlane`` (_plane_aiobotocore: ranged GETs in
+the event loop) and ``StreamerPlane`` (_plane_streamer: the Run:ai Model
+Streamer's C++ client in a thread). See docs/data-planes.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, TypeVar
+
+from agent._exceptions import PrewarmError
+from agent._snapshot import Snapshot, SourceObject
+from agent.pull.flight import Flight
+from agent.pull.staging import StagingFiles
+from agent.pull.tuning import Tuning
+
+__all__ = [
+    "AUTO_DATA_PLANE",
+    "ByteRange",
+    "DataPlane",
+    "plan_ranges",
+    "root_cause",
+    "write_in_thread",
+]
+
+T = TypeVar("T")
+
+# What data_plane = "auto" means, chosen by measurement (docs/data-planes.md).
+AUTO_DATA_PLANE: Literal["streamer", "aiobotocore"] = "aiobotocore"
+
+
+@dataclass(frozen=True, slots=True)
+class ByteRange:
+    """One journal range: ``length`` bytes of ``obj`` from ``start`` (chunk-aligned)."""
+
+    obj: SourceObject
+    start: int
+    length: int
+
+    @property
+    def where(self) -> str:
+        return f"{self.obj.relative_path} bytes {self.start}-{self.start + self.length - 1}"
+
+
+class DataPlane(Protocol):
+    name: str
+
+    async def download(
+        self,
+        flight: Flight,
+        staging: StagingFiles,
+        ranges: Sequence[ByteRange],
+        tuning: Tuning,
+    ) -> None:
+        """Write and journal every range; raise a PrewarmError naming what failed."""
+        ...
+
+
+def plan_ranges(snapshot: Snapshot, staging: StagingFiles) -> list[ByteRange]:
+    """The ranges of the snapshot that the staging directory does not hold yet, in order."""
+    chunk = staging.chunk_size
+    return [
+        ByteRange(obj, start, min(chunk, obj.size - start))
+        for obj in snapshot.objects
+        for start in range(0, obj.size, chunk)
+        if not staging.is_done(obj.relative_path, start)
+    ]
+
+
+def root_cause(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The error to report from a task group: the first prewarm error, else the first."""
+    leaves: list[BaseException] = []
+    pending: list[BaseException] = [group]
+    while pending:
+        current = pending.pop(0)
+        if isinstance(current, BaseExceptionGroup):
+            pending.extend(current.exceptions)
+        else:
+            leaves.append(current)
+    return next((e for e in leaves if isinstance(e, PrewarmError)), leaves[0])
+
+
+async def write_in_thread(function: Callable[..., T], *args: Any) -> T:
+    """Run a blocking write in a worker thread; if cancelled, let it finish first.
+
+    A write left running after its pull gave up could land on a descriptor
+    number that has since been reused for another file.
+    """
+    job = asyncio.ensure_future(asyncio.to_thread(function, *args))
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        await asyncio.wait([job])
+        raise

@@ -1,0 +1,1 @@
+"""The node cache on disk: tiers, snapshots, journal, budget, eviction, leases."""

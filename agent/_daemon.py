@@ -25,6 +25,7 @@ from agent._version import __version__
 from agent.compile.cache import CompileCaches
 from agent.compile.keys import CompileKeyParts
 from agent.edge.interceptor import RequestObserver
+from agent.edge.lease_socket import LeaseServer
 from agent.edge.servicer import PrewarmServicer
 from agent.obs.logs import configure_logging
 from agent.obs.metrics import REGISTRY, StateCollector, StateReading, TierReading
@@ -34,7 +35,7 @@ from agent.prefetch.manifests import CompileCacheHook, CompileSpec, ManifestWatc
 from agent.pull.puller import Puller
 from agent.service.operations import AgentService
 from agent.source.s3 import S3Source
-from agent.store.leases import LeaseServer, LeaseTable
+from agent.store.leases import LeaseTable
 from agent.store.store import Store, TierBudget
 
 __all__ = ["main", "serve"]

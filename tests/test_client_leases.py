@@ -33,7 +33,8 @@ from agent.client import (
     ModelInfo,
     NotFound,
 )
-from agent.store.leases import LeaseRecord, LeaseServer, LeaseTable
+from agent.edge.lease_socket import LeaseServer
+from agent.store.leases import LeaseRecord, LeaseTable
 
 T = TypeVar("T")
 KEY = "k1"

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from agent import Conflict, InvalidRequest, NotFound
+from agent.edge.lease_socket import LeaseServer
 from agent.store.leases import (
     HELLO_LIMIT,
-    LeaseServer,
     LeaseTable,
     PeerCredentials,
 )

@@ -24,9 +24,10 @@ from agent._snapshot import Snapshot, TierName
 from agent.pull.flight import Flight
 from agent.pull.staging import StagingFiles, open_staging, verify_before_publish
 from agent.pull.tuning import DataPlaneChoice, PullOptions, Tuning, tune
+from agent.source.interface import ObjectSource
 from agent.source.plane import AUTO_DATA_PLANE, DataPlane, plan_ranges
 from agent.source.ranged_plane import AiobotocorePlane
-from agent.source.s3 import ObjectSource, S3Source
+from agent.source.s3 import S3Source
 from agent.source.streamer_plane import StreamerPlane, load_streamer, streamer_unavailable
 from agent.store.store import CachedFile, CachedModel, Store
 

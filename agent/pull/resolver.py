@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from agent._exceptions import InvalidRequest, NotFound
 from agent._snapshot import Snapshot, SourceObject, select_objects, snapshot_key
 from agent._uri import ModelUri, safe_relative_path
-from agent.source.s3 import ObjectSource
+from agent.source.interface import ObjectSource
 
 __all__ = ["resolve"]
 

@@ -21,7 +21,7 @@ from agent.pull.flight import Flight, PullProgress
 from agent.pull.puller import Puller
 from agent.pull.resolver import resolve
 from agent.pull.tuning import PullOptions
-from agent.source.s3 import ObjectSource
+from agent.source.interface import ObjectSource
 from agent.store.eviction import Evictor
 from agent.store.leases import LeaseRecord, LeaseTable
 from agent.store.store import CachedModel, Store, TierUsage, Usage

@@ -25,8 +25,8 @@ from agent.check.hashes import ChunkHasher
 from agent.pull.flight import Flight
 from agent.pull.staging import StagingFiles
 from agent.pull.tuning import Tuning
+from agent.source.interface import ObjectSource, RangeReader, RangeReadError
 from agent.source.plane import ByteRange, root_cause, write_in_thread
-from agent.source.s3 import ObjectSource, RangeReader, RangeReadError
 
 __all__ = ["AiobotocorePlane"]
 

@@ -7,12 +7,10 @@ into the prewarm error tree with ``raise ... from exc``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Protocol, Self
+from typing import Any, Self
 
 import aiohttp
 from aiobotocore.config import AioConfig
@@ -24,14 +22,9 @@ from agent._exceptions import AccessDenied, NotFound, SourceChanged, SourceUnava
 from agent._uri import ModelUri
 from agent.check.hashes import S3Checksum, s3_checksum_of
 from agent.pull.tuning import connection_pool_size
+from agent.source.interface import ListedObject, RangeReader, RangeReadError
 
-__all__ = [
-    "ListedObject",
-    "ObjectSource",
-    "RangeReadError",
-    "RangeReader",
-    "S3Source",
-]
+__all__ = ["S3Source"]
 
 _DENIED_CODES = frozenset(
     {
@@ -45,40 +38,6 @@ _DENIED_CODES = frozenset(
     }
 )
 _CHANGED_CODES = frozenset({"PreconditionFailed", "412", "NoSuchKey", "InvalidRange", "416"})
-
-
-@dataclass(frozen=True, slots=True)
-class ListedObject:
-    key: str
-    size: int
-    etag: str
-    checksum_algorithm: str = ""
-
-
-class RangeReadError(SourceUnavailable):
-    """A ranged read broke off or failed in a way that a retry may fix."""
-
-
-class RangeReader(Protocol):
-    async def read(self, amount: int) -> bytes:
-        """Up to ``amount`` bytes; b"" once the range is exhausted."""
-        ...
-
-
-class ObjectSource(Protocol):
-    """What the puller needs from an object store."""
-
-    name: str
-
-    async def list_objects(self, uri: ModelUri) -> list[ListedObject]: ...
-
-    def open_range(
-        self, bucket: str, key: str, *, etag: str, start: int, length: int
-    ) -> contextlib.AbstractAsyncContextManager[RangeReader]: ...
-
-    async def head_checksum(self, bucket: str, key: str, *, etag: str) -> S3Checksum | None:
-        """The checksum S3 holds for the object, or None if it has none."""
-        ...
 
 
 class S3Source:

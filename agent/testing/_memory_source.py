@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from agent._exceptions import NotFound, SourceChanged
 from agent._uri import ModelUri
 from agent.check.hashes import S3Checksum
-from agent.source.s3 import ListedObject, RangeReadError
+from agent.source.interface import ListedObject, RangeReadError
 
 __all__ = ["MemorySource", "RangeRead"]
 

@@ -24,7 +24,7 @@ from agent._exceptions import PrewarmError
 from agent._snapshot import Snapshot, SourceObject
 from agent.pull.flight import Flight
 from agent.pull.staging import StagingFiles
-from agent.pull.tuning import Tuning
+from agent.source.transfer import Tuning
 
 __all__ = [
     "AUTO_DATA_PLANE",

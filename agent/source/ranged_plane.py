@@ -24,9 +24,9 @@ from agent._exceptions import SourceUnavailable
 from agent.check.hashes import ChunkHasher
 from agent.pull.flight import Flight
 from agent.pull.staging import StagingFiles
-from agent.pull.tuning import Tuning
 from agent.source.interface import ObjectSource, RangeReader, RangeReadError
 from agent.source.plane import ByteRange, root_cause, write_in_thread
+from agent.source.transfer import Tuning
 
 __all__ = ["AiobotocorePlane"]
 

@@ -21,8 +21,8 @@ from agent._config import S3Settings
 from agent._exceptions import AccessDenied, NotFound, SourceChanged, SourceUnavailable
 from agent._uri import ModelUri
 from agent.check.hashes import S3Checksum, s3_checksum_of
-from agent.pull.tuning import connection_pool_size
 from agent.source.interface import ListedObject, RangeReader, RangeReadError
+from agent.source.transfer import connection_pool_size
 
 __all__ = ["S3Source"]
 

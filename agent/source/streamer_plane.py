@@ -53,10 +53,10 @@ from agent._snapshot import SourceObject
 from agent.check.hashes import ChunkHasher
 from agent.pull.flight import Flight
 from agent.pull.staging import StagingFiles
-from agent.pull.tuning import Tuning, streamer_environment
 from agent.source.interface import ObjectSource
 from agent.source.plane import ByteRange, DataPlane, write_in_thread
 from agent.source.ranged_plane import backoff_delay
+from agent.source.transfer import Tuning, streamer_environment
 
 __all__ = ["StreamerPlane", "load_streamer", "streamer_unavailable"]
 

@@ -1,0 +1,92 @@
+"""The words both sides of the socket share: tiers, data planes, pull phases, pull options.
+
+Defined once here, so the daemon, the client, the CLI and the API cannot drift
+apart on what a tier is called or how big a chunk may be. Standard library
+only: pods import this through ``agent.client``. The protobuf spelling of the
+same words lives in ``agent._wire``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from agent._exceptions import InvalidRequest
+
+__all__ = [
+    "DATA_PLANE_NAMES",
+    "MAX_CHUNK_SIZE",
+    "MIN_CHUNK_SIZE",
+    "PHASE_NAMES",
+    "TIER_NAMES",
+    "DataPlaneName",
+    "PhaseName",
+    "PullOptions",
+    "TierName",
+    "check_pull_options",
+    "check_tier",
+]
+
+# Where a snapshot lives: RAM (/dev/shm) or local disk.
+TierName = Literal["shm", "disk"]
+TIER_NAMES: tuple[TierName, ...] = ("shm", "disk")
+
+# What moves the bulk bytes of a pull (see docs/data-planes.md); "auto" picks by measurement.
+DataPlaneName = Literal["auto", "streamer", "aiobotocore"]
+DATA_PLANE_NAMES: tuple[DataPlaneName, ...] = ("auto", "streamer", "aiobotocore")
+
+# The phases a pull reports progress in, in the order it goes through them.
+PhaseName = Literal["resolve", "download", "verify", "publish", "done"]
+PHASE_NAMES: tuple[PhaseName, ...] = ("resolve", "download", "verify", "publish", "done")
+
+# A chunk is one ranged GET and one journal line: under 1 MiB the request
+# overhead dominates, over 4 GiB one failed range costs too much to redo.
+MIN_CHUNK_SIZE = 1024**2
+MAX_CHUNK_SIZE = 4 * 1024**3
+
+
+def check_tier(name: str) -> TierName:
+    """``name`` as a tier; InvalidRequest for anything but shm or disk."""
+    for tier in TIER_NAMES:
+        if name == tier:
+            return tier
+    raise InvalidRequest(f"Unknown tier {name!r}: choose 'shm' or 'disk'.")
+
+
+def check_pull_options(
+    data_plane: str | None = None, concurrency: int | None = None, chunk_size: int | None = None
+) -> DataPlaneName | None:
+    """Refuse pull options no pull could use; None for each means "the agent's setting".
+
+    Returns the data plane as a ``DataPlaneName``. The CLI, the client, the
+    API and ``PullOptions`` all check through here, so a bad value gets the
+    same sentence wherever it is caught first.
+    """
+    plane: DataPlaneName | None = None
+    if data_plane is not None:
+        for name in DATA_PLANE_NAMES:
+            if data_plane == name:
+                plane = name
+        if plane is None:
+            choices = ", ".join(DATA_PLANE_NAMES)
+            raise InvalidRequest(f"Unknown data plane {data_plane!r}; use one of {choices}.")
+    if concurrency is not None and concurrency < 1:
+        raise InvalidRequest(f"concurrency must be at least 1, not {concurrency}.")
+    if chunk_size is not None and not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:
+        raise InvalidRequest(f"chunk_size must be between 1 MiB and 4 GiB, not {chunk_size} bytes.")
+    return plane
+
+
+@dataclass(frozen=True, slots=True)
+class PullOptions:
+    """A request's overrides of the agent's pull settings; None keeps the agent's.
+
+    Checked on construction, so an instance is always one a pull can use.
+    """
+
+    data_plane: DataPlaneName | None = None
+    concurrency: int | None = None
+    chunk_size: int | None = None
+
+    def __post_init__(self) -> None:
+        check_pull_options(self.data_plane, self.concurrency, self.chunk_size)

@@ -1,16 +1,20 @@
 """The interface between the puller and whatever moves the bulk bytes.
 
 A data plane is handed the ranges of a pull that are not in the staging
-directory yet, and must, for each one, write its bytes at its offset in the
-staging file (``StagingFiles.write_at`` with a fresh ``ChunkHasher``), report
-them to the flight (``Flight.add_bytes``), then journal the range
-(``StagingFiles.complete_range``). It returns once every range is journaled,
+directory yet, and must, for each one, write its bytes at its offset
+(``RangeSink.write_at`` with a fresh ``ChunkHasher``), report them
+(``ProgressSink.add_bytes``), then journal the range
+(``RangeSink.complete_range``). It returns once every range is journaled,
 or raises from the prewarm error tree naming the object and the cause; ranges
 journaled before a failure stay, so the next pull resumes after them.
 
-Two implementations: ``AiobotocorePlane`` (_plane_aiobotocore: ranged GETs in
-the event loop) and ``StreamerPlane`` (_plane_streamer: the Run:ai Model
-Streamer's C++ client in a thread). See docs/data-planes.md.
+The sinks are Protocols so that the source never imports the pull layer: the
+puller's ``Flight`` is the progress sink and its ``StagingFiles`` the range
+sink, both by shape.
+
+Two implementations: ``AiobotocorePlane`` (ranged_plane: ranged GETs in the
+event loop) and ``StreamerPlane`` (streamer_plane: the Run:ai Model Streamer's
+C++ client in a thread). See docs/data-planes.md.
 """
 
 from __future__ import annotations
@@ -22,14 +26,15 @@ from typing import Any, Literal, Protocol, TypeVar
 
 from agent._exceptions import PrewarmError
 from agent._snapshot import Snapshot, SourceObject
-from agent.pull.flight import Flight
-from agent.pull.staging import StagingFiles
+from agent.check.hashes import ChunkHasher
 from agent.source.transfer import Tuning
 
 __all__ = [
     "AUTO_DATA_PLANE",
     "ByteRange",
     "DataPlane",
+    "ProgressSink",
+    "RangeSink",
     "plan_ranges",
     "root_cause",
     "write_in_thread",
@@ -54,13 +59,46 @@ class ByteRange:
         return f"{self.obj.relative_path} bytes {self.start}-{self.start + self.length - 1}"
 
 
+class ProgressSink(Protocol):
+    """Where a plane reports the bytes it wrote: the pull's progress (``Flight``)."""
+
+    @property
+    def snapshot(self) -> Snapshot: ...
+
+    @property
+    def key(self) -> str: ...
+
+    def add_bytes(self, obj: SourceObject, count: int) -> None:
+        """``count`` bytes of ``obj`` arrived from the source and were written."""
+        ...
+
+
+class RangeSink(Protocol):
+    """The files a plane writes into and journals ranges of (``StagingFiles``)."""
+
+    @property
+    def chunk_size(self) -> int: ...
+
+    def is_done(self, path: str, offset: int) -> bool:
+        """Whether the range at ``offset`` of ``path`` is journaled already."""
+        ...
+
+    def write_at(self, path: str, buffers: list[bytes], offset: int, hasher: ChunkHasher) -> None:
+        """Write ``buffers`` at ``offset`` and feed them to ``hasher`` (blocking)."""
+        ...
+
+    def complete_range(self, path: str, offset: int, length: int, digest: bytes) -> None:
+        """Journal a whole range with its chunk digest."""
+        ...
+
+
 class DataPlane(Protocol):
     name: str
 
     async def download(
         self,
-        flight: Flight,
-        staging: StagingFiles,
+        flight: ProgressSink,
+        staging: RangeSink,
         ranges: Sequence[ByteRange],
         tuning: Tuning,
     ) -> None:
@@ -68,7 +106,7 @@ class DataPlane(Protocol):
         ...
 
 
-def plan_ranges(snapshot: Snapshot, staging: StagingFiles) -> list[ByteRange]:
+def plan_ranges(snapshot: Snapshot, staging: RangeSink) -> list[ByteRange]:
     """The ranges of the snapshot that the staging directory does not hold yet, in order."""
     chunk = staging.chunk_size
     return [

@@ -22,10 +22,8 @@ from dataclasses import dataclass
 
 from agent._exceptions import SourceUnavailable
 from agent.check.hashes import ChunkHasher
-from agent.pull.flight import Flight
-from agent.pull.staging import StagingFiles
 from agent.source.interface import ObjectSource, RangeReader, RangeReadError
-from agent.source.plane import ByteRange, root_cause, write_in_thread
+from agent.source.plane import ByteRange, ProgressSink, RangeSink, root_cause, write_in_thread
 from agent.source.transfer import Tuning
 
 __all__ = ["AiobotocorePlane"]
@@ -68,8 +66,8 @@ class AiobotocorePlane:
 
     async def download(
         self,
-        flight: Flight,
-        staging: StagingFiles,
+        flight: ProgressSink,
+        staging: RangeSink,
         ranges: Sequence[ByteRange],
         tuning: Tuning,
     ) -> None:
@@ -83,14 +81,14 @@ class AiobotocorePlane:
             raise root_cause(group) from None
 
     async def _worker(
-        self, flight: Flight, staging: StagingFiles, ranges: Iterator[ByteRange], tuning: Tuning
+        self, flight: ProgressSink, staging: RangeSink, ranges: Iterator[ByteRange], tuning: Tuning
     ) -> None:
         # A shared iterator hands out ranges lazily: no queue of the whole plan.
         for byte_range in ranges:
             await self._fetch(flight, staging, byte_range, tuning)
 
     async def _fetch(
-        self, flight: Flight, staging: StagingFiles, byte_range: ByteRange, tuning: Tuning
+        self, flight: ProgressSink, staging: RangeSink, byte_range: ByteRange, tuning: Tuning
     ) -> None:
         """Write one range at its offset, resuming after the last good byte on retry."""
         obj = byte_range.obj
@@ -123,8 +121,8 @@ class AiobotocorePlane:
 
     async def _copy(
         self,
-        flight: Flight,
-        staging: StagingFiles,
+        flight: ProgressSink,
+        staging: RangeSink,
         reader: RangeReader,
         cursor: _Cursor,
         tuning: Tuning,

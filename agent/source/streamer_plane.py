@@ -51,10 +51,8 @@ from typing import Any, TypeVar
 from agent._config import S3Settings
 from agent._snapshot import SourceObject
 from agent.check.hashes import ChunkHasher
-from agent.pull.flight import Flight
-from agent.pull.staging import StagingFiles
 from agent.source.interface import ObjectSource
-from agent.source.plane import ByteRange, DataPlane, write_in_thread
+from agent.source.plane import ByteRange, DataPlane, ProgressSink, RangeSink, write_in_thread
 from agent.source.ranged_plane import backoff_delay
 from agent.source.transfer import Tuning, streamer_environment
 
@@ -176,8 +174,8 @@ class StreamerPlane:
 
     async def download(
         self,
-        flight: Flight,
-        staging: StagingFiles,
+        flight: ProgressSink,
+        staging: RangeSink,
         ranges: Sequence[ByteRange],
         tuning: Tuning,
     ) -> None:
@@ -216,8 +214,8 @@ class StreamerPlane:
 
     async def _stream(
         self,
-        flight: Flight,
-        staging: StagingFiles,
+        flight: ProgressSink,
+        staging: RangeSink,
         ranges: list[ByteRange],
         tuning: Tuning,
         streamed: dict[str, SourceObject],
@@ -263,8 +261,8 @@ class StreamerPlane:
 
     async def _write(
         self,
-        flight: Flight,
-        staging: StagingFiles,
+        flight: ProgressSink,
+        staging: RangeSink,
         handoff: _Handoff,
         streamed: dict[str, SourceObject],
     ) -> None:
@@ -339,7 +337,9 @@ class StreamerPlane:
             if delivered is not None:
                 delivered.close()
 
-    async def _confirm_unchanged(self, flight: Flight, objects: Iterable[SourceObject]) -> None:
+    async def _confirm_unchanged(
+        self, flight: ProgressSink, objects: Iterable[SourceObject]
+    ) -> None:
         """HEAD each streamed object with If-Match: SourceChanged if it changed meanwhile."""
         bucket = flight.snapshot.uri.bucket
         for obj in objects:

@@ -13,6 +13,7 @@ PUBLIC_MODULES = ["agent", "agent.client", "agent.testing"]
 
 @pytest.mark.parametrize("name", PUBLIC_MODULES)
 def test_all_names_exist(name: str) -> None:
+    """Every name in a public module's __all__ is really defined there."""
     module = importlib.import_module(name)
     missing = [member for member in module.__all__ if not hasattr(module, member)]
     assert not missing
@@ -20,6 +21,7 @@ def test_all_names_exist(name: str) -> None:
 
 @pytest.mark.parametrize("name", PUBLIC_MODULES)
 def test_every_public_name_is_exported(name: str) -> None:
+    """Every public agent-defined name a public module holds is listed in its __all__."""
     module = importlib.import_module(name)
     public = {
         member
@@ -30,5 +32,6 @@ def test_every_public_name_is_exported(name: str) -> None:
 
 
 def test_error_tree_has_one_root() -> None:
+    """Every error the agent package exports derives from PrewarmError."""
     errors = [getattr(agent, n) for n in agent.__all__ if n != "__version__"]
     assert all(issubclass(e, agent.PrewarmError) for e in errors)

@@ -11,6 +11,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_regenerating_the_protobuf_code_changes_nothing(tmp_path: Path) -> None:
+    """The checked-in agent/_proto files are byte for byte what scripts/gen_proto.py makes now."""
     subprocess.run(
         [sys.executable, str(REPO / "scripts" / "gen_proto.py"), str(tmp_path)],
         check=True,

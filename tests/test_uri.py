@@ -21,10 +21,12 @@ from agent._uri import ModelUri, parse_uri, safe_relative_path
     ],
 )
 def test_parse_uri_normalises_prefix_to_a_directory(raw: str, bucket: str, prefix: str) -> None:
+    """A URI becomes (bucket, prefix) with the prefix ending in exactly one slash."""
     assert parse_uri(raw) == ModelUri(bucket, prefix)
 
 
 def test_normalised_uri_prints_in_canonical_form() -> None:
+    """A parsed URI prints as s3://bucket/prefix/."""
     assert str(parse_uri("s3://models/llama")) == "s3://models/llama/"
 
 
@@ -46,6 +48,7 @@ def test_normalised_uri_prints_in_canonical_form() -> None:
     ],
 )
 def test_parse_uri_rejects_bad_input_with_a_reason(raw: str, fragment: str) -> None:
+    """A malformed URI raises InvalidRequest naming the fault and the expected form."""
     with pytest.raises(InvalidRequest) as info:
         parse_uri(raw)
     assert fragment in str(info.value)
@@ -53,6 +56,7 @@ def test_parse_uri_rejects_bad_input_with_a_reason(raw: str, fragment: str) -> N
 
 
 def test_safe_relative_path_strips_the_prefix() -> None:
+    """An object key under the prefix maps to its path relative to the model directory."""
     uri = parse_uri("s3://models/llama/")
     assert safe_relative_path(uri, "llama/sub/model.safetensors") == "sub/model.safetensors"
 
@@ -70,5 +74,6 @@ def test_safe_relative_path_strips_the_prefix() -> None:
     ],
 )
 def test_safe_relative_path_refuses_keys_that_escape(key: str) -> None:
+    """Keys with '..', '.', empty or NUL parts, or outside the prefix raise UnsafeObjectKey."""
     with pytest.raises(UnsafeObjectKey):
         safe_relative_path(parse_uri("s3://models/llama/"), key)

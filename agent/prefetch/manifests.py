@@ -1,28 +1,16 @@
-"""Prefetch manifests: the models a node should hold, listed in TOML files.
+"""The manifest directory, watched: what it lists is pulled, pinned and unpinned.
 
 Every ``*.toml`` file in ``manifests.directory`` (``/etc/prewarm/models.d``)
-lists models as an array of tables (the format is in docs/manifests.md)::
-
-    [[model]]
-    uri = "s3://models/llama-3-8b/"
-    tier = "shm"            # optional; the agent's default_tier otherwise
-    pin = true              # optional; never evicted by pressure while listed
-    include = ["*.safetensors", "*.json"]
-    exclude = ["original/*"]
-
-    [model.compile]         # optional: compile-cache key parts to restore too
-    engine = "vllm"
-    engine_version = "0.9.1"
-
+lists models (the format is in agent.prefetch.schema and docs/manifests.md).
 The directory is read when the agent starts and watched (watchfiles) while it
 runs. An entry that appears is pulled in the background through the same path
 as a pod's request (``AgentService.ensure``: single flight, placement,
 eviction, metrics), at most ``manifests.concurrency`` at a time. A pinned
 entry's snapshot is pinned once cached; when the entry goes away (or loses
 ``pin``), the snapshot the manifest pinned is unpinned. Pins the manifests
-made are remembered in a small state file, so an entry removed while the
-agent was down is unpinned at the next start, and a pin someone made by hand
-is never undone by a manifest.
+made are remembered in a small state file (agent.prefetch.pins), so an entry
+removed while the agent was down is unpinned at the next start, and a pin
+someone made by hand is never undone by a manifest.
 
 A file that cannot be read, is not valid TOML, or does not follow the schema is
 reported in the log with its path and line and ignored; a file that was good
@@ -34,251 +22,42 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import re
-import tomllib
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from watchfiles import awatch
 
 from agent._config import ManifestSettings
-from agent._exceptions import (
-    InvalidRequest,
-    NotFound,
-    PrewarmError,
-    SourceChanged,
-    SourceUnavailable,
-)
-from agent._snapshot import TierName, check_globs
-from agent._uri import parse_uri
-from agent.compile.keys import CompileKeyParts, normalise_parts
+from agent._exceptions import NotFound, PrewarmError, SourceChanged, SourceUnavailable
 from agent.obs.logs import bind_request
 from agent.obs.metrics import MANIFEST_ERRORS
+from agent.prefetch.pins import load_pins, save_pins
+from agent.prefetch.schema import (
+    CompileSpec,
+    Identity,
+    ManifestEntry,
+    ManifestError,
+    read_manifest,
+)
 from agent.service.operations import AgentService, EnsureResult
 
-__all__ = [
-    "CompileCacheHook",
-    "CompileSpec",
-    "ManifestEntry",
-    "ManifestError",
-    "ManifestWatcher",
-    "read_manifest",
-]
+# CompileSpec is part of CompileCacheHook's signature, so it is offered here too.
+__all__ = ["CompileCacheHook", "CompileSpec", "ManifestWatcher"]
 
 log = logging.getLogger(__name__)
 
-STATE_FORMAT = 1
 # Transient S3 trouble at boot should not leave a node without its models:
 # retry those pulls with capped exponential backoff until the entry changes.
 _RETRY_BASE_SECONDS = 5.0
 _RETRY_CAP_SECONDS = 300.0
-_TOML_LINE = re.compile(r"at line (\d+)")
-_ENTRY_HEADER = re.compile(r"^\s*\[\[\s*model\s*\]\]")
-_SCHEMA_HINT = (
-    " Each [[model]] takes uri and optionally tier, pin, include, exclude, strict_tier and "
-    "a [model.compile] table; see docs/manifests.md."
-)
-
-# (uri, include, exclude): what a snapshot key is made of, less the objects.
-Identity = tuple[str, tuple[str, ...], tuple[str, ...]]
-
-
-class ManifestError(InvalidRequest):
-    """A manifest file cannot be used; ``path`` and ``line`` say where (line 0: unknown)."""
-
-    def __init__(self, message: str, *, path: Path, line: int) -> None:
-        super().__init__(message)
-        self.path = path
-        self.line = line
-
-
-class CompileSpec(BaseModel):
-    """Compile-cache key parts; the model's snapshot key is added when it is known."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    engine: str = ""
-    engine_version: str = ""
-    torch_version: str = ""
-    triton_version: str = ""
-    cuda_version: str = ""
-    gpu_name: str = ""
-    tensor_parallel: int = Field(default=0, ge=0)
-    pipeline_parallel: int = Field(default=0, ge=0)
-    data_parallel: int = Field(default=0, ge=0)
-    config_hash: str = ""
-    extras: dict[str, str] = Field(default_factory=dict)
-
 
 # Called with an entry's compile-cache key parts and the model's snapshot key
 # once the model is cached; restores (or creates) that compile cache.
 CompileCacheHook = Callable[[CompileSpec, str], Awaitable[object]]
-
-
-class _EntrySchema(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    uri: str
-    tier: TierName | None = None
-    pin: bool = False
-    include: list[str] = Field(default_factory=list)
-    exclude: list[str] = Field(default_factory=list)
-    strict_tier: bool = False
-    compile: CompileSpec | None = None
-
-    @field_validator("uri")
-    @classmethod
-    def _valid_uri(cls, value: str) -> str:
-        try:
-            return str(parse_uri(value))
-        except InvalidRequest as exc:
-            raise ValueError(str(exc)) from exc
-
-    @field_validator("include", "exclude")
-    @classmethod
-    def _valid_globs(cls, value: list[str]) -> list[str]:
-        try:
-            return list(check_globs(value, what="A glob"))
-        except InvalidRequest as exc:
-            raise ValueError(str(exc)) from exc
-
-    @field_validator("compile")
-    @classmethod
-    def _valid_compile(cls, value: CompileSpec | None) -> CompileSpec | None:
-        # The compile cache's own rules (torch_version required, known engine...),
-        # so a bad table is reported with its line now, not when the model is cached.
-        if value is not None:
-            try:
-                normalise_parts(CompileKeyParts(**value.model_dump()))
-            except InvalidRequest as exc:
-                raise ValueError(str(exc)) from exc
-        return value
-
-
-class _FileSchema(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: list[_EntrySchema] = Field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
-class ManifestEntry:
-    """One model a manifest asks for, and where it was written."""
-
-    uri: str
-    tier: TierName | None
-    pin: bool
-    include: tuple[str, ...]
-    exclude: tuple[str, ...]
-    strict_tier: bool
-    compile: CompileSpec | None
-    # Where the entry is written, for the log; not part of what it asks for.
-    path: Path = field(compare=False)
-    line: int = field(compare=False)
-
-    @property
-    def identity(self) -> Identity:
-        return (self.uri, self.include, self.exclude)
-
-    @property
-    def where(self) -> str:
-        return f"{self.path}:{self.line}"
-
-
-def read_manifest(path: Path) -> tuple[ManifestEntry, ...]:
-    """The entries of one manifest file; ManifestError says what is wrong and where."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ManifestError(
-            f"Cannot read manifest {path}: {exc}. Fix its permissions or encoding (UTF-8).",
-            path=path,
-            line=0,
-        ) from exc
-    try:
-        document = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        found = _TOML_LINE.search(str(exc))
-        # tomllib (3.11) puts the position in the message only: "at line 3, column 5"
-        # or "at end of document".
-        line = int(found[1]) if found else len(text.splitlines())
-        raise ManifestError(
-            f"Manifest {path}, line {line}: not valid TOML: {exc}.", path=path, line=line
-        ) from exc
-    try:
-        parsed = _FileSchema.model_validate(document)
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        location = error["loc"]
-        line = _line_of(text, location)
-        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in location).lstrip(".")
-        extra = f" (and {exc.error_count() - 1} more problems)" if exc.error_count() > 1 else ""
-        hint = _SCHEMA_HINT if error["type"] in ("extra_forbidden", "missing") else ""
-        raise ManifestError(
-            f"Manifest {path}, line {line}: {where}: {_describe(error)}{extra}.{hint}",
-            path=path,
-            line=line,
-        ) from exc
-    headers = _entry_lines(text)
-    return tuple(
-        ManifestEntry(
-            uri=entry.uri,
-            tier=entry.tier,
-            pin=entry.pin,
-            include=tuple(entry.include),
-            exclude=tuple(entry.exclude),
-            strict_tier=entry.strict_tier,
-            compile=entry.compile,
-            path=path,
-            line=headers[index] if index < len(headers) else 0,
-        )
-        for index, entry in enumerate(parsed.model)
-    )
-
-
-def _describe(error: Mapping[str, Any]) -> str:
-    if error["type"] == "extra_forbidden":
-        return "unknown key"
-    if error["type"] == "missing":
-        return "required key missing"
-    message = str(error["msg"])
-    return message.removeprefix("Value error, ").rstrip(".")
-
-
-def _entry_lines(text: str) -> list[int]:
-    """1-based line of each ``[[model]]`` header, in order."""
-    return [n for n, line in enumerate(text.splitlines(), 1) if _ENTRY_HEADER.match(line)]
-
-
-def _line_of(text: str, location: Sequence[int | str]) -> int:
-    """Best guess at the line a schema error points to (0 when nothing matches).
-
-    tomllib keeps no positions, so the entry is found by counting ``[[model]]``
-    headers, and the key by its ``name =`` line inside the entry.
-    """
-    lines = text.splitlines()
-    start, end = 0, len(lines)
-    rest = list(location)
-    if len(rest) >= 2 and rest[0] == "model" and isinstance(rest[1], int):
-        headers = [line - 1 for line in _entry_lines(text)]
-        if rest[1] < len(headers):
-            start = headers[rest[1]]
-            end = headers[rest[1] + 1] if rest[1] + 1 < len(headers) else len(lines)
-        rest = rest[2:]
-    found = start + 1 if start or location[:1] == ("model",) else 0
-    for name in (part for part in rest if isinstance(part, str)):
-        key = re.compile(rf"^\s*\[*\s*(model\.)?[\"']?{re.escape(name)}[\"']?\s*(=|\])")
-        for number in range(start, end):
-            if key.match(lines[number]):
-                found, start = number + 1, number
-                break
-    return found
 
 
 class ManifestWatcher:
@@ -321,7 +100,7 @@ class ManifestWatcher:
         return tuple(self._desired.values())
 
     async def __aenter__(self) -> Self:
-        self._pinned = await asyncio.to_thread(_load_state, self._state_path)
+        self._pinned = await asyncio.to_thread(load_pins, self._state_path)
         self._tasks = asyncio.TaskGroup()
         await self._tasks.__aenter__()
         try:
@@ -384,7 +163,7 @@ class ManifestWatcher:
                     desired[entry.identity] = entry
                 elif entry.pin and not seen.pin:
                     # Listed twice: the first listing wins, and any pin holds.
-                    desired[entry.identity] = _with_pin(seen)
+                    desired[entry.identity] = seen.pinned()
         await self._apply(desired)
 
     async def _apply(self, desired: dict[Identity, ManifestEntry]) -> None:
@@ -519,7 +298,7 @@ class ManifestWatcher:
 
     async def _save_state(self) -> None:
         try:
-            await asyncio.to_thread(_save_state, self._state_path, self._pinned)
+            await asyncio.to_thread(save_pins, self._state_path, self._pinned)
         except OSError as exc:
             log.warning(
                 "cannot record manifest pins in %s (%s); an entry removed while the agent is "
@@ -527,20 +306,6 @@ class ManifestWatcher:
                 self._state_path,
                 exc,
             )
-
-
-def _with_pin(entry: ManifestEntry) -> ManifestEntry:
-    return ManifestEntry(
-        uri=entry.uri,
-        tier=entry.tier,
-        pin=True,
-        include=entry.include,
-        exclude=entry.exclude,
-        strict_tier=entry.strict_tier,
-        compile=entry.compile,
-        path=entry.path,
-        line=entry.line,
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -587,38 +352,3 @@ def _read_directory(directory: Path, known: Mapping[Path, _FileState]) -> dict[P
             )
             files[path] = _FileState(signature, kept)
     return files
-
-
-def _load_state(path: Path) -> dict[Identity, str]:
-    try:
-        document = json.loads(path.read_text())
-        if document.get("format") != STATE_FORMAT:
-            raise ValueError(f"unknown format {document.get('format')!r}")
-        return {
-            (pin["uri"], tuple(pin["include"]), tuple(pin["exclude"])): str(pin["key"])
-            for pin in document["pins"]
-        }
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        log.warning(
-            "ignoring unreadable manifest state %s (%s); pins made by manifests before are "
-            "not undone automatically",
-            path,
-            exc,
-        )
-        return {}
-
-
-def _save_state(path: Path, pinned: Mapping[Identity, str]) -> None:
-    document = {
-        "format": STATE_FORMAT,
-        "pins": [
-            {"uri": uri, "include": list(include), "exclude": list(exclude), "key": key}
-            for (uri, include, exclude), key in sorted(pinned.items())
-        ],
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_text(json.dumps(document, indent=1) + "\n")
-    temporary.replace(path)

@@ -8,12 +8,12 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent._exceptions import IntegrityError, NoSpace
+from agent._fs import remove_tree
 from agent._snapshot import Snapshot, SourceObject, TierName
 from agent.check.hashes import ChunkHasher, combine
 from agent.check.safetensors import read_header as read_safetensors_header
@@ -188,8 +188,7 @@ def _verified(
 
 
 def _clear(root: Path) -> None:
-    if root.exists():
-        shutil.rmtree(root)
+    remove_tree(root)
     root.mkdir(parents=True)
 
 

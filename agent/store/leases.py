@@ -4,21 +4,21 @@ A lease is granted by EnsureModel(lease=true) with a TTL. It then lives in one
 of two ways:
 
 - **held**: the client connects to the lease socket and sends one JSON line,
-  ``{"lease": "<id>", "name": "<optional client name>"}``. The agent reads the
-  peer's pid/uid/gid with SO_PEERCRED (grpc.aio gives no peer credentials on a
-  Unix socket, so this socket is how the agent learns who uses a model) and
-  answers one JSON line, ``{"ok": true, "key": "<snapshot key>"}`` or
-  ``{"ok": false, "error": "<sentence>", "code": "<gRPC status name>"}``. The
-  lease lives while that connection stays open and ends the moment it closes,
-  whether the client exited cleanly, was killed, or its pod went away.
+  ``{"lease": "<id>", "name": "<optional client name>"}``. The edge
+  (``agent.edge.lease_socket``) reads the peer's pid/uid/gid from the kernel
+  (SO_PEERCRED: grpc.aio gives no peer credentials on a Unix socket, so this
+  socket is how the agent learns who uses a model) and answers one JSON line
+  saying whether the connection now holds the lease. The lease lives while
+  that connection stays open and ends the moment it closes, whether the
+  client exited cleanly, was killed, or its pod went away.
 - **timed**: a client that cannot keep a connection renews it (RenewLease)
   before it expires, and may release it (ReleaseLease) early.
 
 Expiry is evaluated lazily against the clock whenever the table is queried, so
 no timer task is needed; expired records are dropped when seen.
 
-Nothing here knows about gRPC: the API layer calls ``LeaseTable`` and maps its
-errors; the edge serves the lease socket (``agent.edge.lease_socket``).
+This module is the table only: it raises the agent's own errors, and the
+socket and the API decide how to answer them.
 """
 
 from __future__ import annotations
@@ -32,12 +32,10 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from agent._exceptions import Conflict, InvalidRequest, NotFound
 
 __all__ = [
-    "DEFAULT_LEASE_SOCKET_PATH",
     "HELLO_LIMIT",
     "HELLO_TIMEOUT_SECONDS",
     "LeaseRecord",
@@ -47,8 +45,8 @@ __all__ = [
 
 log = logging.getLogger("agent.leases")
 
-DEFAULT_LEASE_SOCKET_PATH = Path("/run/prewarm/lease.sock")
-# The hello is one short JSON line; anything longer is not a prewarm client.
+# The lease socket's limits (agent.edge.lease_socket). The hello is one short
+# JSON line; anything longer is not a prewarm client.
 HELLO_LIMIT = 4096
 # A client that connects and says nothing must not pin a connection forever.
 HELLO_TIMEOUT_SECONDS = 5.0

@@ -1,12 +1,9 @@
-"""The node cache: tiers, published snapshots, manifests, usage, eviction.
+"""The node cache: published snapshots across tiers, indexed by key in memory.
 
-Layout of each tier root::
-
-    snapshots/<key>/...     published model files (what clients map)
-    manifests/<key>.json    written last, atomically; a snapshot exists iff this does
-    usage/<key>.json        last use and hit count (best effort, rewritten on use)
-    staging/<key>/          pulls in progress or interrupted (see _journal); never visible
-    trash/                  evicted snapshots on their way out
+``Store`` is the facade the rest of the agent uses: queries, use and pins,
+the bytes each tier holds (published, staging, extras), staging bookkeeping,
+publish and evict. The on-disk layout is ``agent.store.layout``; rebuilding
+the index at start-up is ``agent.store.reconcile``.
 
 Only the event loop thread mutates the in-memory index; file work that can be
 slow runs in worker threads.
@@ -15,23 +12,36 @@ slow runs in worker threads.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
-import os
-import secrets
-import shutil
 import time
-from collections.abc import Iterable, Mapping, Sequence, Set
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
 
 from agent._exceptions import InvalidRequest, NotFound
+from agent._fs import remove_tree, retire
 from agent._snapshot import KEY_LENGTH, TierName
 from agent._uri import parse_uri
 from agent.store.budget import Candidate, TierLimits, measure_limits
 from agent.store.journal import DATA_DIR, read_header
+from agent.store.layout import (
+    publish_files,
+    snapshot_dir,
+    staging_dir,
+    trash_dir,
+    unpublish,
+    write_usage,
+)
+from agent.store.reconcile import scan_tiers
+from agent.store.records import (
+    CachedFile,
+    CachedModel,
+    ExtraUsage,
+    Leftover,
+    TierBudget,
+    TierUsage,
+    Usage,
+)
 
 __all__ = [
     "CachedFile",
@@ -46,96 +56,14 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-MANIFEST_FORMAT = 1
 _MIN_KEY_PREFIX = 8
 _HEX = frozenset("0123456789abcdef")
-
-
-@dataclass(frozen=True, slots=True)
-class CachedFile:
-    path: str
-    size: int
-    etag: str
-    # Content digest computed while writing (see _integrity); "" if unknown.
-    digest: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class CachedModel:
-    """A published snapshot, as its manifest describes it."""
-
-    key: str
-    uri: str
-    tier: TierName
-    path: Path
-    files: tuple[CachedFile, ...]
-    include: tuple[str, ...]
-    exclude: tuple[str, ...]
-    created: float
-    # Bytes per hashed chunk of each file's digest (0: files carry no digest).
-    hash_chunk_size: int = 0
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(f.size for f in self.files)
-
-
-@dataclass(slots=True)
-class Usage:
-    last_used: float
-    hit_count: int = 0
-    pinned: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Leftover:
-    """A staging directory an interrupted pull left behind; a later pull may resume it."""
-
-    key: str
-    tier: TierName
-    path: Path
-    total_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class TierUsage:
-    tier: TierName
-    root: Path
-    capacity_bytes: int
-    free_bytes: int
-    used_bytes: int
-    model_count: int
-    budget_bytes: int
-    reserve_bytes: int
-    staging_bytes: int
-    pinned_count: int
 
 
 @dataclass(slots=True)
 class _Entry:
     model: CachedModel
     usage: Usage = field(default_factory=lambda: Usage(last_used=time.time()))
-
-
-class ExtraUsage(Protocol):
-    """Bytes on a tier that are not snapshots (compile caches): counted in its budget,
-    and evicted only when evicting every evictable snapshot would not be enough."""
-
-    def extra_bytes(self) -> int: ...
-
-    def extra_candidates(self) -> list[Candidate]: ...
-
-    async def evict_extra(self, keys: Sequence[str], reason: str) -> int:
-        """Evict these keys (skipping any in use by now); returns the bytes freed."""
-        ...
-
-
-@dataclass(frozen=True, slots=True)
-class TierBudget:
-    """A tier's budget and reserve as configured: sizes or percentages."""
-
-    budget: str = "100%"
-    reserve: str = "0"
 
 
 class Store:
@@ -158,53 +86,13 @@ class Store:
 
     async def open(self) -> None:
         """Create the tier layout and rebuild the index from disk."""
-        entries, leftovers = await asyncio.to_thread(self._scan_all)
-        self._entries = {entry.model.key: entry for entry in entries}
-        self._leftovers = {leftover.key: leftover for leftover in leftovers}
+        found = await asyncio.to_thread(scan_tiers, self._roots)
+        self._entries = {model.key: _Entry(model, usage) for model, usage in found.published}
+        self._leftovers = {leftover.key: leftover for leftover in found.leftovers}
         log.info(
             "store ready",
             extra={"models": len(self._entries), "resumable_pulls": len(self._leftovers)},
         )
-
-    def _scan_all(self) -> tuple[list[_Entry], list[Leftover]]:
-        found: list[_Entry] = []
-        leftovers: list[Leftover] = []
-        for tier, root in self._roots.items():
-            for sub in ("snapshots", "manifests", "usage", "staging", "trash"):
-                (root / sub).mkdir(parents=True, exist_ok=True)
-            for leftover in (root / "trash").iterdir():
-                _remove_tree(leftover)
-            entries = self._scan_tier(tier, root)
-            published = {entry.model.key for entry in entries}
-            leftovers.extend(_scan_staging(tier, root, published))
-            found.extend(entries)
-        return found, leftovers
-
-    def _scan_tier(self, tier: TierName, root: Path) -> list[_Entry]:
-        entries: list[_Entry] = []
-        published: set[str] = set()
-        for manifest_path in (root / "manifests").glob("*.json"):
-            key = manifest_path.stem
-            try:
-                model = _read_manifest(manifest_path, tier=tier, root=root)
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                log.warning("dropping unreadable manifest %s: %s", manifest_path, exc)
-                manifest_path.unlink(missing_ok=True)
-                continue
-            if not _files_present(model):
-                log.warning("dropping snapshot %s: its files are missing or resized", key)
-                manifest_path.unlink(missing_ok=True)
-                continue
-            published.add(key)
-            entries.append(_Entry(model=model, usage=_read_usage(root, key, model.created)))
-        for directory in (root / "snapshots").iterdir():
-            if directory.name not in published:
-                log.warning("removing %s: no manifest, so it was never published", directory)
-                _remove_tree(directory)
-        for usage_path in (root / "usage").glob("*.json"):
-            if usage_path.stem not in published:
-                usage_path.unlink(missing_ok=True)
-        return entries
 
     # -- queries ---------------------------------------------------------------------
 
@@ -342,14 +230,9 @@ class Store:
         return entry.model
 
     async def _save_usage(self, entry: _Entry, *, strict: bool = False) -> None:
-        document = {
-            "last_used": entry.usage.last_used,
-            "hit_count": entry.usage.hit_count,
-            "pinned": entry.usage.pinned,
-        }
-        path = self._roots[entry.model.tier] / "usage" / f"{entry.model.key}.json"
+        root = self._roots[entry.model.tier]
         try:
-            await asyncio.to_thread(_write_json_atomic, path, document, durable=strict)
+            await asyncio.to_thread(write_usage, root, entry.model.key, entry.usage, durable=strict)
         except OSError as exc:
             if strict:  # a pin must stick; say so if it cannot be saved
                 raise
@@ -360,7 +243,7 @@ class Store:
         return self._leftovers.get(key)
 
     def staging_path(self, tier: TierName, key: str) -> Path:
-        return self._roots[tier] / "staging" / key
+        return staging_dir(self._roots[tier], key)
 
     def begin_staging(self, tier: TierName, key: str, total_bytes: int) -> list[Path]:
         """A pull of ``key`` starts on ``tier``: count its bytes until it ends.
@@ -381,34 +264,36 @@ class Store:
         counting and cannot be resumed) and returned for ``purge``, so the
         event loop never waits on deleting a large tree.
         """
-        tier, total = self._in_flight.pop(key, (None, 0))
-        staging = self._roots[tier] / "staging" / key if tier else None
-        if keep and tier is not None and staging is not None and staging.exists():
-            self._leftovers[key] = Leftover(key, tier, staging, total)
-            return []
+        in_flight = self._in_flight.pop(key, None)
+        doomed: dict[Path, TierName] = {}
+        if in_flight is not None:
+            tier, total = in_flight
+            staging = self.staging_path(tier, key)
+            if keep and staging.exists():
+                self._leftovers[key] = Leftover(key, tier, staging, total)
+                return []
+            doomed[staging] = tier
         leftover = self._leftovers.pop(key, None)
-        paths = {staging, leftover.path if leftover else None} - {None}
-        return [self._retire(path) for path in paths if path is not None]
+        if leftover is not None:
+            doomed[leftover.path] = leftover.tier
+        return [self._retire(tier, path) for path, tier in doomed.items()]
 
     def discard_leftover(self, key: str) -> list[Path]:
         """Forget a resumable pull; returns what to ``purge``."""
         leftover = self._leftovers.pop(key, None)
         in_flight = self._in_flight.get(key)
         if leftover is not None and (in_flight is None or in_flight[0] != leftover.tier):
-            return [self._retire(leftover.path)]
+            return [self._retire(leftover.tier, leftover.path)]
         return []
 
-    def _retire(self, path: Path) -> Path:
+    def _retire(self, tier: TierName, path: Path) -> Path:
         # staging/ and trash/ share a filesystem: the rename is O(1) whatever the size.
-        doomed = path.parent.parent / "trash" / f"{path.name}.{secrets.token_hex(4)}"
-        with contextlib.suppress(FileNotFoundError):
-            path.rename(doomed)
-        return doomed
+        return retire(path, trash_dir(self._roots[tier]))
 
     async def purge(self, paths: Iterable[Path]) -> None:
         """Delete retired directories in a worker thread (start-up empties trash/ too)."""
         for path in paths:
-            await asyncio.to_thread(_remove_tree, path)
+            await asyncio.to_thread(remove_tree, path)
 
     def discard_leftovers_of(self, uri: str, keep: str) -> list[Path]:
         """Drop resumable pulls of other snapshots of a URI: they can never resume now."""
@@ -429,9 +314,8 @@ class Store:
         if existing is not None:
             return existing
         root = self._roots[model.tier]
-        final = root / "snapshots" / model.key
-        published = replace(model, path=final, created=time.time())
-        await asyncio.to_thread(_publish_files, staging / DATA_DIR, final, root, published)
+        published = replace(model, path=snapshot_dir(root, model.key), created=time.time())
+        await asyncio.to_thread(publish_files, staging / DATA_DIR, root, published)
         self._entries[model.key] = _Entry(model=published, usage=Usage(published.created))
         await self.record_use(model.key, hit=False)
         return published
@@ -439,151 +323,12 @@ class Store:
     async def evict(self, key: str) -> CachedModel:
         """Remove a snapshot: hide it (manifest first), then unlink its files.
 
-        Files are unlinked, never truncated, so a process that still maps them
-        keeps valid pages until it unmaps.
+        Files are unlinked, never truncated (see ``layout.unpublish``), so a
+        process that still maps them keeps valid pages until it unmaps.
         """
         entry = self._entries.pop(key, None)
         if entry is None:
             raise NotFound(f"Snapshot {key} is not cached. See `prewarm ls`.")
         root = self._roots[entry.model.tier]
-        await asyncio.to_thread(_unpublish, root, key)
+        await asyncio.to_thread(unpublish, root, key)
         return entry.model
-
-
-# -- file helpers (run in worker threads) -------------------------------------------------
-
-
-def _remove_tree(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_json_atomic(path: Path, document: Mapping[str, Any], *, durable: bool = False) -> None:
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        with tmp.open("w") as fh:
-            json.dump(document, fh, separators=(",", ":"))
-            if durable:
-                fh.flush()
-                os.fsync(fh.fileno())
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    if durable:
-        _fsync_dir(path.parent)
-
-
-def _publish_files(staging: Path, final: Path, root: Path, model: CachedModel) -> None:
-    if final.exists():  # a leftover without a manifest; never served, safe to replace
-        _remove_tree(final)
-    staging.rename(final)
-    _fsync_dir(final.parent)
-    _write_json_atomic(
-        root / "manifests" / f"{model.key}.json", _manifest_document(model), durable=True
-    )
-
-
-def _unpublish(root: Path, key: str) -> None:
-    (root / "manifests" / f"{key}.json").unlink(missing_ok=True)
-    (root / "usage" / f"{key}.json").unlink(missing_ok=True)
-    doomed = root / "trash" / f"{key}.{secrets.token_hex(4)}"
-    with contextlib.suppress(FileNotFoundError):
-        (root / "snapshots" / key).rename(doomed)
-    _remove_tree(doomed)
-
-
-def _manifest_document(model: CachedModel) -> dict[str, Any]:
-    return {
-        "format": MANIFEST_FORMAT,
-        "key": model.key,
-        "uri": model.uri,
-        "include": list(model.include),
-        "exclude": list(model.exclude),
-        "created": model.created,
-        "hash_chunk_size": model.hash_chunk_size,
-        "files": [
-            {"path": f.path, "size": f.size, "etag": f.etag, "digest": f.digest}
-            for f in model.files
-        ],
-    }
-
-
-def _read_manifest(path: Path, *, tier: TierName, root: Path) -> CachedModel:
-    document = json.loads(path.read_text())
-    if document.get("format") != MANIFEST_FORMAT:
-        raise ValueError(f"unknown manifest format {document.get('format')!r}")
-    key = str(document["key"])
-    if key != path.stem:
-        raise ValueError(f"manifest names key {key}, file is {path.name}")
-    return CachedModel(
-        key=key,
-        uri=str(document["uri"]),
-        tier=tier,
-        path=root / "snapshots" / key,
-        files=tuple(
-            CachedFile(
-                path=_safe_manifest_path(str(f["path"])),
-                size=int(f["size"]),
-                etag=str(f["etag"]),
-                digest=str(f.get("digest", "")),
-            )
-            for f in document["files"]
-        ),
-        include=tuple(document["include"]),
-        exclude=tuple(document["exclude"]),
-        created=float(document["created"]),
-        hash_chunk_size=int(document.get("hash_chunk_size", 0)),
-    )
-
-
-def _safe_manifest_path(path: str) -> str:
-    # A manifest is ours, but a tampered one must not make us stat or hash outside the dir.
-    parts = path.split("/")
-    if path.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\x00" in path:
-        raise ValueError(f"unsafe path {path!r} in manifest")
-    return path
-
-
-def _scan_staging(tier: TierName, root: Path, published: set[str]) -> list[Leftover]:
-    """Keep staging directories a pull can resume; remove everything else."""
-    leftovers: list[Leftover] = []
-    for staging in (root / "staging").iterdir():
-        header = read_header(staging) if staging.is_dir() else None
-        if header is None or header.key != staging.name or staging.name in published:
-            log.warning("removing %s: not a resumable pull", staging)
-            _remove_tree(staging)
-            continue
-        leftovers.append(Leftover(header.key, tier, staging, header.total_bytes))
-    return leftovers
-
-
-def _files_present(model: CachedModel) -> bool:
-    for cached in model.files:
-        try:
-            if (model.path / cached.path).stat().st_size != cached.size:
-                return False
-        except OSError:
-            return False
-    return True
-
-
-def _read_usage(root: Path, key: str, created: float) -> Usage:
-    try:
-        document = json.loads((root / "usage" / f"{key}.json").read_text())
-        return Usage(
-            last_used=float(document["last_used"]),
-            hit_count=int(document["hit_count"]),
-            pinned=bool(document.get("pinned", False)),
-        )
-    except (OSError, ValueError, KeyError, TypeError):
-        return Usage(last_used=created)

@@ -1,0 +1,265 @@
+"""The compile caches on this node's disk: one record and one directory per key.
+
+Layout under ``<disk root>/compile/``::
+
+    <key>/              the directory pods point their engine at (see engine_env)
+    .meta/<key>.json    key parts, use and upload record; written before <key>/ appears
+    .tmp/               restores and packs in progress (emptied at start)
+    .trash/             evicted directories on their way out (emptied at start)
+
+A key exists when both its record and its directory do; ``load`` drops either
+half found alone. A directory appears whole: it is built in ``.tmp/`` and
+renamed into place, so a pod never sees half an archive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agent._exceptions import InvalidRequest
+from agent._fs import remove_tree, retire, write_json_atomic
+from agent.compile.archive import walk_artifacts
+from agent.compile.keys import (
+    CompileKeyParts,
+    compile_key,
+    normalise_parts,
+    parts_from_dict,
+    parts_to_dict,
+)
+
+__all__ = ["CacheIndex", "CacheRecord", "CompileCacheInfo", "has_artifacts"]
+
+log = logging.getLogger(__name__)
+
+META_FORMAT = 1
+_BOOKKEEPING = (".meta", ".tmp", ".trash")
+
+
+@dataclass(frozen=True, slots=True)
+class CompileCacheInfo:
+    key: str
+    path: Path
+    parts: CompileKeyParts
+    bytes: int
+    file_count: int
+    created: float
+    last_used: float
+    # Content digest of the last upload or restore ("" if none) and when it happened.
+    uploaded_digest: str
+    uploaded: float
+    restored: bool
+
+
+@dataclass(slots=True)
+class CacheRecord:
+    """What ``.meta/<key>.json`` holds, plus the sizes last measured (not stored)."""
+
+    parts: CompileKeyParts
+    created: float
+    last_used: float
+    uploaded_digest: str = ""
+    uploaded: float = 0.0
+    restored: bool = False
+    bytes: int = 0
+    file_count: int = 0
+
+    @classmethod
+    def new(cls, parts: CompileKeyParts) -> CacheRecord:
+        now = time.time()
+        return cls(parts=parts, created=now, last_used=now)
+
+
+class CacheIndex:
+    """The records of every key on the node, kept in step with the directories on disk.
+
+    The caller serialises work on one key (the facade's per-key locks); the
+    file work runs in worker threads.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.temp = root / ".tmp"
+        self._records: dict[str, CacheRecord] = {}
+
+    async def load(self) -> None:
+        """Rebuild the index from disk, clearing what an earlier run left half done."""
+        self._records = await asyncio.to_thread(_scan, self.root)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._records
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __iter__(self) -> Iterator[str]:
+        """The keys, as they are now (the index may change while the caller awaits)."""
+        return iter(list(self._records))
+
+    def items(self) -> Iterator[tuple[str, CacheRecord]]:
+        return iter(list(self._records.items()))
+
+    def get(self, key: str) -> CacheRecord | None:
+        return self._records.get(key)
+
+    def directory(self, key: str) -> Path:
+        return self.root / key
+
+    def scratch(self, key: str, suffix: str = "") -> Path:
+        """A fresh path in ``.tmp/`` for work on ``key`` that must not be seen half done."""
+        return self.temp / f"{key}.{secrets.token_hex(4)}{suffix}"
+
+    def total_bytes(self) -> int:
+        return sum(record.bytes for record in self._records.values())
+
+    def info(self, key: str, record: CacheRecord) -> CompileCacheInfo:
+        return CompileCacheInfo(
+            key=key,
+            path=self.directory(key),
+            parts=record.parts,
+            bytes=record.bytes,
+            file_count=record.file_count,
+            created=record.created,
+            last_used=record.last_used,
+            uploaded_digest=record.uploaded_digest,
+            uploaded=record.uploaded,
+            restored=record.restored,
+        )
+
+    async def measure(self, key: str, record: CacheRecord) -> None:
+        """Set ``record``'s sizes to what ``key``'s directory holds now."""
+        record.bytes, record.file_count = await asyncio.to_thread(_measure, self.directory(key))
+
+    async def has_artifacts(self, key: str) -> bool:
+        return await asyncio.to_thread(has_artifacts, self.directory(key))
+
+    async def save(self, key: str, record: CacheRecord, *, strict: bool) -> None:
+        """Write ``key``'s record; unless ``strict``, a failed write is only logged."""
+        try:
+            await asyncio.to_thread(_write_meta, self.root, key, record)
+        except OSError as exc:
+            if strict:
+                raise
+            log.warning("could not record use of compile cache %s: %s", key, exc)
+
+    async def publish(self, key: str, record: CacheRecord, staging: Path) -> None:
+        """Record the key, then move ``staging`` (restored or new) into place as its directory."""
+        try:
+            await self.save(key, record, strict=True)
+            await asyncio.to_thread(_place, staging, self.directory(key), record.parts.engine)
+        except BaseException:
+            await self.discard(staging)
+            raise
+        await self.measure(key, record)
+        self._records[key] = record
+
+    async def remove(self, key: str) -> None:
+        """Forget ``key`` and delete its record and directory."""
+        self._records.pop(key, None)
+        await asyncio.to_thread(_remove, self.root, key)
+
+    async def discard(self, path: Path) -> None:
+        """Delete a scratch path; finishes even if the caller is cancelled meanwhile."""
+        await asyncio.shield(asyncio.to_thread(remove_tree, path))
+
+
+def has_artifacts(directory: Path) -> bool:
+    return directory.is_dir() and next(walk_artifacts(directory), None) is not None
+
+
+# -- file work (worker threads) -------------------------------------------------------------------
+
+
+def _measure(directory: Path) -> tuple[int, int]:
+    """Bytes and files under ``directory`` (everything: this is what the disk holds)."""
+    total = files = 0
+    for base, _, names in os.walk(directory):
+        for name in names:
+            try:
+                total += (Path(base) / name).lstat().st_size
+                files += 1
+            except FileNotFoundError:
+                continue
+    return total, files
+
+
+def _place(staging: Path, final: Path, engine: str) -> None:
+    staging.mkdir(parents=True, exist_ok=True)
+    # The engines create these themselves; creating them here lets a pod that
+    # mounts the directory read-only for a sub-process still find them.
+    subdirs = {"torch": ("inductor", "triton"), "sglang": ("inductor", "triton", "sglang")}
+    for sub in subdirs.get(engine, ("inductor", "triton", "vllm")):
+        (staging / sub).mkdir(exist_ok=True)
+    if final.exists():  # left behind without a record; never handed out, safe to replace
+        remove_tree(final)
+    staging.rename(final)
+
+
+def _remove(root: Path, key: str) -> None:
+    (root / ".meta" / f"{key}.json").unlink(missing_ok=True)
+    remove_tree(retire(root / key, root / ".trash"))
+
+
+def _write_meta(root: Path, key: str, record: CacheRecord) -> None:
+    document: dict[str, Any] = {
+        "format": META_FORMAT,
+        "key": key,
+        "parts": parts_to_dict(record.parts),
+        "created": record.created,
+        "last_used": record.last_used,
+        "uploaded_digest": record.uploaded_digest,
+        "uploaded": record.uploaded,
+        "restored": record.restored,
+    }
+    write_json_atomic(root / ".meta" / f"{key}.json", document)
+
+
+def _read_meta(path: Path) -> CacheRecord:
+    document = json.loads(path.read_text())
+    if document.get("format") != META_FORMAT or document.get("key") != path.stem:
+        raise ValueError(f"format {document.get('format')!r}, key {document.get('key')!r}")
+    parts = normalise_parts(parts_from_dict(document["parts"]))
+    if compile_key(parts) != path.stem:
+        raise ValueError("its key parts hash to another key")
+    return CacheRecord(
+        parts=parts,
+        created=float(document["created"]),
+        last_used=float(document["last_used"]),
+        uploaded_digest=str(document.get("uploaded_digest", "")),
+        uploaded=float(document.get("uploaded", 0.0)),
+        restored=bool(document.get("restored", False)),
+    )
+
+
+def _scan(root: Path) -> dict[str, CacheRecord]:
+    for sub in _BOOKKEEPING:
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    for leftover in [*(root / ".tmp").iterdir(), *(root / ".trash").iterdir()]:
+        remove_tree(leftover)
+    records: dict[str, CacheRecord] = {}
+    for meta in (root / ".meta").glob("*.json"):
+        key = meta.stem
+        try:
+            record = _read_meta(meta)
+        except (OSError, ValueError, KeyError, TypeError, InvalidRequest) as exc:
+            log.warning("dropping compile cache %s: unreadable record (%s)", key, exc)
+            meta.unlink(missing_ok=True)
+            continue
+        if not (root / key).is_dir():
+            meta.unlink(missing_ok=True)  # recorded, but its directory never appeared
+            continue
+        record.bytes, record.file_count = _measure(root / key)
+        records[key] = record
+    for directory in root.iterdir():
+        if not directory.name.startswith(".") and directory.name not in records:
+            log.warning("removing %s: a compile cache without a record", directory)
+            remove_tree(directory)
+    return records

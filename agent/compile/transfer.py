@@ -1,0 +1,198 @@
+"""Moving one compile cache between this node's disk and S3: restore and upload.
+
+A restore downloads the archive the key's pointer names and unpacks it into a
+scratch directory in ``.tmp/``; the caller publishes that directory into the
+index. An upload packs the key's directory and hands it to
+``RemoteCompileCaches``, which switches the pointer. The caller holds the
+key's lock around both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent._exceptions import Conflict, IntegrityError, InvalidRequest, PrewarmError
+from agent.compile.archive import ChangedDuringPack, content_digest, pack, unpack
+from agent.compile.index import CacheIndex, CacheRecord
+from agent.compile.keys import (
+    CompileKeyParts,
+    compile_key,
+    normalise_parts,
+    parts_from_dict,
+    parts_to_dict,
+)
+from agent.compile.remote import ArchiveGone, Pointer, RemoteCompileCaches
+from agent.obs.metrics import COMPILE_CACHE_PHASE_SECONDS
+
+__all__ = ["CompileCacheTransfer", "Fetched", "PodRestore", "PushOutcome", "parts_of"]
+
+log = logging.getLogger(__name__)
+
+_RESTORE_ATTEMPTS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class PushOutcome:
+    uploaded: bool
+    uri: str
+    digest: str
+    bytes: int
+    skipped_reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    """An archive unpacked into ``staging``, and the pointer that named it."""
+
+    pointer: Pointer
+    staging: Path
+
+    def record(self, parts: CompileKeyParts) -> CacheRecord:
+        """A new record for the restored key: it holds what S3 holds."""
+        record = CacheRecord.new(parts)
+        record.uploaded_digest = self.pointer.digest
+        record.uploaded = self.pointer.uploaded
+        record.restored = True
+        return record
+
+
+@dataclass(frozen=True, slots=True)
+class PodRestore:
+    """What a pod's restore came to: an archive, or the reason it starts empty."""
+
+    fetched: Fetched | None
+    seconds: float
+    note: str
+
+
+class CompileCacheTransfer:
+    """Restores and uploads keys of one index against one S3 prefix."""
+
+    def __init__(
+        self,
+        remote: RemoteCompileCaches,
+        index: CacheIndex,
+        *,
+        room: Callable[[], int],
+        restore_timeout: float,
+    ) -> None:
+        self._remote = remote
+        self._index = index
+        # Bytes the disk can still take: an archive that unpacks to more is refused.
+        self._room = room
+        self._restore_timeout = restore_timeout
+
+    def uri_of(self, key: str) -> str:
+        return self._remote.uri_of(key)
+
+    async def restore_for_pod(self, key: str) -> PodRestore:
+        """Fetch a key for a pod: any failure becomes a note and an empty directory."""
+        started = time.monotonic()
+        timeout = self._restore_timeout
+        try:
+            async with asyncio.timeout(timeout):
+                fetched = await self.fetch(key)
+        except IntegrityError as exc:
+            log.warning("refused the compile-cache archive of %s: %s", key, exc, extra={"key": key})
+            return PodRestore(None, 0.0, f"refused the archive in S3: {exc}")
+        except TimeoutError:
+            return PodRestore(
+                None, 0.0, f"restore from S3 took longer than {timeout:g} s; starting cold"
+            )
+        except PrewarmError as exc:
+            log.warning("could not restore compile cache %s: %s", key, exc, extra={"key": key})
+            return PodRestore(None, 0.0, f"could not restore from S3: {exc}")
+        if fetched is None:
+            return PodRestore(None, 0.0, f"nothing uploaded yet at {self._remote.uri_of(key)}")
+        seconds = time.monotonic() - started
+        COMPILE_CACHE_PHASE_SECONDS.labels("restore").observe(seconds)
+        return PodRestore(fetched, seconds, "")
+
+    async def fetch(self, key: str) -> Fetched | None:
+        """Download and unpack ``key``'s current archive; None when nothing was uploaded."""
+        for _ in range(_RESTORE_ATTEMPTS):
+            pointer = await self._remote.read_pointer(key)
+            if pointer is None:
+                return None
+            staging = self._index.scratch(key)
+            archive = staging.with_name(f"{staging.name}.tar.zst")
+            try:
+                await self._remote.download(pointer, archive)
+                await asyncio.to_thread(staging.mkdir)
+                await asyncio.to_thread(
+                    unpack,
+                    archive,
+                    staging,
+                    expected_digest=pointer.digest,
+                    max_bytes=self._room(),
+                )
+            except ArchiveGone:
+                await self._index.discard(staging)
+                continue  # superseded while we read the pointer: read it again
+            except BaseException:
+                await self._index.discard(staging)
+                raise
+            finally:
+                await asyncio.shield(asyncio.to_thread(archive.unlink, missing_ok=True))
+            return Fetched(pointer, staging)
+        raise Conflict(
+            f"The compile-cache archive of {key} kept being replaced while it was read; "
+            "another node is uploading it. Try again."
+        )
+
+    async def upload(self, key: str, record: CacheRecord) -> PushOutcome:
+        """Pack and upload ``key`` unless S3 (as far as we know) has the same content."""
+        directory = self._index.directory(key)
+        uri = self._remote.uri_of(key)
+        try:
+            current = await asyncio.to_thread(content_digest, directory)
+        except ChangedDuringPack as exc:
+            return PushOutcome(False, uri, "", 0, f"still being written ({exc})")
+        if current.file_count == 0:
+            return PushOutcome(False, uri, current.digest, 0, "no artifacts yet")
+        if current.digest == record.uploaded_digest:
+            return PushOutcome(
+                False, uri, current.digest, 0, "unchanged since the last upload or restore"
+            )
+        started = time.monotonic()
+        archive = self._index.scratch(key, ".tar.zst")
+        try:
+            try:
+                packed = await asyncio.to_thread(pack, directory, archive)
+            except ChangedDuringPack as exc:
+                return PushOutcome(False, uri, "", 0, f"still being written ({exc})")
+            outcome = await self._remote.upload(key, archive, packed, parts_to_dict(record.parts))
+        finally:
+            await asyncio.shield(asyncio.to_thread(archive.unlink, missing_ok=True))
+        # Uploaded or found already there: either way S3 now holds this content.
+        record.uploaded_digest, record.uploaded = packed.digest, time.time()
+        await self._index.save(key, record, strict=False)
+        if outcome.uploaded:
+            COMPILE_CACHE_PHASE_SECONDS.labels("upload").observe(time.monotonic() - started)
+        return PushOutcome(
+            outcome.uploaded,
+            outcome.uri,
+            packed.digest,
+            packed.archive_bytes if outcome.uploaded else 0,
+            outcome.reason,
+        )
+
+
+def parts_of(pointer: Pointer) -> CompileKeyParts:
+    """The key parts a pointer carries, refused unless they hash to its key."""
+    try:
+        parts = normalise_parts(parts_from_dict(pointer.parts))
+        if compile_key(parts) != pointer.key:
+            raise InvalidRequest("they hash to another key")
+    except (InvalidRequest, TypeError) as exc:
+        raise IntegrityError(
+            f"The compile-cache pointer of {pointer.key} holds unusable key parts ({exc}).",
+            path="pointer.json",
+            check="pointer",
+        ) from exc
+    return parts

@@ -1,0 +1,58 @@
+"""A real store on tmp_path roots, and snapshots staged and published into it.
+
+For in-process tests of the store and eviction: the same files and renames a
+pull makes, without a daemon, a source or a socket.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from agent._snapshot import TierName
+from agent.store.journal import DATA_DIR
+from agent.store.store import CachedFile, CachedModel, Store, TierBudget
+
+MiB = 1024 * 1024
+
+
+def key_of(number: int) -> str:
+    """A snapshot key (32 hex digits) that sorts by ``number``."""
+    return f"{number:032x}"
+
+
+async def open_store(tmp_path: Path, budget: str = "10MiB") -> Store:
+    """A store with both tiers under ``tmp_path``, each with ``budget`` and no reserve."""
+    roots: dict[TierName, Path] = {"shm": tmp_path / "shm", "disk": tmp_path / "disk"}
+    store = Store(roots, {tier: TierBudget(budget=budget, reserve="0") for tier in roots})
+    await store.open()
+    return store
+
+
+def stage(
+    store: Store, number: int, mib: float = 1, *, tier: TierName = "shm"
+) -> tuple[Path, CachedModel]:
+    """Write a one-file snapshot into ``staging/<key>/data`` as a finished pull leaves it."""
+    key = key_of(number)
+    staging = store.staging_path(tier, key)
+    (staging / DATA_DIR).mkdir(parents=True)
+    size = int(mib * MiB)
+    (staging / DATA_DIR / "weights.bin").write_bytes(bytes([number % 256]) * size)
+    model = CachedModel(
+        key=key,
+        uri=f"s3://bucket/model-{number}/",
+        tier=tier,
+        path=staging,
+        files=(CachedFile(path="weights.bin", size=size, etag=f'"etag-{number}"'),),
+        include=(),
+        exclude=(),
+        created=0.0,
+    )
+    return staging, model
+
+
+async def publish(
+    store: Store, number: int, mib: float = 1, *, tier: TierName = "shm"
+) -> CachedModel:
+    """Stage and publish snapshot ``number``; later numbers are more recently used."""
+    staging, model = stage(store, number, mib, tier=tier)
+    return await store.publish(staging, model)

@@ -1,4 +1,4 @@
-"""Content hashes of cached files, and S3's own checksums, checked before publishing.
+"""Content hashes of cached files, and the check of a file against a source's checksum.
 
 The content hash ("xxh3-128/chunks") is built for a file written as ranges, out
 of order, by concurrent workers, and resumed after a crash:
@@ -18,23 +18,19 @@ xxh3 is a checksum against corruption (torn writes, bit rot, a bad disk, a
 buggy writer), not a defence against someone who can write the cache: anyone
 who can change a file can change its manifest too.
 
-``full_object_checksum`` compares a file with the checksum S3 stores for an
-object (HEAD with ChecksumMode=ENABLED), where one exists and can be computed
-here; it answers None rather than guess.
+``check_object_checksum`` holds a file to a checksum the source keeps for the
+whole object (agent.source.checksums computes S3's); the source says whether
+it matches, this module says what a mismatch means.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import hashlib
 import os
-import re
 import stat
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 import xxhash
 
@@ -44,17 +40,15 @@ __all__ = [
     "ALGORITHM",
     "DIGEST_SIZE",
     "READ_BLOCK",
-    "S3_CHECKSUM_ALGORITHMS",
     "ChunkDigests",
     "ChunkHasher",
     "FileDigest",
     "FileProblem",
-    "S3Checksum",
+    "ObjectChecksum",
+    "check_object_checksum",
     "chunk_count",
     "combine",
-    "full_object_checksum",
     "hash_file",
-    "s3_checksum_of",
     "verify_files",
 ]
 
@@ -267,147 +261,30 @@ def verify_files(
     return problems
 
 
-# --- S3 checksums ------------------------------------------------------------
+class ObjectChecksum(Protocol):
+    """A checksum the source keeps for a whole object (e.g. S3's SHA256 or CRC32)."""
 
-# As S3 names them (ChecksumAlgorithm, and the Checksum<NAME> fields of HEAD),
-# in the order we prefer when an object has more than one: cheapest first.
-S3_CHECKSUM_ALGORITHMS = (
-    "XXHASH3",
-    "XXHASH128",
-    "XXHASH64",
-    "CRC64NVME",
-    "CRC32C",
-    "CRC32",
-    "MD5",
-    "SHA1",
-    "SHA256",
-    "SHA512",
-)
-
-
-# A multipart upload's ETag: hex MD5 of the parts' MD5s, then "-<parts>".
-_MULTIPART_ETAG = re.compile(r"[0-9a-fA-F]+-[0-9]+")
-
-
-class _Digest(Protocol):
-    def update(self, data: Any, /) -> Any: ...
-    def digest(self) -> bytes: ...
-
-
-@dataclass(frozen=True, slots=True)
-class S3Checksum:
-    """A checksum S3 reports for an object: base64 of the big-endian value.
-
-    ``composite`` is True for a checksum of the parts' checksums (a multipart
-    upload with ChecksumType COMPOSITE), which ``matches`` cannot check.
-    """
-
-    algorithm: str
-    value: str
-    composite: bool
+    @property
+    def algorithm(self) -> str: ...
 
     def matches(self, path: str | os.PathLike[str]) -> bool | None:
-        """``full_object_checksum`` of ``path`` against this checksum."""
-        kind = "COMPOSITE" if self.composite else None
-        return full_object_checksum(path, self.algorithm, self.value, checksum_type=kind)
+        """Whether the file holds the object's bytes; None when it cannot be told."""
+        ...
 
 
-def s3_checksum_of(head: Mapping[str, Any]) -> S3Checksum | None:
-    """The checksum in a HeadObject/GetObject response (ChecksumMode=ENABLED), if any.
+def check_object_checksum(
+    path: str | os.PathLike[str], checksum: ObjectChecksum, *, relative_path: str, origin: str
+) -> None:
+    """Raise IntegrityError if the file at ``path`` differs from ``origin``'s checksum.
 
-    Composite when S3 says so (ChecksumType COMPOSITE, or a "-<parts>" suffix on
-    the value), and also when the response has no ChecksumType but the ETag
-    has a "-<parts>" suffix: then the object was uploaded in parts and the
-    checksum's kind is unknown, and treating it as full-object could fail a good
-    file. (moto's HEAD answers composite checksums that way: no suffix, no type.)
+    A checksum that cannot be computed here passes: the content hash and the
+    size checks still hold. Blocking: a full read of the file; run it in a thread.
     """
-    for algorithm in S3_CHECKSUM_ALGORITHMS:
-        value = head.get(f"Checksum{algorithm}")
-        if isinstance(value, str) and value:
-            kind = head.get("ChecksumType")
-            etag = str(head.get("ETag", "")).strip('"')
-            composite = (
-                kind == "COMPOSITE"
-                or "-" in value
-                or (kind is None and _MULTIPART_ETAG.fullmatch(etag) is not None)
-            )
-            return S3Checksum(algorithm, value, composite)
-    return None
-
-
-def full_object_checksum(
-    path: str | os.PathLike[str],
-    algorithm: str,
-    expected_base64: str,
-    *,
-    checksum_type: str | None = None,
-    read_block: int = READ_BLOCK,
-) -> bool | None:
-    """Whether a file matches S3's full-object checksum; None if it cannot be told.
-
-    None, never a guess, when:
-    - the checksum is composite (ChecksumType COMPOSITE, or a "-<parts>"
-      suffix): it is a checksum of the parts' checksums, and checking it needs
-      the part boundaries (GetObjectAttributes ObjectParts), which we do not fetch;
-    - the algorithm needs awscrt (CRC32C, CRC64NVME through botocore's CRT
-      classes) and awscrt is not installed, or the algorithm is unknown;
-    - the expected value is not base64 of a value of the algorithm's size.
-    A mismatch is False. Blocking: a full read of the file; run it in a thread.
-    Measured like ``hash_file``: XXHASH3 12.7 GB/s, CRC32 4.7 GB/s, SHA256
-    1.7 GB/s, MD5 0.8 GB/s; for a 200 GB model with SHA256 checksums that is two
-    minutes of one core, which is why ``IntegritySettings.s3_checksums`` exists.
-    """
-    if checksum_type == "COMPOSITE" or "-" in expected_base64:
-        return None
-    factory = _s3_hasher(algorithm.upper())
-    if factory is None:
-        return None
-    hasher = factory()
-    try:
-        expected = base64.b64decode(expected_base64, validate=True)
-    except binascii.Error:
-        return None
-    if len(expected) != len(hasher.digest()):
-        return None
-    buffer = bytearray(read_block)
-    view = memoryview(buffer)
-    with Path(path).open("rb", buffering=0) as file:
-        while count := file.readinto(buffer):
-            hasher.update(view[:count])
-    return hasher.digest() == expected
-
-
-def _md5() -> _Digest:
-    # An integrity check, not security; FIPS builds refuse md5 without this flag.
-    return hashlib.md5(usedforsecurity=False)
-
-
-def _s3_hasher(algorithm: str) -> Callable[[], _Digest] | None:
-    from botocore import httpchecksum
-
-    # botocore's own classes where it has them, so the digest is exactly what
-    # botocore would compare a GetObject body with (big-endian CRCs included).
-    factories: dict[str, Callable[[], _Digest]] = {
-        "CRC32": httpchecksum.Crc32Checksum,
-        "CRC32C": httpchecksum.CrtCrc32cChecksum,
-        "CRC64NVME": httpchecksum.CrtCrc64NvmeChecksum,
-        "SHA1": httpchecksum.Sha1Checksum,
-        "SHA256": httpchecksum.Sha256Checksum,
-        "SHA512": httpchecksum.Sha512Checksum,
-        # botocore computes these only through awscrt; xxhash gives the same
-        # canonical (big-endian) digests, checked against aws-checksums' vectors.
-        "XXHASH64": xxhash.xxh64,
-        "XXHASH3": xxhash.xxh3_64,
-        "XXHASH128": xxhash.xxh3_128,
-        "MD5": _md5,
-    }
-    factory = factories.get(algorithm)
-    if factory is None:
-        return None
-    try:
-        # The CRT classes exist without awscrt (or with one too old for
-        # CRC64NVME) and fail on first use; probe once, answer "cannot check".
-        factory().update(b"")
-    except (AttributeError, TypeError, ImportError):
-        return None
-    return factory
+    if checksum.matches(path) is False:
+        raise IntegrityError(
+            f"{relative_path}: its {checksum.algorithm} checksum differs from the one S3 "
+            f"holds for {origin}; not publishing. Pull it again; if it repeats, the "
+            "object or the network path is corrupting data.",
+            path=relative_path,
+            check=f"s3-{checksum.algorithm.lower()}",
+        )

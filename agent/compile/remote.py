@@ -9,9 +9,11 @@ An upload never overwrites an object that anyone reads: the archive goes to a
 name no other node can pick, and only then is the small pointer switched to
 it, with a conditional PUT (``If-Match`` the pointer's ETag as read before, or
 ``If-None-Match: *`` when there was none). If another node switched the
-pointer in between, S3 answers 412; the uploader reads the pointer again and
-stops if it names the same content, else switches again (the last writer wins,
-and every reader sees either the old archive or the new one, never a mix).
+pointer in between, S3 answers 412 (the source raises Conflict); the uploader
+reads the pointer again and stops if it names the same content, else switches
+again (the last writer wins, and every reader sees either the old archive or
+the new one, never a mix). Everything goes through the source interface
+(agent.source.interface), so this runs unchanged over the in-memory source.
 The archive the pointer named before is deleted after the switch; a restore
 that finds its archive gone reads the pointer again.
 """
@@ -28,12 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from botocore import exceptions as boto
-
-from agent._exceptions import Conflict, IntegrityError, NotFound
+from agent._exceptions import Conflict, IntegrityError, NotFound, SourceChanged
 from agent._uri import ModelUri
 from agent.compile.archive import DIGEST_PREFIX, PackResult
-from agent.source.s3 import S3Source
+from agent.source.interface import ObjectSource, ObjectTooLarge
 
 __all__ = ["ArchiveGone", "Pointer", "RemoteCompileCaches", "UploadOutcome"]
 
@@ -41,10 +41,10 @@ log = logging.getLogger(__name__)
 
 POINTER_FORMAT = 1
 POINTER_NAME = "pointer.json"
+# A pointer is a few hundred bytes of JSON; anything far larger is not one.
+POINTER_MAX_BYTES = 1024 * 1024
 _SWITCH_ATTEMPTS = 5
 _READ_BLOCK = 1024 * 1024
-_PRECONDITION_CODES = frozenset({"PreconditionFailed", "412", "ConditionalRequestConflict"})
-_MISSING_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 
 
 class ArchiveGone(NotFound):
@@ -74,14 +74,6 @@ class UploadOutcome:
     reason: str = ""
 
 
-def _error_code(exc: BaseException) -> str:
-    if isinstance(exc, boto.ClientError):
-        error = exc.response.get("Error", {})
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        return str(error.get("Code") or status)
-    return ""
-
-
 def _parse_pointer(key: str, body: bytes, etag: str) -> Pointer:
     try:
         document = json.loads(body)
@@ -106,18 +98,22 @@ def _parse_pointer(key: str, body: bytes, etag: str) -> Pointer:
             etag=etag,
         )
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise IntegrityError(
-            f"The compile-cache pointer of {key} is unreadable ({exc}); the next upload "
-            "for this key replaces it.",
-            path=POINTER_NAME,
-            check="pointer",
-        ) from exc
+        raise _unreadable(key, exc) from exc
+
+
+def _unreadable(key: str, cause: Exception) -> IntegrityError:
+    return IntegrityError(
+        f"The compile-cache pointer of {key} is unreadable ({cause}); the next upload "
+        "for this key replaces it.",
+        path=POINTER_NAME,
+        check="pointer",
+    )
 
 
 class RemoteCompileCaches:
-    """Reads and writes packed compile caches under one S3 prefix."""
+    """Reads and writes packed compile caches under one prefix of the object store."""
 
-    def __init__(self, source: S3Source, uri: ModelUri) -> None:
+    def __init__(self, source: ObjectSource, uri: ModelUri) -> None:
         self._source = source
         self._uri = uri
 
@@ -127,62 +123,50 @@ class RemoteCompileCaches:
     def _object(self, key: str, name: str) -> str:
         return f"{self._uri.prefix}{key}/{name}"
 
-    def _translate(self, exc: Exception, doing: str) -> Exception:
-        return self._source._translate(exc, doing, bucket=self._uri.bucket)
-
     async def read_pointer(self, key: str) -> Pointer | None:
         """The current pointer of ``key``; None when nothing was uploaded yet."""
         name = self._object(key, POINTER_NAME)
-        doing = f"reading s3://{self._uri.bucket}/{name}"
         try:
-            response = await self._source.client.get_object(Bucket=self._uri.bucket, Key=name)
-            async with response["Body"] as body:
-                data: bytes = await body.read()
-        except Exception as exc:
-            if _error_code(exc) in _MISSING_CODES:
-                return None
-            raise self._translate(exc, doing) from exc
-        return _parse_pointer(key, data, str(response.get("ETag", "")))
+            stored = await self._source.get_object(
+                self._uri.bucket, name, max_bytes=POINTER_MAX_BYTES
+            )
+        except ObjectTooLarge as exc:
+            raise _unreadable(key, exc) from exc
+        if stored is None:
+            return None
+        return _parse_pointer(key, stored.data, stored.etag)
 
     async def _pointer_etag(self, key: str) -> str | None:
-        name = self._object(key, POINTER_NAME)
-        try:
-            response = await self._source.client.head_object(Bucket=self._uri.bucket, Key=name)
-        except Exception as exc:
-            if _error_code(exc) in _MISSING_CODES:
-                return None
-            raise self._translate(exc, f"reading s3://{self._uri.bucket}/{name}") from exc
-        return str(response.get("ETag", ""))
+        head = await self._source.head_object(self._uri.bucket, self._object(key, POINTER_NAME))
+        return head.etag if head is not None else None
 
     async def download(self, pointer: Pointer, dest: Path) -> None:
         """Write the archive ``pointer`` names to ``dest``; refuse one of another size."""
-        name = self._object(pointer.key, pointer.archive)
-        doing = f"downloading s3://{self._uri.bucket}/{name}"
-        try:
-            response = await self._source.client.get_object(Bucket=self._uri.bucket, Key=name)
-        except Exception as exc:
-            if _error_code(exc) in _MISSING_CODES:
-                raise ArchiveGone(f"{name} is gone (superseded by a newer upload).") from exc
-            raise self._translate(exc, doing) from exc
-        received = 0
-        try:
-            async with response["Body"] as body:
-                with dest.open("wb") as out:
-                    while chunk := await body.read(_READ_BLOCK):
-                        received += len(chunk)
-                        if received > pointer.archive_bytes:
-                            break
-                        await asyncio.to_thread(out.write, chunk)
-        except Exception as exc:
-            raise self._translate(exc, doing) from exc
-        if received != pointer.archive_bytes:
+        bucket, name = self._uri.bucket, self._object(pointer.key, pointer.archive)
+        head = await self._source.head_object(bucket, name)
+        if head is None:
+            raise ArchiveGone(f"{name} is gone (superseded by a newer upload).")
+        if head.size != pointer.archive_bytes:
             raise IntegrityError(
-                f"s3://{self._uri.bucket}/{name} holds {received} bytes or more; its pointer "
-                f"says {pointer.archive_bytes}. It is truncated or was replaced; the next "
+                f"s3://{bucket}/{name} holds {head.size} bytes; its pointer says "
+                f"{pointer.archive_bytes}. It is truncated or was replaced; the next "
                 "upload for this key replaces it.",
                 path=name,
                 check="size",
             )
+        with dest.open("wb") as out:
+            if not head.size:
+                return
+            try:
+                # Pinned to the ETag just read: an archive replaced or deleted meanwhile
+                # fails the read instead of mixing two uploads.
+                async with self._source.open_range(
+                    bucket, name, etag=head.etag, start=0, length=head.size
+                ) as reader:
+                    while chunk := await reader.read(_READ_BLOCK):
+                        await asyncio.to_thread(out.write, chunk)
+            except SourceChanged as exc:
+                raise ArchiveGone(f"{name} was superseded while it was read.") from exc
 
     async def upload(
         self, key: str, archive: Path, packed: PackResult, parts: dict[str, Any]
@@ -234,32 +218,28 @@ class RemoteCompileCaches:
             await self._delete(key, current.archive)  # superseded; readers re-read the pointer
         return UploadOutcome(True, uri)
 
-    async def _put(self, key: str, name: str, body: bytes, **extra: Any) -> None:
+    async def _put(self, key: str, name: str, body: bytes, *, content_type: str) -> None:
         target = self._object(key, name)
-        kwargs: dict[str, Any] = {"Bucket": self._uri.bucket, "Key": target, "Body": body}
-        if "content_type" in extra:
-            kwargs["ContentType"] = extra.pop("content_type")
-        kwargs.update(extra)
-        try:
-            await self._source.client.put_object(**kwargs)
-        except Exception as exc:
-            raise self._translate(exc, f"uploading s3://{self._uri.bucket}/{target}") from exc
+        await self._source.put_object(self._uri.bucket, target, body, content_type=content_type)
 
     async def _switch_pointer(self, key: str, body: bytes, etag: str | None) -> bool:
         """Write the pointer only if it is still as read; False when another writer won."""
-        condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
         try:
-            await self._put(key, POINTER_NAME, body, content_type="application/json", **condition)
-        except Exception as exc:
-            cause = exc.__cause__ if exc.__cause__ is not None else exc
-            if _error_code(cause) in _PRECONDITION_CODES:
-                return False
-            raise
+            await self._source.put_object(
+                self._uri.bucket,
+                self._object(key, POINTER_NAME),
+                body,
+                content_type="application/json",
+                if_match=etag or None,
+                if_absent=not etag,
+            )
+        except Conflict:
+            return False
         return True
 
     async def _delete(self, key: str, name: str) -> None:
         target = self._object(key, name)
         try:
-            await self._source.client.delete_object(Bucket=self._uri.bucket, Key=target)
+            await self._source.delete_object(self._uri.bucket, target)
         except Exception as exc:  # only garbage is left behind; say so and go on
             log.warning("could not delete s3://%s/%s: %s", self._uri.bucket, target, exc)

@@ -1,11 +1,11 @@
 """Pulls: a snapshot's objects into a staging directory, checked, then published.
 
 One flight per snapshot key. Each pull gets a ``Tuning`` (concurrency, chunk
-size, timeouts: _tuning) and a data plane (_dataplane: aiobotocore ranged GETs
-or the Run:ai Model Streamer) from the config and the request that started it;
-requests that join a flight get that flight's. Completed ranges are journaled,
-so a pull interrupted by a crash or a shutdown resumes instead of starting
-over, as long as it asks for the same chunk size.
+size, timeouts: agent.pull.tuning) and a data plane (agent.source.plane:
+aiobotocore ranged GETs or the Run:ai Model Streamer) from the config and the
+request that started it; requests that join a flight get that flight's.
+Completed ranges are journaled, so a pull interrupted by a crash or a shutdown
+resumes instead of starting over, as long as it asks for the same chunk size.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ from types import TracebackType
 from typing import Self
 
 from agent._config import ConfigError, IntegritySettings, S3Settings
-from agent._exceptions import IntegrityError, InvalidRequest, PrewarmError, SourceUnavailable
+from agent._exceptions import InvalidRequest, PrewarmError, SourceUnavailable
 from agent._snapshot import Snapshot, TierName
+from agent.check.hashes import check_object_checksum
 from agent.pull.flight import Flight
 from agent.pull.staging import StagingFiles, open_staging, verify_before_publish
 from agent.pull.tuning import DataPlaneChoice, PullOptions, Tuning, tune
 from agent.source.interface import ObjectSource
 from agent.source.plane import AUTO_DATA_PLANE, DataPlane, plan_ranges
 from agent.source.ranged_plane import AiobotocorePlane
-from agent.source.s3 import S3Source
 from agent.source.streamer_plane import StreamerPlane, load_streamer, streamer_unavailable
 from agent.store.store import CachedFile, CachedModel, Store
 
@@ -55,10 +55,11 @@ class Puller:
         self._tasks: asyncio.TaskGroup | None = None
         self._ranged = AiobotocorePlane(source)
         self._streamer: StreamerPlane | None = None
-        # The streamer talks to S3 itself, so it only stands in for a real S3 source.
+        # The streamer talks to S3 itself, so it only stands in for a source that is S3.
+        self._streamer_settings = source.s3_settings
         self._streamer_missing = (
             streamer_unavailable()
-            if isinstance(source, S3Source)
+            if self._streamer_settings is not None
             else f"the source is {source.name}, not S3"
         )
 
@@ -67,8 +68,8 @@ class Puller:
             if self._wants_streamer(self._settings.data_plane):
                 # Import it now (it brings torch: seconds), not in the first pull.
                 self._streamer_missing = await asyncio.to_thread(load_streamer)
-            if self._streamer_missing is None:
-                self._streamer = StreamerPlane(self._settings, self._source, self._ranged)
+            if self._streamer_missing is None and self._streamer_settings is not None:
+                self._streamer = StreamerPlane(self._streamer_settings, self._source, self._ranged)
         if self._settings.data_plane == "streamer" and self._streamer is None:
             raise ConfigError(
                 f"s3.data_plane is 'streamer' but {self._streamer_missing}. Install the "
@@ -237,20 +238,16 @@ class Puller:
         for obj in flight.snapshot.objects:
             if not obj.checksum_algorithm:
                 continue
-            checksum = await self._source.head_checksum(bucket, obj.key, etag=obj.etag)
-            if checksum is None:
+            head = await self._source.head_object(bucket, obj.key, etag=obj.etag)
+            if head is None or head.checksum is None:
                 continue
-            matches = await asyncio.to_thread(
-                checksum.matches, staging.data_dir / obj.relative_path
+            await asyncio.to_thread(
+                check_object_checksum,
+                staging.data_dir / obj.relative_path,
+                head.checksum,
+                relative_path=obj.relative_path,
+                origin=f"s3://{bucket}/{obj.key}",
             )
-            if matches is False:
-                raise IntegrityError(
-                    f"{obj.relative_path}: its {checksum.algorithm} checksum differs from the "
-                    f"one S3 holds for s3://{bucket}/{obj.key}; not publishing. Pull it again; "
-                    "if it repeats, the object or the network path is corrupting data.",
-                    path=obj.relative_path,
-                    check=f"s3-{checksum.algorithm.lower()}",
-                )
 
     def check(self, options: PullOptions) -> None:
         """Raise InvalidRequest if a pull with these options could not start."""

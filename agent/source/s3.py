@@ -1,4 +1,4 @@
-"""S3 behind a small interface: list a prefix, read a byte range of one object.
+"""S3 behind the ObjectSource interface: list, ranged reads, HEAD, small objects.
 
 This is the only module that knows botocore's error shapes; it translates them
 into the prewarm error tree with ``raise ... from exc``.
@@ -18,10 +18,17 @@ from aiobotocore.session import get_session
 from botocore import exceptions as boto
 
 from agent._config import S3Settings
-from agent._exceptions import AccessDenied, NotFound, SourceChanged, SourceUnavailable
+from agent._exceptions import AccessDenied, Conflict, NotFound, SourceChanged, SourceUnavailable
 from agent._uri import ModelUri
-from agent.check.hashes import S3Checksum, s3_checksum_of
-from agent.source.interface import ListedObject, RangeReader, RangeReadError
+from agent.source.checksums import s3_checksum_of
+from agent.source.interface import (
+    ListedObject,
+    ObjectHead,
+    ObjectTooLarge,
+    RangeReader,
+    RangeReadError,
+    StoredObject,
+)
 from agent.source.transfer import connection_pool_size
 
 __all__ = ["S3Source"]
@@ -38,6 +45,10 @@ _DENIED_CODES = frozenset(
     }
 )
 _CHANGED_CODES = frozenset({"PreconditionFailed", "412", "NoSuchKey", "InvalidRange", "416"})
+# HEAD answers have no body, so a missing key there is only "404".
+_MISSING_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
+# A conditional PUT that lost to another writer (409: two conditional writes at once).
+_LOST_RACE_CODES = frozenset({"PreconditionFailed", "412", "ConditionalRequestConflict", "409"})
 
 
 class S3Source:
@@ -78,11 +89,8 @@ class S3Source:
         await self._stack.aclose()
 
     @property
-    def client(self) -> Any:
-        """The pooled aiobotocore S3 client (for other parts that talk to S3)."""
-        if self._client is None:
-            raise RuntimeError("S3Source used outside its context")
-        return self._client
+    def s3_settings(self) -> S3Settings:
+        return self._settings
 
     @property
     def endpoint(self) -> str:
@@ -128,14 +136,85 @@ class S3Source:
         finally:
             body.close()
 
-    async def head_checksum(self, bucket: str, key: str, *, etag: str) -> S3Checksum | None:
+    async def head_object(
+        self, bucket: str, key: str, *, etag: str | None = None
+    ) -> ObjectHead | None:
+        condition = {"IfMatch": etag} if etag else {}
         try:
             response = await self._client.head_object(
-                Bucket=bucket, Key=key, IfMatch=etag, ChecksumMode="ENABLED"
+                Bucket=bucket, Key=key, ChecksumMode="ENABLED", **condition
             )
         except Exception as exc:
-            raise self._translate(exc, f"reading the checksum of s3://{bucket}/{key}") from exc
-        return s3_checksum_of(response)
+            if _error_code(exc) in _MISSING_CODES:
+                if etag is None:
+                    return None
+                raise SourceChanged(
+                    f"s3://{bucket}/{key} disappeared during the pull. "
+                    "Request the model again to pull the new snapshot."
+                ) from exc
+            raise self._translate(exc, f"reading the metadata of s3://{bucket}/{key}") from exc
+        return ObjectHead(
+            key=key,
+            size=int(response.get("ContentLength", 0)),
+            etag=str(response.get("ETag", "")),
+            checksum=s3_checksum_of(response),
+        )
+
+    async def get_object(self, bucket: str, key: str, *, max_bytes: int) -> StoredObject | None:
+        doing = f"reading s3://{bucket}/{key}"
+        try:
+            response = await self._client.get_object(Bucket=bucket, Key=key)
+        except Exception as exc:
+            if _error_code(exc) in _MISSING_CODES:
+                return None
+            raise self._translate(exc, doing, bucket=bucket) from exc
+        try:
+            async with response["Body"] as body:
+                # One byte past the cap tells "too large" without reading the rest.
+                data: bytes = await body.read(max_bytes + 1)
+        except Exception as exc:
+            raise self._translate(exc, doing, bucket=bucket) from exc
+        if len(data) > max_bytes:
+            raise ObjectTooLarge(
+                f"s3://{bucket}/{key} holds more than the {max_bytes} bytes expected of it.",
+                path=key,
+                check="size",
+            )
+        return StoredObject(data, str(response.get("ETag", "")))
+
+    async def put_object(
+        self,
+        bucket: str,
+        key: str,
+        body: bytes,
+        *,
+        content_type: str = "application/octet-stream",
+        if_match: str | None = None,
+        if_absent: bool = False,
+    ) -> str:
+        condition = {"IfMatch": if_match} if if_match else {}
+        if if_absent:
+            condition["IfNoneMatch"] = "*"
+        try:
+            response = await self._client.put_object(
+                Bucket=bucket, Key=key, Body=body, ContentType=content_type, **condition
+            )
+        except Exception as exc:
+            code = _error_code(exc)
+            # If-Match on a key deleted meanwhile is a 404: also a lost race.
+            lost = code in _LOST_RACE_CODES or (if_match is not None and code in _MISSING_CODES)
+            if condition and lost:
+                raise Conflict(
+                    f"s3://{bucket}/{key} was changed by another writer first ({code})."
+                ) from exc
+            raise self._translate(exc, f"uploading s3://{bucket}/{key}", bucket=bucket) from exc
+        return str(response.get("ETag", ""))
+
+    async def delete_object(self, bucket: str, key: str) -> None:
+        try:
+            await self._client.delete_object(Bucket=bucket, Key=key)
+        except Exception as exc:
+            raise self._translate(exc, f"deleting s3://{bucket}/{key}", bucket=bucket) from exc
 
     def _translate(self, exc: Exception, doing: str, *, bucket: str = "") -> Exception:
         """Map a botocore/aiohttp failure onto the prewarm error tree."""
@@ -189,6 +268,15 @@ class S3Source:
         if isinstance(exc, boto.BotoCoreError):
             return SourceUnavailable(f"S3 client error while {doing}: {exc}.")
         return exc
+
+
+def _error_code(exc: BaseException) -> str:
+    """S3's error code of a client error (its HTTP status when it sent none), else ""."""
+    if isinstance(exc, boto.ClientError):
+        error = exc.response.get("Error", {})
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        return str(error.get("Code") or status)
+    return ""
 
 
 class _BodyReader:

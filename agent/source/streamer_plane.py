@@ -343,4 +343,4 @@ class StreamerPlane:
         """HEAD each streamed object with If-Match: SourceChanged if it changed meanwhile."""
         bucket = flight.snapshot.uri.bucket
         for obj in objects:
-            await self._source.head_checksum(bucket, obj.key, etag=obj.etag)
+            await self._source.head_object(bucket, obj.key, etag=obj.etag)

@@ -1,16 +1,28 @@
-"""An in-memory ObjectSource: the puller's test double, with scripted failures."""
+"""An in-memory ObjectSource: S3's semantics without a server, with scripted failures.
+
+ETags follow the content, and conditional puts refuse a stale ETag with
+Conflict as S3 answers 412, so the compile caches and the puller can be
+tested in-process against the same interface the daemon gives them.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from agent._exceptions import NotFound, SourceChanged
+from agent._config import S3Settings
+from agent._exceptions import Conflict, NotFound, SourceChanged
 from agent._uri import ModelUri
-from agent.check.hashes import S3Checksum
-from agent.source.interface import ListedObject, RangeReadError
+from agent.source.checksums import S3Checksum
+from agent.source.interface import (
+    ListedObject,
+    ObjectHead,
+    ObjectTooLarge,
+    RangeReadError,
+    StoredObject,
+)
 
 __all__ = ["MemorySource", "RangeRead"]
 
@@ -45,8 +57,11 @@ class MemorySource:
     # the listing then names their algorithm.
     checksums: dict[str, S3Checksum] = field(default_factory=dict)
     name: str = "memory"
+    # Not S3: the streamer plane, which needs an S3 endpoint of its own, stays off.
+    s3_settings: S3Settings | None = None
 
     def put(self, bucket: str, key: str, data: bytes) -> None:
+        """Seed an object (creating the bucket), as a test's setup would upload it."""
         self.objects.setdefault(bucket, {})[key] = data
 
     def etag(self, bucket: str, key: str) -> str:
@@ -78,10 +93,46 @@ class MemorySource:
         cut = failures.pop(0) if failures else None
         yield _Reader(data[start : start + length], self.piece, cut, record, self.gate)
 
-    async def head_checksum(self, bucket: str, key: str, *, etag: str) -> S3Checksum | None:
-        return self.checksums.get(key)
+    async def head_object(
+        self, bucket: str, key: str, *, etag: str | None = None
+    ) -> ObjectHead | None:
+        data = self._bucket(bucket).get(key)
+        if data is None and etag is None:
+            return None
+        if data is None or (etag is not None and self.etag(bucket, key) != etag):
+            raise SourceChanged(f"{key} changed or disappeared")
+        return ObjectHead(key, len(data), self.etag(bucket, key), self.checksums.get(key))
 
-    def _bucket(self, name: str) -> Mapping[str, bytes]:
+    async def get_object(self, bucket: str, key: str, *, max_bytes: int) -> StoredObject | None:
+        data = self._bucket(bucket).get(key)
+        if data is None:
+            return None
+        if len(data) > max_bytes:
+            raise ObjectTooLarge(f"{key} holds more than {max_bytes} bytes", path=key, check="size")
+        return StoredObject(data, self.etag(bucket, key))
+
+    async def put_object(
+        self,
+        bucket: str,
+        key: str,
+        body: bytes,
+        *,
+        content_type: str = "application/octet-stream",
+        if_match: str | None = None,
+        if_absent: bool = False,
+    ) -> str:
+        objects = self._bucket(bucket)
+        if if_absent and key in objects:
+            raise Conflict(f"{key} exists already (If-None-Match: *)")
+        if if_match is not None and (key not in objects or self.etag(bucket, key) != if_match):
+            raise Conflict(f"{key} no longer has the ETag {if_match}")
+        objects[key] = bytes(body)
+        return self.etag(bucket, key)
+
+    async def delete_object(self, bucket: str, key: str) -> None:
+        self._bucket(bucket).pop(key, None)
+
+    def _bucket(self, name: str) -> dict[str, bytes]:
         if name not in self.objects:
             raise NotFound(f"Bucket {name!r} does not exist.")
         return self.objects[name]

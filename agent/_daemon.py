@@ -5,28 +5,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import grp
 import logging
-import os
 import signal
-import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
-
 from agent._config import ConfigError, Settings, load_settings, render_toml
 from agent._exceptions import PrewarmError
-from agent._proto.prewarm.v1 import prewarm_pb2, prewarm_pb2_grpc
 from agent._version import __version__
 from agent.compile.cache import CompileCaches
 from agent.compile.keys import CompileKeyParts
-from agent.edge.interceptor import RequestObserver
 from agent.edge.lease_socket import LeaseServer
-from agent.edge.servicer import PrewarmServicer
+from agent.edge.server import ApiServer
 from agent.obs.logs import configure_logging
 from agent.obs.metrics import REGISTRY, StateCollector, StateReading, TierReading
 from agent.obs.metrics_server import serve_metrics
@@ -41,46 +32,6 @@ from agent.store.store import Store, TierBudget
 __all__ = ["main", "serve"]
 
 log = logging.getLogger("agent.daemon")
-
-SERVICE_NAME = prewarm_pb2.DESCRIPTOR.services_by_name["Prewarm"].full_name
-
-
-class SocketInUse(PrewarmError):
-    """Another process already serves on the configured socket."""
-
-
-def prepare_socket_path(path: Path) -> None:
-    """Make the directory; clear a stale socket, refuse a live one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not path.exists() and not path.is_symlink():
-        return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(str(path))
-    except (ConnectionRefusedError, FileNotFoundError):
-        path.unlink(missing_ok=True)  # left behind by a daemon that died
-        return
-    except OSError as exc:
-        raise SocketInUse(f"{path} exists and is not a usable socket ({exc}); remove it.") from exc
-    finally:
-        probe.close()
-    raise SocketInUse(
-        f"Another prewarmd is already serving on {path}. Stop it first "
-        "(systemctl stop prewarmd) or use another --socket."
-    )
-
-
-def secure_socket(path: Path, mode: int, group: str) -> None:
-    if group:
-        try:
-            gid = grp.getgrnam(group).gr_gid
-        except KeyError as exc:
-            raise ConfigError(
-                f"socket_group {group!r} does not exist; create it (groupadd {group}) or "
-                "leave socket_group empty."
-            ) from exc
-        os.chown(path, -1, gid)
-    path.chmod(mode)
 
 
 async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
@@ -101,7 +52,10 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
         },
     )
     await store.open()
-    prepare_socket_path(socket_path)
+    api = ApiServer(
+        socket_path, settings.socket_mode, settings.socket_group, settings.shutdown_grace_seconds
+    )
+    api.claim()
     leases = LeaseTable(settings.leases.default_ttl_seconds, settings.leases.max_ttl_seconds)
 
     async with (
@@ -120,27 +74,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
         await background.enter_async_context(
             _metrics_and_manifests(service, settings, compile_caches)
         )
-        server = grpc.aio.server(interceptors=[RequestObserver(SERVICE_NAME)])
-        prewarm_pb2_grpc.add_PrewarmServicer_to_server(
-            PrewarmServicer(service, socket_path=str(socket_path), compile_caches=compile_caches),
-            server,
-        )
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
-        # Bind with a tight umask so the socket is never reachable by others, even briefly.
-        old_umask = os.umask(0o177)
-        try:
-            server.add_insecure_port(f"unix:{socket_path}")
-        finally:
-            os.umask(old_umask)
-        await server.start()
-        try:
-            secure_socket(socket_path, settings.socket_mode, settings.socket_group)
-            for name in ("", SERVICE_NAME):
-                await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        async with api.serving(service, compile_caches):
             log.info(
                 "prewarmd %s serving",
                 __version__,
@@ -157,14 +91,10 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
             log.info(
                 "stopping: draining requests", extra={"grace": settings.shutdown_grace_seconds}
             )
-            await health_servicer.enter_graceful_shutdown()
+            await api.drain()
             # A held compile lock is a stream that never ends by itself: end them now
             # rather than make the drain wait out its grace period.
             compile_caches.locks.close()
-        finally:
-            await server.stop(settings.shutdown_grace_seconds)
-            with contextlib.suppress(FileNotFoundError):
-                socket_path.unlink()
     log.info("stopped")
 
 

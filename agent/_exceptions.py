@@ -1,8 +1,10 @@
 """The one error tree of prewarm.
 
-Every error the agent raises on purpose derives from ``PrewarmError``; the API
-layer maps each branch to a gRPC status code and the client maps the code back,
-so a caller can catch the same class on either side of the socket::
+Every error the agent raises on purpose derives from ``PrewarmError``. Each
+branch names its gRPC status in ``status`` (a plain string: no grpc import
+here); the edge answers with it on the API and the lease socket alike, and the
+client maps it back through ``error_type_for_status``, so a caller can catch
+the same class on either side of the socket::
 
     PrewarmError
      ├── InvalidRequest            bad URI, glob, reference       INVALID_ARGUMENT
@@ -16,11 +18,15 @@ so a caller can catch the same class on either side of the socket::
      ├── IntegrityError            a file failed a check          DATA_LOSS
      └── AgentUnavailable          (client side) no agent on the socket
 
+Any other ``PrewarmError`` is INTERNAL.
+
 Messages are full sentences that say what was wrong and what to do about it.
 botocore and grpc errors are translated at the edge, with ``raise ... from exc``.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 __all__ = [
     "AccessDenied",
@@ -34,15 +40,21 @@ __all__ = [
     "SourceChanged",
     "SourceUnavailable",
     "UnsafeObjectKey",
+    "error_type_for_status",
 ]
 
 
 class PrewarmError(Exception):
     """Base class of every error prewarm raises on purpose."""
 
+    # The gRPC status name (grpc.StatusCode member) this error is answered with.
+    status: ClassVar[str] = "INTERNAL"
+
 
 class InvalidRequest(PrewarmError):
     """The request itself is wrong (URI, glob, reference); retrying will not help."""
+
+    status = "INVALID_ARGUMENT"
 
 
 class UnsafeObjectKey(InvalidRequest):
@@ -52,25 +64,37 @@ class UnsafeObjectKey(InvalidRequest):
 class NotFound(PrewarmError):
     """The bucket, the prefix or the cached model does not exist."""
 
+    status = "NOT_FOUND"
+
 
 class AccessDenied(PrewarmError):
     """S3 refused the agent's credentials for this bucket or prefix."""
+
+    status = "PERMISSION_DENIED"
 
 
 class NoSpace(PrewarmError):
     """The chosen tier has no room for the model."""
 
+    status = "RESOURCE_EXHAUSTED"
+
 
 class Conflict(PrewarmError):
     """The operation clashes with work in progress (e.g. a running pull)."""
+
+    status = "FAILED_PRECONDITION"
 
 
 class SourceChanged(PrewarmError):
     """An object changed while it was being pulled; the pull was abandoned."""
 
+    status = "ABORTED"
+
 
 class SourceUnavailable(PrewarmError):
     """S3 could not be reached or kept failing after retries."""
+
+    status = "UNAVAILABLE"
 
 
 class IntegrityError(PrewarmError):
@@ -80,6 +104,8 @@ class IntegrityError(PrewarmError):
     can tell a truncated object from a corrupt header from a flipped byte.
     """
 
+    status = "DATA_LOSS"
+
     def __init__(self, message: str, *, path: str = "", check: str = "") -> None:
         super().__init__(message)
         self.path = path
@@ -88,3 +114,26 @@ class IntegrityError(PrewarmError):
 
 class AgentUnavailable(PrewarmError):
     """The client could not reach a prewarm agent on its socket."""
+
+
+# The branches a status name maps back to, most general first; a subclass
+# (UnsafeObjectKey, ConfigError...) shares its branch's status and is not
+# told apart on the wire.
+_BRANCHES: tuple[type[PrewarmError], ...] = (
+    InvalidRequest,
+    NotFound,
+    AccessDenied,
+    NoSpace,
+    Conflict,
+    SourceChanged,
+    SourceUnavailable,
+    IntegrityError,
+)
+
+
+def error_type_for_status(status: str) -> type[PrewarmError]:
+    """The error class an agent's status name stands for; PrewarmError when none does."""
+    for branch in _BRANCHES:
+        if branch.status == status:
+            return branch
+    return PrewarmError

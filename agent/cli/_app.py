@@ -7,7 +7,6 @@ import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, NoReturn
 
@@ -24,6 +23,7 @@ from rich.progress import (
 )
 
 from agent._version import __version__
+from agent._vocabulary import DataPlaneName, TierName
 from agent.client import (
     AgentUnavailable,
     Client,
@@ -53,17 +53,6 @@ app = typer.Typer(
     # else is a bug, and a plain traceback is the most useful report of it.
     pretty_exceptions_enable=False,
 )
-
-
-class TierChoice(StrEnum):
-    shm = "shm"
-    disk = "disk"
-
-
-class DataPlaneChoice(StrEnum):
-    auto = "auto"
-    streamer = "streamer"
-    aiobotocore = "aiobotocore"
 
 
 _SIZE = re.compile(r"\s*(\d+)\s*([kmg]?)(i?)(b?)\s*", re.IGNORECASE)
@@ -184,7 +173,7 @@ def pull(
     uri: Annotated[str, typer.Argument(help="The model, e.g. s3://models/llama-3-8b/.")],
     *,
     tier: Annotated[
-        TierChoice | None,
+        TierName | None,
         typer.Option(help="Where to place it if it has to be pulled [default: the agent's]."),
     ] = None,
     include: Annotated[
@@ -203,12 +192,13 @@ def pull(
         typer.Option("--strict-tier", help="Fail rather than use the other tier when full."),
     ] = False,
     data_plane: Annotated[
-        DataPlaneChoice | None,
+        DataPlaneName | None,
         typer.Option(help="What moves the bytes if this starts a pull [default: the agent's]."),
     ] = None,
     concurrency: Annotated[
         int | None,
-        typer.Option(min=1, help="Parallel streams if this starts a pull [default: the agent's]."),
+        # Checked with the client's other pull options (agent._vocabulary).
+        typer.Option(help="Parallel streams if this starts a pull [default: the agent's]."),
     ] = None,
     chunk_size: Annotated[
         int | None,
@@ -228,13 +218,13 @@ def pull(
     """
     with _agent_errors(), Client(socket) as client:
         request: dict[str, object] = {
-            "tier": tier.value if tier else None,
+            "tier": tier,
             "include": include or (),
             "exclude": exclude or (),
             "client_name": _client_name(),
             "pin": pin,
             "strict_tier": strict_tier,
-            "data_plane": data_plane.value if data_plane else None,
+            "data_plane": data_plane,
             "concurrency": concurrency,
             "chunk_size": chunk_size,
         }
@@ -301,13 +291,13 @@ def evict(
 
 @app.command()
 def gc(
-    tier: Annotated[TierChoice | None, typer.Option(help="Only this tier [default: both].")] = None,
+    tier: Annotated[TierName | None, typer.Option(help="Only this tier [default: both].")] = None,
     socket: SocketOption = None,
     json_out: JsonOption = False,
 ) -> None:
     """Run an eviction pass now (normally the agent runs one at the high watermark)."""
     with _agent_errors(), Client(socket) as client:
-        result = client.collect_garbage(tier.value if tier else None)
+        result = client.collect_garbage(tier)
     if json_out:
         sys.stdout.write(render.to_json(result) + "\n")
     else:

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
-
-from google.protobuf.timestamp_pb2 import Timestamp
 
 from agent._exceptions import InvalidRequest, PrewarmError
 from agent._proto.prewarm.v1 import prewarm_pb2 as pb
+from agent._vocabulary import PullOptions, check_pull_options, check_tier
+from agent._wire import (
+    datetime_from_proto,
+    phase_from_proto,
+    pull_options_to_proto,
+    tier_from_proto,
+)
+from agent._wire import tier_to_proto as _wire_tier_to_proto
 
 from ._types import (
     AgentStatus,
@@ -21,7 +27,6 @@ from ._types import (
     LeaseInfo,
     ModelHandle,
     ModelInfo,
-    PhaseName,
     PhaseTimings,
     Progress,
     PullStatus,
@@ -66,17 +71,6 @@ SOCKET_ENV = "PREWARM_SOCKET_PATH"
 # ListModels answers for every model at once: 4 MiB (grpc's default) is too low.
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (("grpc.max_receive_message_length", 256 * 1024**2),)
 
-_TIER_TO_PROTO: dict[str, pb.Tier.ValueType] = {"shm": pb.TIER_SHM, "disk": pb.TIER_DISK}
-_TIER_FROM_PROTO: dict[int, TierName] = {pb.TIER_SHM: "shm", pb.TIER_DISK: "disk"}
-_PHASE_FROM_PROTO: dict[int, PhaseName] = {
-    # A pull that has not reported yet is still resolving its URI.
-    pb.PHASE_UNSPECIFIED: "resolve",
-    pb.PHASE_RESOLVE: "resolve",
-    pb.PHASE_DOWNLOAD: "download",
-    pb.PHASE_VERIFY: "verify",
-    pb.PHASE_PUBLISH: "publish",
-    pb.PHASE_DONE: "done",
-}
 _SKEW_HINT = "The client and the agent may be different versions; upgrade the older one."
 
 
@@ -94,19 +88,14 @@ def channel_target(socket_path: Path) -> str:
 
 def tier_to_proto(tier: str | None) -> pb.Tier.ValueType:
     """None means "the agent's default"; anything but shm/disk is refused here, before a call."""
-    if tier is None:
-        return pb.TIER_UNSPECIFIED
-    try:
-        return _TIER_TO_PROTO[tier]
-    except KeyError:
-        raise InvalidRequest(f"Unknown tier {tier!r}: choose 'shm' or 'disk'.") from None
+    return _wire_tier_to_proto(None if tier is None else check_tier(tier))
 
 
 def _tier_from_proto(value: int, what: str) -> TierName:
-    try:
-        return _TIER_FROM_PROTO[value]
-    except KeyError:
-        raise PrewarmError(f"The agent sent tier {value} for {what}. {_SKEW_HINT}") from None
+    tier = tier_from_proto(value)
+    if tier is None:
+        raise PrewarmError(f"The agent sent tier {value} for {what}. {_SKEW_HINT}")
+    return tier
 
 
 def _patterns(patterns: Iterable[str], option: str) -> list[str]:
@@ -142,13 +131,10 @@ def ensure_request(
 ) -> pb.EnsureModelRequest:
     if lease_ttl is not None and not lease:
         raise InvalidRequest("lease_ttl only applies to a lease; pass lease=True with it.")
-    if (concurrency is not None and concurrency < 1) or (chunk_size is not None and chunk_size < 1):
-        raise InvalidRequest("concurrency and chunk_size must be positive (None: the agent's).")
-    options = None
-    if data_plane or concurrency or chunk_size:
-        options = pb.PullOptions(
-            data_plane=data_plane or "", concurrency=concurrency or 0, chunk_size=chunk_size or 0
-        )
+    # Checked here, before a call, with the same sentences the agent would answer;
+    # an empty data plane means the agent's, as it does on the wire.
+    plane = check_pull_options(data_plane or None, concurrency, chunk_size)
+    options = PullOptions(data_plane=plane, concurrency=concurrency, chunk_size=chunk_size)
     return pb.EnsureModelRequest(
         uri=str(uri),
         tier=tier_to_proto(tier),
@@ -159,7 +145,7 @@ def ensure_request(
         lease_ttl_seconds=_ttl_seconds(lease_ttl),
         pin=pin,
         strict_tier=strict_tier,
-        pull_options=options,
+        pull_options=pull_options_to_proto(options),
     )
 
 
@@ -208,13 +194,9 @@ def lease_socket_for(grant: LeaseGrant, api_socket: Path) -> Path:
     return sibling if sibling.exists() else grant.socket_path
 
 
-def _timestamp(ts: Timestamp) -> datetime:
-    return ts.ToDatetime(tzinfo=UTC)
-
-
 def _optional_timestamp(msg: pb.Lease | pb.LeaseInfo) -> datetime | None:
     # Unset (not the epoch) means the lease is held open and has no expiry.
-    return _timestamp(msg.expires) if msg.HasField("expires") else None
+    return datetime_from_proto(msg.expires) if msg.HasField("expires") else None
 
 
 def lease_from_proto(msg: pb.Lease) -> LeaseGrant:
@@ -236,7 +218,7 @@ def lease_info_from_proto(msg: pb.LeaseInfo) -> LeaseInfo:
         pid=msg.pid if msg.held else None,
         uid=msg.uid if msg.held else None,
         gid=msg.gid if msg.held else None,
-        acquired=_timestamp(msg.acquired),
+        acquired=datetime_from_proto(msg.acquired),
         expires=_optional_timestamp(msg),
         held=msg.held,
     )
@@ -247,12 +229,9 @@ def _files(entries: Iterable[pb.FileEntry]) -> tuple[FileEntry, ...]:
 
 
 def progress_from_proto(msg: pb.Progress) -> Progress:
-    try:
-        phase = _PHASE_FROM_PROTO[msg.phase]
-    except KeyError:
-        raise PrewarmError(
-            f"The agent sent an unknown pull phase {msg.phase}. {_SKEW_HINT}"
-        ) from None
+    phase = phase_from_proto(msg.phase)
+    if phase is None:
+        raise PrewarmError(f"The agent sent an unknown pull phase {msg.phase}. {_SKEW_HINT}")
     return Progress(
         phase=phase,
         bytes_done=msg.bytes_done,
@@ -295,8 +274,8 @@ def model_info_from_proto(msg: pb.ModelInfo) -> ModelInfo:
         tier=_tier_from_proto(msg.tier, msg.uri),
         total_bytes=msg.total_bytes,
         file_count=msg.file_count,
-        created=_timestamp(msg.created),
-        last_used=_timestamp(msg.last_used),
+        created=datetime_from_proto(msg.created),
+        last_used=datetime_from_proto(msg.last_used),
         hit_count=msg.hit_count,
         files=_files(msg.files),
         include=tuple(msg.include),
@@ -363,7 +342,7 @@ def status_from_proto(msg: pb.StatusResponse) -> AgentStatus:
                 tier=_tier_from_proto(p.tier, f"the pull of {p.uri}"),
                 progress=progress_from_proto(p.progress),
                 waiters=p.waiters,
-                started=_timestamp(p.started),
+                started=datetime_from_proto(p.started),
             )
             for p in msg.pulls
         ),

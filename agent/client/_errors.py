@@ -8,31 +8,15 @@ from pathlib import Path
 import grpc
 
 from agent._exceptions import (
-    AccessDenied,
     AgentUnavailable,
-    Conflict,
-    IntegrityError,
-    InvalidRequest,
-    NoSpace,
-    NotFound,
     PrewarmError,
-    SourceChanged,
     SourceUnavailable,
+    error_type_for_status,
 )
 
 from ._types import LeaseGrant, ModelHandle
 
 __all__ = ["error_for_code", "granted_lease", "missing_handle", "translate_rpc_error"]
-
-_BY_CODE: dict[grpc.StatusCode, type[PrewarmError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
-    grpc.StatusCode.NOT_FOUND: NotFound,
-    grpc.StatusCode.PERMISSION_DENIED: AccessDenied,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: NoSpace,
-    grpc.StatusCode.FAILED_PRECONDITION: Conflict,
-    grpc.StatusCode.ABORTED: SourceChanged,
-    grpc.StatusCode.DATA_LOSS: IntegrityError,
-}
 
 # UNAVAILABLE means two different things: the agent itself could not be
 # reached (grpc core says so, in these words, before any agent code ran), or
@@ -76,8 +60,9 @@ def translate_rpc_error(exc: grpc.RpcError, socket_path: Path) -> PrewarmError:
             return _agent_unavailable(socket_path, details)
         return SourceUnavailable(details or "The agent reports that S3 is unavailable.")
     message = details or f"The prewarm agent answered {code.name} without a message."
-    if code in _BY_CODE:
-        return _BY_CODE[code](message)
+    error_type = error_type_for_status(code.name)
+    if error_type is not PrewarmError:
+        return error_type(message)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return PrewarmError(
             f"The call to the prewarm agent on {socket_path} ran out of time ({details}); "
@@ -95,12 +80,9 @@ def error_for_code(code_name: str, message: str) -> PrewarmError:
     """The error for a failure the agent reported by status name outside gRPC.
 
     The lease socket answers errors with the gRPC status name of the same
-    failure, so it maps to the same class as over the API.
+    failure (the error's ``status``), so it maps to the same class as over the API.
     """
-    code = grpc.StatusCode.__members__.get(code_name)
-    if code is not None and code in _BY_CODE:
-        return _BY_CODE[code](message)
-    return PrewarmError(message)
+    return error_type_for_status(code_name)(message)
 
 
 def missing_handle(uri: str, socket_path: Path) -> PrewarmError:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Literal
+
+from agent._vocabulary import DataPlaneName, PhaseName, TierName
 
 __all__ = [
     "AgentStatus",
@@ -26,10 +27,8 @@ __all__ = [
     "Verification",
 ]
 
-TierName = Literal["shm", "disk"]
-# Which data plane a pull uses (see docs/data-planes.md).
-DataPlaneName = Literal["auto", "streamer", "aiobotocore"]
-PhaseName = Literal["resolve", "download", "verify", "publish", "done"]
+# TierName, DataPlaneName and PhaseName are the agent's own words (agent._vocabulary),
+# re-exported here so a pod finds them next to the values that carry them.
 
 
 @dataclass(frozen=True, slots=True)

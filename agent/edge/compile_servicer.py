@@ -1,9 +1,8 @@
-"""The compile-cache RPCs, as a mixin of the gRPC servicer (see _api.PrewarmServicer)."""
+"""The compile-cache RPCs, as a mixin of the gRPC servicer (see agent.edge.servicer)."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import AsyncIterator
 
@@ -11,11 +10,11 @@ import grpc
 
 from agent._exceptions import Conflict, PrewarmError
 from agent._proto.prewarm.v1 import prewarm_pb2 as pb
+from agent._wire import parts_from_proto, parts_to_proto, timestamp_to_proto
 from agent.compile.cache import CompileCacheInfo, CompileCaches, EnsuredCompileCache
-from agent.compile.keys import CompileKeyParts
-from agent.edge.status import abort, timestamp
+from agent.edge.status import abort
 
-__all__ = ["CompileCacheApi", "parts_from_proto", "parts_to_proto"]
+__all__ = ["CompileCacheApi"]
 
 log = logging.getLogger(__name__)
 
@@ -25,20 +24,6 @@ _LOCK_STATE = {
 }
 
 
-def parts_from_proto(parts: pb.CompileKeyParts) -> CompileKeyParts:
-    values = {name: getattr(parts, name) for name in _PART_FIELDS}
-    return CompileKeyParts(**values, extras=dict(parts.extras))
-
-
-def parts_to_proto(parts: CompileKeyParts) -> pb.CompileKeyParts:
-    values = {name: getattr(parts, name) for name in _PART_FIELDS}
-    return pb.CompileKeyParts(**values, extras=dict(parts.extras))
-
-
-# The message and the dataclass name their fields alike; extras (a map) is copied apart.
-_PART_FIELDS = tuple(f.name for f in dataclasses.fields(CompileKeyParts) if f.name != "extras")
-
-
 def _info(info: CompileCacheInfo) -> pb.CompileCacheInfo:
     message = pb.CompileCacheInfo(
         key=info.key,
@@ -46,13 +31,13 @@ def _info(info: CompileCacheInfo) -> pb.CompileCacheInfo:
         parts=parts_to_proto(info.parts),
         bytes=info.bytes,
         file_count=info.file_count,
-        created=timestamp(info.created),
-        last_used=timestamp(info.last_used),
+        created=timestamp_to_proto(info.created),
+        last_used=timestamp_to_proto(info.last_used),
         uploaded_digest=info.uploaded_digest,
         restored=info.restored,
     )
     if info.uploaded:
-        message.uploaded.CopyFrom(timestamp(info.uploaded))
+        message.uploaded.CopyFrom(timestamp_to_proto(info.uploaded))
     return message
 
 

@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import grp
 import json
 import logging
-import os
 import socket
-import stat
 import struct
 from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from agent._exceptions import Conflict, InvalidRequest, NotFound, PrewarmError
+from agent._exceptions import InvalidRequest, PrewarmError
+from agent.edge.unix_socket import (
+    clear_stale_socket,
+    owner_only_umask,
+    remove_own_socket,
+    secure_socket,
+    socket_group_id,
+)
 from agent.store.leases import HELLO_LIMIT, HELLO_TIMEOUT_SECONDS, LeaseTable, PeerCredentials
 
 __all__ = ["LeaseServer"]
@@ -27,13 +31,6 @@ __all__ = ["LeaseServer"]
 log = logging.getLogger("agent.leases")
 
 _PEERCRED = struct.Struct("3i")
-# Error replies carry the gRPC status name of the same failure over the API,
-# so a client maps both to one error class.
-_CODE_BY_ERROR: tuple[tuple[type[PrewarmError], str], ...] = (
-    (InvalidRequest, "INVALID_ARGUMENT"),
-    (NotFound, "NOT_FOUND"),
-    (Conflict, "FAILED_PRECONDITION"),
-)
 
 
 class LeaseServer:
@@ -78,23 +75,16 @@ class LeaseServer:
         return len(self._handlers)
 
     async def __aenter__(self) -> Self:
-        gid = _group_id(self._group)
-        _clear_stale_socket(self._path)
+        gid = socket_group_id(self._group)
+        clear_stale_socket(self._path, "leases")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            # Bind with a tight umask so the socket is never reachable by
-            # others, even briefly. Binding here, not inside
-            # start_unix_server, keeps the umask change free of any await,
-            # where other tasks would create files under it.
-            old_umask = os.umask(0o177)
-            try:
+            # Bound here, not inside start_unix_server, so that no await
+            # happens under the umask.
+            with owner_only_umask():
                 sock.bind(str(self._path))
-            finally:
-                os.umask(old_umask)
             self._inode = self._path.stat().st_ino
-            if gid is not None:
-                os.chown(self._path, -1, gid)
-            self._path.chmod(self._mode)
+            secure_socket(self._path, self._mode, gid)
             self._server = await asyncio.start_unix_server(
                 self._serve_connection, sock=sock, limit=HELLO_LIMIT
             )
@@ -149,7 +139,8 @@ class LeaseServer:
                     exc,
                     extra={"pid": creds.pid, "uid": creds.uid, "gid": creds.gid},
                 )
-                await _reply(writer, {"ok": False, "error": str(exc), "code": _code_for(exc)})
+                # The status name the API would answer the same failure with.
+                await _reply(writer, {"ok": False, "error": str(exc), "code": exc.status})
                 return
             held = record.id
             log.info(
@@ -190,10 +181,7 @@ class LeaseServer:
                 self._handlers.discard(task)
 
     def _remove_socket_file(self) -> None:
-        # Only our own socket: a newer daemon may already have bound the path.
-        with contextlib.suppress(FileNotFoundError):
-            if self._inode is not None and self._path.stat().st_ino == self._inode:
-                self._path.unlink()
+        remove_own_socket(self._path, self._inode)
 
 
 def _peer_credentials(writer: asyncio.StreamWriter) -> PeerCredentials:
@@ -242,49 +230,3 @@ async def _until_eof(reader: asyncio.StreamReader) -> None:
     # the lease lives until the peer's end closes.
     while await reader.read(HELLO_LIMIT):
         pass
-
-
-def _code_for(error: PrewarmError) -> str:
-    for error_type, code in _CODE_BY_ERROR:
-        if isinstance(error, error_type):
-            return code
-    return "INTERNAL"
-
-
-def _group_id(group: str) -> int | None:
-    if not group:
-        return None
-    try:
-        return grp.getgrnam(group).gr_gid
-    except KeyError:
-        raise InvalidRequest(
-            f"socket_group {group!r} does not exist; create it (groupadd {group}) or "
-            "leave socket_group empty."
-        ) from None
-
-
-def _clear_stale_socket(path: Path) -> None:
-    """Make the directory; remove a socket a dead daemon left; refuse anything else."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        mode = path.lstat().st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(mode):
-        raise Conflict(f"{path} exists and is not a socket; remove it or choose another path.")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    # A listener with a full backlog makes connect() wait; it is alive all the same.
-    probe.settimeout(1.0)
-    try:
-        probe.connect(str(path))
-    except ConnectionRefusedError:
-        path.unlink(missing_ok=True)  # nobody listens: left behind by a daemon that died
-        return
-    except TimeoutError:
-        pass
-    finally:
-        probe.close()
-    raise Conflict(
-        f"Another process is already serving leases on {path}. Stop it first "
-        "(systemctl stop prewarmd) or choose another lease socket path."
-    )

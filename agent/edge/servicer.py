@@ -7,36 +7,28 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from agent._exceptions import (
-    InvalidRequest,
-    PrewarmError,
-)
+from agent._exceptions import InvalidRequest, PrewarmError
 from agent._proto.prewarm.v1 import prewarm_pb2 as pb
 from agent._proto.prewarm.v1 import prewarm_pb2_grpc as pb_grpc
-from agent._snapshot import TierName
+from agent._wire import (
+    phase_to_proto,
+    pull_options_from_proto,
+    tier_from_proto,
+    tier_to_proto,
+    timestamp_to_proto,
+)
 from agent.compile.cache import CompileCaches
 from agent.edge.compile_servicer import CompileCacheApi
-from agent.edge.status import abort, status_code_for, timestamp
+from agent.edge.status import abort
 from agent.pull.flight import Flight, PullProgress
-from agent.pull.tuning import DATA_PLANE_CHOICES, PullOptions
 from agent.service.operations import AgentService, EnsureResult, EvictResult
 from agent.store.leases import LeaseRecord
 from agent.store.store import CachedModel, TierUsage
 
-__all__ = ["PrewarmServicer", "status_code_for"]
+__all__ = ["PrewarmServicer"]
 
 
 log = logging.getLogger(__name__)
-
-_TIER_TO_PB: dict[TierName, pb.Tier.ValueType] = {"shm": pb.TIER_SHM, "disk": pb.TIER_DISK}
-_PB_TO_TIER: dict[pb.Tier.ValueType, TierName] = {v: k for k, v in _TIER_TO_PB.items()}
-_PHASE_TO_PB: dict[str, pb.Phase.ValueType] = {
-    "resolve": pb.PHASE_RESOLVE,
-    "download": pb.PHASE_DOWNLOAD,
-    "verify": pb.PHASE_VERIFY,
-    "publish": pb.PHASE_PUBLISH,
-    "done": pb.PHASE_DONE,
-}
 
 
 class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
@@ -56,14 +48,16 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         request: pb.EnsureModelRequest,
         context: grpc.aio.ServicerContext[pb.EnsureModelRequest, pb.EnsureModelEvent],
     ) -> AsyncIterator[pb.EnsureModelEvent]:
-        tier = _PB_TO_TIER.get(request.tier) if request.tier else None
+        tier = tier_from_proto(request.tier)
         if request.tier and tier is None:
             await abort(context, InvalidRequest(f"Unknown tier {request.tier}; use shm or disk."))
         if request.lease_ttl_seconds < 0:
             await abort(context, InvalidRequest("lease_ttl_seconds must not be negative."))
         try:
             options = (
-                _pull_options(request.pull_options) if request.HasField("pull_options") else None
+                pull_options_from_proto(request.pull_options)
+                if request.HasField("pull_options")
+                else None
             )
         except PrewarmError as exc:
             await abort(context, exc)
@@ -164,7 +158,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         request: pb.CollectGarbageRequest,
         context: grpc.aio.ServicerContext[pb.CollectGarbageRequest, pb.CollectGarbageResponse],
     ) -> pb.CollectGarbageResponse:
-        tier = _PB_TO_TIER.get(request.tier) if request.tier else None
+        tier = tier_from_proto(request.tier)
         result = await self._service.collect_garbage(tier)
         return pb.CollectGarbageResponse(
             evicted=[self._model_info(m, with_files=False) for m in result.evicted],
@@ -215,7 +209,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
             uptime_seconds=status.uptime_seconds,
             data_plane=status.data_plane,
             socket_path=self._socket_path,
-            default_tier=_TIER_TO_PB[status.default_tier],
+            default_tier=tier_to_proto(status.default_tier),
             lease_count=status.lease_count,
             compile_cache_count=compiles[0],
             compile_cache_bytes=compiles[1],
@@ -233,11 +227,11 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
             uri=model.uri,
             key=model.key,
             path=str(model.path),
-            tier=_TIER_TO_PB[model.tier],
+            tier=tier_to_proto(model.tier),
             total_bytes=model.total_bytes,
             file_count=len(model.files),
-            created=timestamp(model.created),
-            last_used=timestamp(usage.last_used),
+            created=timestamp_to_proto(model.created),
+            last_used=timestamp_to_proto(usage.last_used),
             hit_count=usage.hit_count,
             include=model.include,
             exclude=model.exclude,
@@ -251,7 +245,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
     def _lease(self, lease: LeaseRecord) -> pb.Lease:
         granted = pb.Lease(id=lease.id, key=lease.key, socket_path=self._service.lease_socket_path)
         if lease.expires is not None:
-            granted.expires.CopyFrom(timestamp(lease.expires))
+            granted.expires.CopyFrom(timestamp_to_proto(lease.expires))
         return granted
 
     def _handle(self, result: EnsureResult) -> pb.ModelHandle:
@@ -260,7 +254,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
             uri=model.uri,
             key=model.key,
             path=str(model.path),
-            tier=_TIER_TO_PB[model.tier],
+            tier=tier_to_proto(model.tier),
             hit=result.hit,
             files=_files(model),
             total_bytes=model.total_bytes,
@@ -280,29 +274,13 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         return handle
 
 
-def _pull_options(message: pb.PullOptions) -> PullOptions:
-    """The request's overrides; zero values mean "the agent's setting"."""
-    if message.data_plane and message.data_plane not in DATA_PLANE_CHOICES:
-        raise InvalidRequest(
-            f"Unknown data plane {message.data_plane!r}; use one of "
-            f"{', '.join(DATA_PLANE_CHOICES)} (or leave it empty for the agent's)."
-        )
-    if message.concurrency < 0 or message.chunk_size < 0:
-        raise InvalidRequest("concurrency and chunk_size must not be negative.")
-    return PullOptions(
-        data_plane=message.data_plane or None,
-        concurrency=message.concurrency or None,
-        chunk_size=message.chunk_size or None,
-    )
-
-
 def _files(model: CachedModel) -> list[pb.FileEntry]:
     return [pb.FileEntry(path=f.path, size=f.size, etag=f.etag) for f in model.files]
 
 
 def _progress(progress: PullProgress) -> pb.Progress:
     return pb.Progress(
-        phase=_PHASE_TO_PB[progress.phase],
+        phase=phase_to_proto(progress.phase),
         bytes_done=progress.bytes_done,
         bytes_total=progress.bytes_total,
         files_done=progress.files_done,
@@ -313,7 +291,7 @@ def _progress(progress: PullProgress) -> pb.Progress:
 
 def _tier_status(usage: TierUsage, leased: int) -> pb.TierStatus:
     return pb.TierStatus(
-        tier=_TIER_TO_PB[usage.tier],
+        tier=tier_to_proto(usage.tier),
         root=str(usage.root),
         capacity_bytes=usage.capacity_bytes,
         used_bytes=usage.used_bytes,
@@ -331,13 +309,13 @@ def _lease_info(lease: LeaseRecord) -> pb.LeaseInfo:
     info = pb.LeaseInfo(
         id=lease.id,
         client_name=lease.client_name,
-        acquired=timestamp(lease.acquired),
+        acquired=timestamp_to_proto(lease.acquired),
         held=lease.held,
     )
     if lease.holder is not None:
         info.pid, info.uid, info.gid = lease.holder.pid, lease.holder.uid, lease.holder.gid
     if lease.expires is not None:
-        info.expires.CopyFrom(timestamp(lease.expires))
+        info.expires.CopyFrom(timestamp_to_proto(lease.expires))
     return info
 
 
@@ -345,8 +323,8 @@ def _pull_status(flight: Flight) -> pb.PullStatus:
     return pb.PullStatus(
         uri=str(flight.snapshot.uri),
         key=flight.key,
-        tier=_TIER_TO_PB[flight.tier],
+        tier=tier_to_proto(flight.tier),
         progress=_progress(flight.progress),
         waiters=flight.waiters,
-        started=timestamp(flight.started),
+        started=timestamp_to_proto(flight.started),
     )

@@ -11,16 +11,16 @@ from pathlib import Path
 
 from agent._config import Settings
 from agent._exceptions import Conflict, NotFound, SourceUnavailable
-from agent._snapshot import TierName, check_globs
+from agent._snapshot import check_globs
 from agent._uri import parse_uri
 from agent._version import __version__
+from agent._vocabulary import PullOptions, TierName
 from agent.check.hashes import FileProblem, verify_files
 from agent.obs.logs import bind_request
 from agent.obs.metrics import CACHE_LOOKUPS, EVICTIONS, PHASE_SECONDS
 from agent.pull.flight import Flight, PullProgress
 from agent.pull.puller import Puller
 from agent.pull.resolver import resolve
-from agent.pull.tuning import PullOptions
 from agent.source.interface import ObjectSource
 from agent.store.eviction import Evictor
 from agent.store.leases import LeaseRecord, LeaseTable

@@ -10,12 +10,7 @@ starts, in case a data plane works in a child.
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -28,21 +23,26 @@ from agent.testing import AgentProcess
 
 from ._contenders import Context, RunResult, run_child
 from ._model import BenchModel
-from ._s3rver import cpu_seconds, cpu_split
+from ._system import (
+    RssSampler,
+    cpu_seconds,
+    cpu_split,
+    meminfo,
+    reclaim_counters,
+    reclaim_since,
+    status_fields,
+)
 
 __all__ = [
-    "RssSampler",
+    "HitCost",
     "agent_config",
     "cold_pull",
     "concurrent_cold_pulls",
-    "fallocate_seconds",
     "hit_latency",
-    "profile_cold_pull",
+    "reported_plane",
     "running_agent",
     "warm_launch",
 ]
-
-KiB = 1024
 
 
 def agent_config(ctx: Context, plane: str | None, *, pinned: bool = True) -> str:
@@ -67,7 +67,6 @@ def running_agent(
     ``source``: run the ``agent`` package of another checkout instead (an A/B of
     two versions of the agent in one run).
     """
-    root = Path(tempfile.mkdtemp(prefix="pw-", dir=ctx.scratch))
     env = ctx.server.env() | dict(ctx.agent_env)
     argv = None
     if source is not None:
@@ -76,83 +75,14 @@ def running_agent(
             "runpy.run_module('agent', run_name='__main__', alter_sys=True)"
         )
         argv = [sys.executable, "-c", code]
-    agent = AgentProcess(
-        env=env, root=root, config=agent_config(ctx, plane, pinned=pinned), argv=argv
-    )
-    try:
-        agent.start()
+    config = agent_config(ctx, plane, pinned=pinned)
+    with AgentProcess(env=env, parent=ctx.scratch, config=config, argv=argv) as agent:
         yield agent
-    finally:
-        try:
-            agent.close()
-        finally:
-            _remove_tree(root)
 
 
 def reported_plane(agent: AgentProcess) -> str:
     with Client(agent.socket_path) as client:
         return client.status().data_plane
-
-
-class RssSampler:
-    """Peak memory of a process and its children, read from /proc every few ms.
-
-    Polling is fine here: this is the benchmark, not the agent. ``VmHWM`` (the
-    kernel's own peak) is read too; it is exact but covers one process only.
-    """
-
-    def __init__(self, pid: int, interval: float = 0.005) -> None:
-        self._pid = pid
-        self._interval = interval
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
-        self.peak_total = 0
-        self.peak_anon = 0
-        self.peak_shmem = 0
-        self.peak_children = 0
-
-    def __enter__(self) -> RssSampler:
-        # Reset the kernel's peak so VmHWM covers only what follows.
-        with contextlib.suppress(OSError):
-            Path(f"/proc/{self._pid}/clear_refs").write_text("5")
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
-
-    @property
-    def vm_hwm(self) -> int:
-        return _status_fields(self._pid).get("VmHWM", 0)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            self._sample()
-
-    def _sample(self) -> None:
-        total = anon = shmem = children = 0
-        for pid in [self._pid, *_descendants(self._pid)]:
-            fields = _status_fields(pid)
-            total += fields.get("VmRSS", 0)
-            anon += fields.get("RssAnon", 0)
-            shmem += fields.get("RssShmem", 0)
-            if pid != self._pid:
-                children += fields.get("VmRSS", 0)
-        self.peak_total = max(self.peak_total, total)
-        self.peak_anon = max(self.peak_anon, anon)
-        self.peak_shmem = max(self.peak_shmem, shmem)
-        self.peak_children = max(self.peak_children, children)
-
-    def to_json(self) -> dict[str, int]:
-        return {
-            "vm_hwm": self.vm_hwm,
-            "sampled_peak_rss": self.peak_total,
-            "sampled_peak_anon": self.peak_anon,
-            "sampled_peak_shmem": self.peak_shmem,
-            "sampled_peak_children": self.peak_children,
-        }
 
 
 def cold_pull(
@@ -173,8 +103,8 @@ def cold_pull(
         server_cpu = ctx.server.cpu_seconds()
         agent_cpu = cpu_seconds(agent.pid)
         user, system = cpu_split(agent.pid)
-        baseline = _status_fields(agent.pid).get("VmRSS", 0)
-        vmstat = _vmstat()
+        baseline = status_fields(agent.pid).get("VmRSS", 0)
+        reclaim = reclaim_counters()
         with RssSampler(agent.pid) as sampler:
             started = time.perf_counter()
             handle = client.ensure(model.uri, tier="shm")
@@ -190,8 +120,8 @@ def cold_pull(
                 "agent_system_cpu": cpu_split(agent.pid)[1] - system,
                 # Page reclaim during the pull, machine-wide: the tier, the server's
                 # page cache and everything else share the RAM.
-                "reclaim": _vmstat_delta(vmstat),
-                "mem_available_after": _meminfo("MemAvailable"),
+                "reclaim": reclaim_since(reclaim),
+                "mem_available_after": meminfo("MemAvailable"),
                 "plane": client.status().data_plane,
                 "hit": handle.hit,
                 "rss_before_pull": baseline,
@@ -305,107 +235,6 @@ def hit_latency(ctx: Context, agent: AgentProcess, model: BenchModel, calls: int
     return HitCost(times[0], times[len(times) // 2], served_per_call)
 
 
-def profile_cold_pull(
-    ctx: Context, model: BenchModel, plane: str | None, py_spy: Path, output: Path
-) -> dict[str, Any]:
-    """A cold pull with py-spy sampling the daemon; returns where its CPU went."""
-    with running_agent(ctx, plane) as agent, Client(agent.socket_path) as client:
-        assert agent.pid is not None
-        argv = [str(py_spy), "record", "--pid", str(agent.pid), "--rate", "250"]
-        argv += ["--format", "raw", "--output", str(output), "--nonblocking", "--subprocesses"]
-        spy = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-        )
-        try:
-            # py-spy attaches within a few ms; give it the moment it needs to
-            # read the interpreter's state before the bytes start to move.
-            time.sleep(1.0)
-            started = time.perf_counter()
-            client.ensure(model.uri, tier="shm")
-            seconds = time.perf_counter() - started
-        finally:
-            spy.send_signal(signal.SIGINT)
-            out, _ = spy.communicate(timeout=60)
-    if not output.exists():
-        raise RuntimeError(f"py-spy wrote no profile: {out.decode(errors='replace')[-2000:]}")
-    return {"seconds": seconds, **summarize_profile(output)}
-
-
-def fallocate_seconds(scratch: Path, model: BenchModel) -> float:
-    """What reserving the model's files with posix_fallocate costs on this tmpfs, alone.
-
-    The staging code reserves every file's blocks before the first GET; on
-    tmpfs that allocates and zero-fills every page, which the pull then
-    overwrites.
-    """
-    directory = Path(tempfile.mkdtemp(prefix="fallocate-", dir=scratch))
-    try:
-        started = time.perf_counter()
-        for index, (_, size) in enumerate(model.objects):
-            fd = os.open(directory / str(index), os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                if size:
-                    os.posix_fallocate(fd, 0, size)
-            finally:
-                os.close(fd)
-        return time.perf_counter() - started
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-def summarize_profile(path: Path, top: int = 15) -> dict[str, Any]:
-    """Self and inclusive sample shares per function from py-spy's collapsed stacks."""
-    self_counts: dict[str, int] = {}
-    inclusive: dict[str, int] = {}
-    threads: dict[str, int] = {}
-    total = 0
-    for line in path.read_text().splitlines():
-        stack, _, count_text = line.rpartition(" ")
-        if not stack:
-            continue
-        count = int(count_text)
-        frames = stack.split(";")
-        total += count
-        threads[frames[0]] = threads.get(frames[0], 0) + count
-        leaf = _function(frames[-1])
-        self_counts[leaf] = self_counts.get(leaf, 0) + count
-        for name in {_function(frame) for frame in frames[1:]}:
-            inclusive[name] = inclusive.get(name, 0) + count
-
-    def shares(counts: dict[str, int]) -> list[tuple[str, float]]:
-        ranked = sorted(counts.items(), key=lambda item: item[1], reverse=True)[:top]
-        return [(name, count / total) for name, count in ranked]
-
-    return {
-        "samples": total,
-        "self": shares(self_counts),
-        "inclusive": shares(inclusive),
-        "threads": shares(threads),
-    }
-
-
-def install_py_spy(cache: Path) -> Path:
-    """py-spy from PyPI into a bench-local directory, once."""
-    target = cache / "py-spy"
-    binary = target / "bin" / "py-spy"
-    if binary.exists():
-        return binary
-    argv = [sys.executable, "-m", "pip", "install", "--quiet", "--target", str(target), "py-spy"]
-    result = subprocess.run(argv, capture_output=True, text=True, check=False)
-    if result.returncode != 0 or not binary.exists():
-        raise RuntimeError(f"pip install py-spy failed:\n{result.stderr[-2000:]}")
-    return binary
-
-
-def _function(frame: str) -> str:
-    # py-spy raw frames look like "read (aiohttp/streams.py:123)"; drop the line.
-    name, _, where = frame.partition(" (")
-    where = where.rstrip(")")
-    filename = where.rsplit(":", 1)[0]
-    short = "/".join(filename.split("/")[-2:])
-    return f"{name} ({short})" if short else name
-
-
 def _timings(handle: ModelHandle) -> dict[str, float]:
     t = handle.timings
     return {
@@ -419,79 +248,3 @@ def _timings(handle: ModelHandle) -> dict[str, float]:
         # file) between the resolve and the first GET.
         "outside_phases": t.total - (t.resolve + t.wait + t.download + t.verify + t.publish),
     }
-
-
-def _status_fields(pid: int) -> dict[str, int]:
-    """The memory lines of /proc/<pid>/status in bytes (empty if it is gone)."""
-    try:
-        text = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return {}
-    fields: dict[str, int] = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(":")
-        parts = value.split()
-        if len(parts) == 2 and parts[1] == "kB":
-            fields[name] = int(parts[0]) * KiB
-    return fields
-
-
-_RECLAIM_COUNTERS = (
-    "allocstall_normal",
-    "allocstall_movable",
-    "pgscan_direct",
-    "pgsteal_direct",
-    "pgscan_kswapd",
-    "pgsteal_kswapd",
-    "compact_stall",
-)
-
-
-def _vmstat() -> dict[str, int]:
-    counters: dict[str, int] = {}
-    for line in Path("/proc/vmstat").read_text().splitlines():
-        name, _, value = line.partition(" ")
-        if name in _RECLAIM_COUNTERS:
-            counters[name] = int(value)
-    return counters
-
-
-def _vmstat_delta(before: dict[str, int]) -> dict[str, int]:
-    after = _vmstat()
-    return {name: after[name] - before.get(name, 0) for name in after}
-
-
-def _meminfo(field: str) -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1]) * KiB
-    return 0
-
-
-def _descendants(pid: int) -> list[int]:
-    found: list[int] = []
-    pending = [pid]
-    while pending:
-        current = pending.pop()
-        try:
-            tasks = list(Path(f"/proc/{current}/task").iterdir())
-        except OSError:
-            continue
-        for task in tasks:
-            try:
-                children = (task / "children").read_text().split()
-            except OSError:
-                continue
-            for child in children:
-                found.append(int(child))
-                pending.append(int(child))
-    return found
-
-
-def _remove_tree(path: Path) -> None:
-    if not path.exists():
-        return
-    for directory, _, _ in os.walk(path):
-        with contextlib.suppress(OSError):
-            Path(directory).chmod(0o700)
-    shutil.rmtree(path, ignore_errors=True)

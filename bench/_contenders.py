@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent.testing._process import purge_tree, source_env
+
 from ._model import BenchModel
 from ._s3rver import ACCESS_KEY, SECRET_KEY, S3rver
 
@@ -41,7 +43,6 @@ __all__ = [
     "streamer_env",
 ]
 
-_REPO = Path(__file__).resolve().parents[1]
 # The published EKS tuning for the streamer (see docs/benchmarks.md): requests
 # that stall are retried, not waited on; concurrency and chunk size are the run's.
 STREAMER_REQUEST_TIMEOUT_MS = 3000
@@ -60,12 +61,13 @@ class Context:
     agent_env: Mapping[str, str] = field(default_factory=dict)
 
     def child_env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        env = {
-            name: value
-            for name, value in os.environ.items()
-            if not name.startswith(("AWS_", "PREWARM_", "RUNAI_STREAMER_"))
-        }
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_REPO), env.get("PYTHONPATH")]))
+        env = source_env(
+            {
+                name: value
+                for name, value in os.environ.items()
+                if not name.startswith(("AWS_", "PREWARM_", "RUNAI_STREAMER_"))
+            }
+        )
         env.update(self.server.env())
         env.update(extra or {})
         return env
@@ -168,7 +170,7 @@ def run_s5cmd(ctx: Context, model: BenchModel) -> RunResult:
         child = run_child(ctx, argv, ctx.child_env())
         nbytes = sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())
     finally:
-        shutil.rmtree(dest, ignore_errors=True)
+        purge_tree(dest)
     return _result(child, nbytes, workers=workers, per_file_concurrency=per_file)
 
 
@@ -182,7 +184,7 @@ def run_boto3(ctx: Context, model: BenchModel) -> RunResult:
         argv += ["--chunk", str(ctx.chunk), *(key for key, _ in model.objects)]
         child = run_child(ctx, argv, ctx.child_env())
     finally:
-        shutil.rmtree(dest, ignore_errors=True)
+        purge_tree(dest)
     return _inner_result(child)
 
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import gc
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agent.testing import make_safetensors_model
+from agent.testing._process import purge_tree
 
 __all__ = ["BenchModel", "publish_model"]
 
@@ -64,5 +64,5 @@ def publish_model(
             client.upload_file(str(path), bucket, key, Config=config)
             objects.append((key, path.stat().st_size))
     finally:
-        shutil.rmtree(directory, ignore_errors=True)
+        purge_tree(directory)
     return BenchModel(name=name, bucket=bucket, prefix=prefix, objects=tuple(objects))

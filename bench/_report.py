@@ -8,7 +8,7 @@ from typing import Any
 
 from ._stats import Sample
 
-__all__ = ["Target", "judge_targets", "markdown_table", "text_table"]
+__all__ = ["Target", "judge_targets", "markdown_extras", "markdown_table", "text_table"]
 
 MiB = 1024**2
 GiB = 1024**3
@@ -271,4 +271,43 @@ def markdown_table(samples: Mapping[str, Sample], targets: list[Target]) -> str:
         lines.append(
             f"| {target.name} | {target.goal} | {target.measured} | {verdict} | {target.note} |"
         )
+    return "\n".join(lines) + "\n"
+
+
+def markdown_extras(scaling: dict[str, Any], hits: dict[str, Any], profile: dict[str, Any]) -> str:
+    """Markdown for the sections beyond the main table: scaling, hits, profiles."""
+    lines: list[str] = []
+    if scaling.get("points"):
+        lines += ["", f"Cold pulls by size ({scaling['plane']}):", ""]
+        lines += ["| bytes | best s | median s | s/GiB | peak RSS MiB |", "|---|---|---|---|---|"]
+        for p in scaling["points"]:
+            rss = f"{p['vm_hwm'] / MiB:.0f}" if p.get("vm_hwm") else "-"
+            lines.append(
+                f"| {p['bytes'] / GiB:.2f} GiB | {p['best']:.2f} | {p['median']:.2f} | "
+                f"{p['seconds_per_gib']:.2f} | {rss} |"
+            )
+    if hits.get("models"):
+        lines += ["", "Hits (EnsureModel on a cached model):", ""]
+        lines += ["| model | files | bytes | best ms | median ms | bytes from S3 per call |"]
+        lines += ["|---|---|---|---|---|---|"]
+        for name, h in hits["models"].items():
+            lines.append(
+                f"| {name} | {h['files']} | {h['bytes'] / MiB:.0f} MiB | {h['best'] * 1000:.1f} | "
+                f"{h['median'] * 1000:.1f} | {h['served_per_call']:.0f} |"
+            )
+    for plane, p in profile.items():
+        if plane == "fallocate":
+            lines += [
+                "",
+                f"posix_fallocate of the model's files on /dev/shm alone (what staging does "
+                f"before the first GET): best {p['best']:.2f} s for {p['bytes'] / GiB:.2f} GiB.",
+            ]
+            continue
+        if "error" in p:
+            lines += ["", f"Profile ({plane}): {p['error']}"]
+            continue
+        lines += ["", f"Profile of the daemon during a cold pull ({plane}, {p['samples']} "]
+        lines[-1] += "samples, py-spy, CPU only):"
+        lines += ["", "| self | function |", "|---|---|"]
+        lines += [f"| {share * 100:.1f}% | `{name}` |" for name, share in p["self"]]
     return "\n".join(lines) + "\n"

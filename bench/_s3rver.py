@@ -17,15 +17,17 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import selectors
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
-import time
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Self
+
+from agent.testing._process import Startable, StartupFailure, purge_tree, read_until, stop_process
+
+from ._system import cpu_seconds, proc_io
 
 __all__ = ["S3RVER_VERSION", "S3rver", "S3rverError", "install_s3rver"]
 
@@ -63,7 +65,7 @@ def install_s3rver(cache: Path = _CACHE) -> Path:
     return binary
 
 
-class S3rver:
+class S3rver(Startable):
     """One s3rver process on 127.0.0.1 with its store in a temporary directory.
 
     The store goes on the disk (``/tmp`` or ``directory``), not /dev/shm: the
@@ -98,7 +100,12 @@ class S3rver:
         self._proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
         )
-        self._port = self._read_port(self._proc, timeout)
+        try:
+            listening = read_until(self._proc, _LISTENING, timeout=timeout)
+        except StartupFailure as exc:
+            stop_process(self._proc, signal.SIGKILL, timeout=10.0)
+            raise S3rverError(f"s3rver {exc.reason}: {exc.output!r}") from exc
+        self._port = int(listening.group(1))
         # Anything it prints later (errors) must not fill the pipe and stall it.
         threading.Thread(target=self._drain, args=(self._proc,), daemon=True).start()
         return self
@@ -106,27 +113,15 @@ class S3rver:
     def stop(self) -> None:
         proc = self._proc
         self._proc = None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if proc is not None and proc.stdout is not None:
-            proc.stdout.close()
+        if proc is not None:
+            stop_process(proc, timeout=10.0)
+            if proc.stdout is not None:
+                proc.stdout.close()
         if self._owns_directory:
-            shutil.rmtree(self.directory, ignore_errors=True)
+            purge_tree(self.directory)
 
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def close(self) -> None:
+        """Stop the server (the end of a ``with`` block)."""
         self.stop()
 
     # -- what clients need -----------------------------------------------------------
@@ -161,7 +156,7 @@ class S3rver:
 
     def bytes_sent(self) -> int:
         """Bytes the server has written (to sockets) since it started."""
-        return _proc_io(self.pid)["wchar"]
+        return proc_io(self.pid)["wchar"]
 
     def cpu_seconds(self) -> float:
         return cpu_seconds(self.pid)
@@ -173,39 +168,3 @@ class S3rver:
         with contextlib.suppress(OSError, ValueError):
             while chunk := os.read(proc.stdout.fileno(), 65536):
                 self.output_tail = (self.output_tail + chunk)[-8192:]
-
-    def _read_port(self, proc: subprocess.Popen[bytes], timeout: float) -> int:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        buffer = b""
-        with selectors.DefaultSelector() as selector:
-            selector.register(proc.stdout, selectors.EVENT_READ)
-            while (match := _LISTENING.search(buffer)) is None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not selector.select(timeout=remaining):
-                    proc.kill()
-                    raise S3rverError(f"s3rver did not start within {timeout:.0f} s: {buffer!r}")
-                chunk = os.read(proc.stdout.fileno(), 4096)
-                if not chunk:
-                    raise S3rverError(f"s3rver exited with {proc.wait()}: {buffer!r}")
-                buffer += chunk
-        return int(match.group(1))
-
-
-def _proc_io(pid: int) -> dict[str, int]:
-    text = Path(f"/proc/{pid}/io").read_text()
-    return {name: int(value) for name, value in (line.split(": ") for line in text.splitlines())}
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds a live process has used."""
-    user, system = cpu_split(pid)
-    return user + system
-
-
-def cpu_split(pid: int) -> tuple[float, float]:
-    """(user, system) CPU seconds a live process has used."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    # fields[11], fields[12]: utime, stime (the 14th and 15th of the whole line).
-    ticks = os.sysconf("SC_CLK_TCK")
-    return int(fields[11]) / ticks, int(fields[12]) / ticks

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import shutil
 import signal
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import torch
 
 from agent.client import Client, ModelHandle, Progress, load_safetensors
 from agent.testing import AgentProcess, S3Server, make_safetensors_model, upload_directory
+from agent.testing._process import purge_tree
 
 MiB = 1024 * 1024
 BUCKET = "demo"
@@ -97,11 +97,11 @@ def _start_everything(
 ) -> tuple[AgentProcess, dict[str, np.ndarray[Any, Any]]]:
     """Model on disk and in S3, the S3 server and the agent; each registered for cleanup."""
     work = Path(tempfile.mkdtemp(prefix="prewarm-demo-"))
-    cleanup.callback(shutil.rmtree, work, ignore_errors=True)
+    cleanup.callback(purge_tree, work)
     # The agent's root holds its socket and its tiers; put it on tmpfs when
     # there is one, so the shm tier really is RAM-backed.
     agent_root = Path(tempfile.mkdtemp(prefix="pw-demo-", dir=_ram_dir()))
-    cleanup.callback(shutil.rmtree, agent_root, ignore_errors=True)
+    cleanup.callback(purge_tree, agent_root)
 
     _step(f"generating a {total_bytes / MiB:.0f} MiB, {shards}-shard safetensors model")
     started = time.perf_counter()

@@ -21,7 +21,6 @@ import asyncio
 import json
 import os
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
@@ -41,6 +40,7 @@ def _child(args: argparse.Namespace) -> None:
     from agent.pull.resolver import resolve
     from agent.source.s3 import S3Source
     from agent.store.store import Store
+    from agent.testing._process import purge_tree
 
     plane, concurrency, chunk_mib = args.child.split(":")
 
@@ -78,7 +78,7 @@ def _child(args: argparse.Namespace) -> None:
                 "load": os.getloadavg()[0],
             }
         finally:
-            shutil.rmtree(root, ignore_errors=True)
+            purge_tree(root)
 
     print(json.dumps(asyncio.run(pull())), flush=True)
 

@@ -10,7 +10,6 @@ that dies during startup fails the wait at once, with its output in the error.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,15 +18,13 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Self
 
 import grpc  # type: ignore[import-untyped,unused-ignore]
 
-__all__ = ["AgentProcess", "AgentStartupError"]
+from ._process import Startable, log_tail, purge_tree, read_log, source_env, stop_process
 
-# The directory that holds the ``agent`` package (see _s3server).
-_SOURCE_ROOT = str(Path(__file__).resolve().parents[2])
+__all__ = ["AgentProcess", "AgentStartupError"]
 
 # grpc retries a refused connect with exponential backoff from 1 s; the socket
 # appears a moment after the process starts, so retry faster than that.
@@ -42,11 +39,12 @@ class AgentStartupError(RuntimeError):
     """The daemon exited, or did not report SERVING, before the startup deadline."""
 
 
-class AgentProcess:
+class AgentProcess(Startable):
     """One ``python -m agent`` process and the directory it lives in.
 
-    Everything sits under ``root`` (made with a short name under /tmp unless
-    given, because an AF_UNIX path holds at most 107 bytes): ``agent.sock``,
+    Everything sits under ``root`` (made with a short name in ``parent``, /tmp
+    unless given, because an AF_UNIX path holds at most 107 bytes; or given
+    itself, and then kept by ``close()``): ``agent.sock``,
     the ``shm`` and ``disk`` tier roots (left for the daemon to create),
     ``agent.toml`` (written from ``config``) and ``agent.log`` (stdout and
     stderr of every start, appended). The daemon sees ``os.environ`` without any
@@ -62,13 +60,16 @@ class AgentProcess:
         *,
         env: Mapping[str, str] | None = None,
         root: Path | None = None,
+        parent: Path | None = None,
         config: str = "",
         argv: Sequence[str] | None = None,
         startup_timeout: float = 30.0,
         stop_timeout: float = 30.0,
     ) -> None:
         self._owns_root = root is None
-        self.root = Path(tempfile.mkdtemp(prefix="pw-", dir="/tmp")) if root is None else root
+        if root is None:
+            root = Path(tempfile.mkdtemp(prefix="pw-", dir=parent or "/tmp"))
+        self.root = root
         self.socket_path = self.root / "agent.sock"
         self.shm_root = self.root / "shm"
         self.disk_root = self.root / "disk"
@@ -103,12 +104,13 @@ class AgentProcess:
 
     def env(self) -> dict[str, str]:
         """The full environment the daemon is started with."""
-        env = {
-            name: value
-            for name, value in os.environ.items()
-            if not name.startswith(("PREWARM_", "AWS_"))
-        }
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_SOURCE_ROOT, env.get("PYTHONPATH")]))
+        env = source_env(
+            {
+                name: value
+                for name, value in os.environ.items()
+                if not name.startswith(("PREWARM_", "AWS_"))
+            }
+        )
         env["PYTHONUNBUFFERED"] = "1"
         env.update(self._extra_env)
         env.update(
@@ -123,10 +125,7 @@ class AgentProcess:
 
     def log_text(self) -> str:
         """Everything the daemon wrote to stdout and stderr, across restarts."""
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
+        return read_log(self.log_path)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -149,7 +148,7 @@ class AgentProcess:
         try:
             self._wait_until_serving(self._proc)
         except BaseException:
-            self._signal_and_wait(signal.SIGKILL, timeout=10.0)
+            stop_process(self._proc, signal.SIGKILL, timeout=10.0)
             raise
         return self
 
@@ -163,20 +162,19 @@ class AgentProcess:
         if proc is None or proc.poll() is not None:
             return self.returncode
         limit = self._stop_timeout if timeout is None else timeout
-        proc.send_signal(signal.SIGTERM)
-        try:
-            return proc.wait(timeout=limit)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if not stop_process(proc, signal.SIGTERM, timeout=limit):
             raise TimeoutError(
                 f"The agent did not exit within {limit:.0f} s of SIGTERM and was killed.\n"
                 f"{self._log_tail()}"
-            ) from None
+            )
+        return proc.returncode
 
     def kill(self) -> int | None:
         """SIGKILL the daemon (a crash, as far as it can tell) and wait for it."""
-        return self._signal_and_wait(signal.SIGKILL, timeout=10.0)
+        if self._proc is None:
+            return None
+        stop_process(self._proc, signal.SIGKILL, timeout=10.0)
+        return self._proc.returncode
 
     def restart(self, *, kill: bool = False) -> Self:
         """Stop (or kill) the daemon and start it again on the same directory."""
@@ -193,18 +191,7 @@ class AgentProcess:
                 self.stop()
         finally:
             if self._owns_root:
-                _remove_tree(self.root)
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+                purge_tree(self.root)
 
     # -- internals ---------------------------------------------------------------------
 
@@ -257,31 +244,10 @@ class AgentProcess:
                 starting = False
                 channel.close()
 
-    def _signal_and_wait(self, sig: signal.Signals, *, timeout: float) -> int | None:
-        proc = self._proc
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            proc.send_signal(sig)
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        return proc.returncode
-
     def _log_tail(self, limit: int = 12000) -> str:
-        text = self.log_text()
-        if not text.strip():
-            return f"(the agent wrote nothing; log {self.log_path})"
-        return f"--- agent output ({self.log_path}) ---\n{text[-limit:]}"
-
-
-def _remove_tree(path: Path) -> None:
-    # The store publishes read-only directories; make them writable so their
-    # entries can be unlinked.
-    if not path.exists():
-        return
-    for directory, _, _ in os.walk(path):
-        Path(directory).chmod(0o700)
-    shutil.rmtree(path)
+        return log_tail(
+            self.log_text(),
+            heading=f"--- agent output ({self.log_path}) ---",
+            empty=f"(the agent wrote nothing; log {self.log_path})",
+            limit=limit,
+        )

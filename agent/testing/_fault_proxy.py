@@ -28,31 +28,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
-import struct
 import threading
 import urllib.parse
 from collections import Counter
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Literal, Self
+
+from ._http_wire import (
+    PIECE,
+    S3_ERRORS,
+    body_until_close,
+    chunked_body,
+    error_response,
+    parse_response_head,
+    read_request,
+    reset,
+    sized_body,
+)
+from ._process import Startable
 
 __all__ = ["Fault", "FaultKind", "FaultProxy"]
 
 FaultKind = Literal["internal_error", "slow_down", "reset", "truncate", "stall"]
-
-_PIECE = 256 * 1024
-_HEADER_LIMIT = 64 * 1024
-_ERRORS: dict[str, tuple[int, str, str, str]] = {
-    "internal_error": (
-        500,
-        "Internal Server Error",
-        "InternalError",
-        "We encountered an internal error. Please try again.",
-    ),
-    "slow_down": (503, "Slow Down", "SlowDown", "Please reduce your request rate."),
-}
 
 
 @dataclass
@@ -95,15 +92,7 @@ class Fault:
         return left and method == self.method and self.key in path
 
 
-@dataclass
-class _Request:
-    method: str
-    target: str
-    head: bytes  # request line and headers, as received
-    body: bytes
-
-
-class FaultProxy:
+class FaultProxy(Startable):
     """Loopback HTTP proxy to ``upstream`` that injects the faults a test adds."""
 
     def __init__(self, upstream: str, *, host: str = "127.0.0.1", port: int = 0) -> None:
@@ -201,15 +190,8 @@ class FaultProxy:
         thread.join()
         self._thread = None
 
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def close(self) -> None:
+        """Stop the proxy (the end of a ``with`` block)."""
         self.stop()
 
     def _run(self) -> None:
@@ -249,15 +231,15 @@ class FaultProxy:
         upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         try:
             while True:
-                request = await _read_request(reader)
+                request = await read_request(reader)
                 if request is None:
                     return
                 fault = self._take(request.method, request.target)
                 if fault is not None and fault.kind == "reset":
-                    _reset(writer)
+                    reset(writer)
                     return
-                if fault is not None and fault.kind in _ERRORS:
-                    writer.write(_error_response(fault.kind, request.target))
+                if fault is not None and fault.kind in S3_ERRORS:
+                    writer.write(error_response(fault.kind, request.target))
                     await writer.drain()
                     continue
                 if upstream is None:
@@ -269,7 +251,7 @@ class FaultProxy:
                 with self._lock:
                     self._forwarded += 1
                 if fault is not None and fault.kind == "stall":
-                    while await reader.read(_PIECE):
+                    while await reader.read(PIECE):
                         pass  # say nothing more until the client hangs up
                 if not keep:
                     return
@@ -291,17 +273,17 @@ class FaultProxy:
     ) -> bool:
         """Copy one response; with ``limit``, stop after that many body bytes. True: keep-alive."""
         head = await upstream.readuntil(b"\r\n\r\n")
-        status, headers = _parse_head(head)
+        status, headers = parse_response_head(head)
         client.write(head)
         budget = limit
         if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
             body_reader = None
         elif headers.get("transfer-encoding", "").lower() == "chunked":
-            body_reader = _chunked_body(upstream)
+            body_reader = chunked_body(upstream)
         elif "content-length" in headers:
-            body_reader = _sized_body(upstream, int(headers["content-length"]))
+            body_reader = sized_body(upstream, int(headers["content-length"]))
         else:
-            body_reader = _body_until_close(upstream)
+            body_reader = body_until_close(upstream)
         if body_reader is not None:
             async for received in body_reader:
                 piece = received if budget is None else received[:budget]
@@ -317,101 +299,3 @@ class FaultProxy:
         return headers.get("connection", "").lower() != "close" and (
             body_reader is None or "content-length" in headers or "transfer-encoding" in headers
         )
-
-
-async def _read_request(reader: asyncio.StreamReader) -> _Request | None:
-    try:
-        head = await reader.readuntil(b"\r\n\r\n")
-    except asyncio.IncompleteReadError as exc:
-        if exc.partial:
-            raise
-        return None  # the client closed an idle keep-alive connection
-    except asyncio.LimitOverrunError as exc:
-        raise ValueError("request headers too long") from exc
-    if len(head) > _HEADER_LIMIT:
-        raise ValueError("request headers too long")
-    request_line, headers = _parse_request_head(head)
-    method, target, _ = request_line.split(" ", 2)
-    body = b""
-    if headers.get("transfer-encoding", "").lower() == "chunked":
-        body = b"".join([_encode_chunk(p) async for p in _chunked_body(reader)]) + b"0\r\n\r\n"
-    elif "content-length" in headers:
-        body = await reader.readexactly(int(headers["content-length"]))
-    return _Request(method, target, head, body)
-
-
-def _parse_request_head(head: bytes) -> tuple[str, dict[str, str]]:
-    lines = head.decode("latin-1").split("\r\n")
-    return lines[0], _header_dict(lines[1:])
-
-
-def _parse_head(head: bytes) -> tuple[int, dict[str, str]]:
-    lines = head.decode("latin-1").split("\r\n")
-    return int(lines[0].split(" ", 2)[1]), _header_dict(lines[1:])
-
-
-def _header_dict(lines: list[str]) -> dict[str, str]:
-    headers: dict[str, str] = {}
-    for line in lines:
-        if ":" in line:
-            name, value = line.split(":", 1)
-            headers[name.strip().lower()] = value.strip()
-    return headers
-
-
-async def _sized_body(reader: asyncio.StreamReader, size: int) -> AsyncIterator[bytes]:
-    left = size
-    while left:
-        piece = await reader.read(min(_PIECE, left))
-        if not piece:
-            raise asyncio.IncompleteReadError(b"", left)
-        left -= len(piece)
-        yield piece
-
-
-async def _body_until_close(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
-    while piece := await reader.read(_PIECE):
-        yield piece
-
-
-async def _chunked_body(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
-    while True:
-        size_line = await reader.readuntil(b"\r\n")
-        size = int(size_line.split(b";", 1)[0].strip(), 16)
-        if size == 0:
-            while await reader.readuntil(b"\r\n") != b"\r\n":
-                pass  # trailers
-            return
-        yield await reader.readexactly(size)
-        await reader.readexactly(2)
-
-
-def _encode_chunk(piece: bytes) -> bytes:
-    return f"{len(piece):x}\r\n".encode() + piece + b"\r\n"
-
-
-def _error_response(kind: str, target: str) -> bytes:
-    status, reason, code, message = _ERRORS[kind]
-    resource = urllib.parse.urlsplit(target).path
-    body = (
-        '<?xml version="1.0" encoding="UTF-8"?>\n'
-        f"<Error><Code>{code}</Code><Message>{message}</Message>"
-        f"<Resource>{resource}</Resource><RequestId>prewarm-fault-proxy</RequestId></Error>"
-    ).encode()
-    head = (
-        f"HTTP/1.1 {status} {reason}\r\n"
-        "Content-Type: application/xml\r\n"
-        f"Content-Length: {len(body)}\r\n"
-        "x-amz-request-id: prewarm-fault-proxy\r\n"
-        "\r\n"
-    ).encode()
-    return head + body
-
-
-def _reset(writer: asyncio.StreamWriter) -> None:
-    """Close with an RST instead of a FIN: the peer sees ECONNRESET."""
-    sock = writer.get_extra_info("socket")
-    if sock is not None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    transport = writer.transport
-    transport.abort()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -21,7 +22,6 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -34,34 +34,21 @@ if TYPE_CHECKING:
 __all__ = ["RecordingMiddleware", "main"]
 
 
-@dataclass
+@dataclasses.dataclass
 class _Pending:
-    """A request in flight; turned into a RecordedRequest when it finishes."""
+    """A request in flight: what arrived, and how far its response has got."""
 
-    seq: int
-    method: str
-    bucket: str | None
-    key: str | None
-    query: str
-    range: str | None
-    if_match: str | None
-    user_agent: str
+    arrived: RecordedRequest  # status 0, nothing sent, not complete
     status: int = 0
     bytes_sent: int = 0
 
+    @property
+    def seq(self) -> int:
+        return self.arrived.seq
+
     def freeze(self, *, complete: bool) -> RecordedRequest:
-        return RecordedRequest(
-            seq=self.seq,
-            method=self.method,
-            bucket=self.bucket,
-            key=self.key,
-            query=self.query,
-            range=self.range,
-            if_match=self.if_match,
-            user_agent=self.user_agent,
-            status=self.status,
-            bytes_sent=self.bytes_sent,
-            complete=complete,
+        return dataclasses.replace(
+            self.arrived, status=self.status, bytes_sent=self.bytes_sent, complete=complete
         )
 
 
@@ -112,7 +99,7 @@ class RecordingMiddleware:
         path = raw_path.encode("latin-1").decode("utf-8", "replace")
         bucket, _, key = path.lstrip("/").partition("/")
         with self._changed:
-            pending = _Pending(
+            arrived = RecordedRequest(
                 seq=next(self._seq),
                 method=str(environ.get("REQUEST_METHOD", "")),
                 bucket=bucket or None,
@@ -121,7 +108,11 @@ class RecordingMiddleware:
                 range=environ.get("HTTP_RANGE"),
                 if_match=environ.get("HTTP_IF_MATCH"),
                 user_agent=str(environ.get("HTTP_USER_AGENT", "")),
+                status=0,
+                bytes_sent=0,
+                complete=False,
             )
+            pending = _Pending(arrived)
             self._in_flight[pending.seq] = pending
         return pending
 

@@ -16,19 +16,27 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import selectors
+import re
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Self
+
+from ._process import (
+    Startable,
+    StartupFailure,
+    log_tail,
+    read_log,
+    read_until,
+    source_env,
+    stop_process,
+)
 
 __all__ = ["CONTROL_PATH", "RecordedRequest", "S3Server", "S3ServerError"]
 
@@ -39,9 +47,7 @@ ACCESS_KEY = "testing"
 SECRET_KEY = "testing"
 REGION = "us-east-1"
 
-# The directory that holds the ``agent`` package, so the child imports this
-# checkout even when the tests run from another working directory.
-_SOURCE_ROOT = str(Path(__file__).resolve().parents[2])
+_HANDSHAKE = re.compile(rb"\A([^\n]*)\n")
 
 
 class S3ServerError(RuntimeError):
@@ -108,7 +114,7 @@ class RecordedRequest:
         )
 
 
-class S3Server:
+class S3Server(Startable):
     """moto's S3 server in a subprocess on 127.0.0.1, with a request log.
 
     ``with S3Server() as s3:`` starts it and stops it. State (buckets, objects)
@@ -142,9 +148,7 @@ class S3Server:
         fd, log_name = tempfile.mkstemp(prefix="prewarm-s3-", suffix=".log")
         os.close(fd)
         self._log_path = Path(log_name)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_SOURCE_ROOT, env.get("PYTHONPATH")]))
-        env.update(self._extra_env)
+        env = source_env(os.environ) | self._extra_env
         argv = [sys.executable, "-m", "agent.testing._moto_process", "--host", self._host]
         argv += ["--port", str(self._port), "--log-file", log_name]
         # The child appends; we read the log by path, so our offset never moves its.
@@ -153,7 +157,7 @@ class S3Server:
                 argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env
             )
         try:
-            ready = self._read_handshake(self._proc)
+            ready = self._handshake(self._proc)
         except BaseException:
             self._terminate(signal.SIGKILL, timeout=10.0)
             raise
@@ -168,20 +172,13 @@ class S3Server:
         """Kill the server (SIGKILL) and wait for it to exit; idempotent."""
         self._terminate(signal.SIGKILL, timeout=10.0)
 
+    def close(self) -> None:
+        """Stop the server (the end of a ``with`` block)."""
+        self.stop()
+
     @property
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     # -- where it is ---------------------------------------------------------------
 
@@ -259,12 +256,7 @@ class S3Server:
 
     def log_text(self) -> str:
         """The server process's stderr (moto's tracebacks land here)."""
-        if self._log_path is None:
-            return ""
-        try:
-            return self._log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
+        return read_log(self._log_path)
 
     # -- internals -------------------------------------------------------------------
 
@@ -279,28 +271,13 @@ class S3Server:
             ) from exc
         return dict(json.loads(body)) if body else {}
 
-    def _read_handshake(self, proc: subprocess.Popen[bytes]) -> dict[str, Any]:
+    def _handshake(self, proc: subprocess.Popen[bytes]) -> dict[str, Any]:
         assert proc.stdout is not None
-        deadline = time.monotonic() + self._startup_timeout
-        buffer = b""
-        with selectors.DefaultSelector() as selector, proc.stdout:
-            selector.register(proc.stdout, selectors.EVENT_READ)
-            while b"\n" not in buffer:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not selector.select(timeout=remaining):
-                    raise S3ServerError(
-                        f"The S3 server did not report its port within "
-                        f"{self._startup_timeout:.0f} s.\n{self._log_tail()}"
-                    )
-                chunk = os.read(proc.stdout.fileno(), 4096)
-                if not chunk:
-                    code = proc.wait()
-                    raise S3ServerError(
-                        f"The S3 server exited with code {code} before it was ready.\n"
-                        f"{self._log_tail()}"
-                    )
-                buffer += chunk
-        line = buffer.split(b"\n", 1)[0]
+        with proc.stdout:
+            try:
+                line = read_until(proc, _HANDSHAKE, timeout=self._startup_timeout).group(1)
+            except StartupFailure as exc:
+                raise S3ServerError(f"The S3 server {exc.reason}.\n{self._log_tail()}") from exc
         try:
             return dict(json.loads(line))
         except ValueError as exc:
@@ -312,13 +289,7 @@ class S3Server:
         proc = self._proc
         if proc is None:
             return
-        if proc.poll() is None:
-            proc.send_signal(sig)
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc, sig, timeout=timeout)
         if proc.stdin is not None:
             with contextlib.suppress(BrokenPipeError):
                 proc.stdin.close()
@@ -328,7 +299,9 @@ class S3Server:
             self._log_path = None
 
     def _log_tail(self, limit: int = 8000) -> str:
-        text = self.log_text()
-        if not text:
-            return "(the server wrote nothing to stderr)"
-        return "--- S3 server stderr ---\n" + text[-limit:]
+        return log_tail(
+            self.log_text(),
+            heading="--- S3 server stderr ---",
+            empty="(the server wrote nothing to stderr)",
+            limit=limit,
+        )

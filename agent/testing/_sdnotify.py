@@ -20,8 +20,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from typing import Self
+
+from ._process import Closeable
 
 __all__ = ["NotifyMessage", "NotifySocket"]
 
@@ -46,7 +46,7 @@ class NotifyMessage:
         return line in self.lines
 
 
-class NotifySocket:
+class NotifySocket(Closeable):
     """A stand-in for systemd's ``$NOTIFY_SOCKET``; use as a context manager."""
 
     def __init__(self, *, abstract: bool = False) -> None:
@@ -108,17 +108,6 @@ class NotifySocket:
         if self._directory is not None:
             Path(self.address).unlink(missing_ok=True)
             self._directory.rmdir()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def _drain(self) -> None:
         with selectors.DefaultSelector() as selector:

@@ -1,0 +1,264 @@
+"""The benchmark's sections beyond the side-by-side rounds, and how each run is recorded.
+
+Every function here takes the run's ``Context`` and returns what the report
+needs; a run that fails is recorded in its sample as an error and the suite
+carries on with the next one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import functools
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from . import _agent as agent
+from . import _profile as profiling
+from ._contenders import Context, RunResult
+from ._model import BenchModel
+from ._s3rver import S3rver
+from ._stats import Sample, linear_fit
+
+__all__ = [
+    "BUCKET",
+    "RESULTS",
+    "attempt",
+    "calibrate",
+    "cold_runner",
+    "compare_name",
+    "hits",
+    "profile",
+    "say",
+    "scaling",
+    "warm",
+]
+
+MiB = 1024**2
+GiB = 1024**3
+BUCKET = "bench"
+_HERE = Path(__file__).resolve().parent
+RESULTS = _HERE / "results"
+
+
+def _record(sample: Sample, result: RunResult) -> None:
+    sample.add(result.seconds)
+    sample.nbytes = result.nbytes
+    runs = sample.extra.setdefault("runs", [])
+    runs.append(
+        {
+            "seconds": result.seconds,
+            "bytes": result.nbytes,
+            "client_cpu": result.client_cpu,
+            "server_cpu": result.server_cpu,
+            "served": result.served,
+            **result.extra,
+        }
+    )
+    best = min(runs, key=lambda run: run["seconds"])
+    sample.extra["client_cpu"] = best["client_cpu"]
+    sample.extra["server_cpu"] = best["server_cpu"]
+    sample.extra["served_ratio"] = max(run["served"] for run in runs) / max(result.nbytes, 1)
+    hwm = [run["vm_hwm"] for run in runs if "vm_hwm" in run]
+    if hwm:
+        sample.extra["peak_vm_hwm"] = max(hwm)
+        sample.extra["peak_sampled_rss"] = max(run["sampled_peak_rss"] for run in runs)
+
+
+def attempt(sample: Sample, run: Callable[[], RunResult]) -> None:
+    if sample.error is not None:
+        return  # failed before; do not pay for it again
+    try:
+        _record(sample, run())
+    except Exception as exc:
+        lines = [line for line in f"{type(exc).__name__}: {exc}".splitlines() if line.strip()]
+        # The first line says what failed; the last one (a child's stderr) why.
+        sample.error = " ... ".join(dict.fromkeys([lines[0][:300], lines[-1][:300]]))
+        print(f"  {sample.name} failed: {sample.error}", file=sys.stderr)
+        traceback.print_exc(file=sys.stderr)
+
+
+def say(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def warm(args: argparse.Namespace, ctx: Context, model: BenchModel) -> dict[str, Sample]:
+    """Repeat launches in new processes against one daemon that holds the model."""
+    sample = Sample("prewarm warm launch", extra={"transfer": False})
+    say("warm launches (EnsureModel hit + load_safetensors + read every tensor)")
+    with agent.running_agent(ctx, None) as daemon:
+        agent.hit_latency(ctx, daemon, model, calls=1)  # pulls it once
+        for _ in range(args.repeats):
+            attempt(sample, lambda: agent.warm_launch(ctx, daemon, model))
+    paged = Sample("prewarm warm launch, every page read", extra={"transfer": False})
+    for run in sample.extra.get("runs", []):
+        paged.add(float(run["with_every_page"]))
+        paged.nbytes = sample.nbytes
+    paged.error = sample.error
+    return {sample.name: sample, paged.name: paged}
+
+
+def compare_name(source: Path) -> str:
+    result = subprocess.run(
+        ["git", "-C", str(source), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    label = result.stdout.strip() or source.name
+    return f"prewarm cold (aiobotocore, {label})"
+
+
+def cold_runner(ctx: Context, model: BenchModel, plane: str | None) -> Callable[[], RunResult]:
+    def run() -> RunResult:
+        result = agent.cold_pull(ctx, model, plane)
+        reported = str(result.extra.get("plane", ""))
+        if plane is not None and not reported.startswith(plane):
+            # The knob exists but this agent has no such plane yet (it fell back).
+            raise RuntimeError(
+                f"the agent reports data_plane={reported!r} when configured with {plane!r}; "
+                "that plane is not available in this build"
+            )
+        return result
+
+    return run
+
+
+def calibrate(server: S3rver, client: Any, work: Path) -> dict[str, Any]:
+    """Check that the server's write counter moves by the bytes of a GET."""
+    size = 8 * MiB
+    path = work / "calibration.bin"
+    path.write_bytes(os.urandom(size))
+    client.upload_file(str(path), BUCKET, "calibration.bin")
+    path.unlink()
+    before = server.bytes_sent()
+    body = client.get_object(Bucket=BUCKET, Key="calibration.bin")["Body"].read()
+    counted = server.bytes_sent() - before
+    if len(body) != size or not size <= counted <= size + 64 * 1024:
+        raise RuntimeError(
+            f"s3rver's write counter moved by {counted} bytes for a {size}-byte GET; "
+            "it cannot count bytes served on this system"
+        )
+    return {"get_bytes": size, "counted": counted, "overhead": counted - size}
+
+
+def scaling(
+    args: argparse.Namespace,
+    ctx: Context,
+    model: Callable[[str, int, int], BenchModel],
+    plane: str,
+) -> dict[str, Any]:
+    sized = []
+    for factor in args.scale_factors:
+        size = int(args.size * factor)
+        name = "main" if math.isclose(factor, 1.0) else f"cold-{size / GiB:g}g"
+        sized.append(model(name, size, args.shards))
+    samples = {m.name: Sample(f"cold {m.total_bytes / GiB:.2f} GiB") for m in sized}
+    for round_index in range(args.repeats):
+        for m in sized:
+            say(f"scaling round {round_index + 1}/{args.repeats}: cold {m.name}")
+            attempt(samples[m.name], functools.partial(agent.cold_pull, ctx, m, plane))
+    good = [(m, samples[m.name]) for m in sized if samples[m.name].ok]
+    result: dict[str, Any] = {
+        "plane": plane,
+        "points": [
+            {
+                "model": m.name,
+                "bytes": m.total_bytes,
+                "best": s.best,
+                "median": s.median,
+                "seconds_per_gib": s.best / (m.total_bytes / GiB),
+                "vm_hwm": s.extra.get("peak_vm_hwm"),
+                "runs": s.extra.get("runs", []),
+            }
+            for m, s in good
+        ],
+        "rss": {
+            f"{m.total_bytes / GiB:.2f} GiB": int(s.extra["peak_vm_hwm"])
+            for m, s in good
+            if "peak_vm_hwm" in s.extra
+        },
+    }
+    if len(good) >= 2:
+        fit = linear_fit([m.total_bytes for m, _ in good], [s.best for _, s in good])
+        result["fit"] = {
+            "seconds_per_gib": fit.slope * GiB,
+            "intercept": fit.intercept,
+            "r_squared": fit.r_squared,
+            "max_residual": fit.max_residual,
+        }
+    return result
+
+
+def hits(
+    args: argparse.Namespace,
+    ctx: Context,
+    model: Callable[[str, int, int], BenchModel],
+    main_model: BenchModel,
+) -> dict[str, Any]:
+    few = model("hits-4", 256 * MiB, 4)
+    many = model("hits-64", 256 * MiB, 64)
+    small = model("hits-small", 16 * MiB, args.shards)
+    costs: dict[str, Any] = {}
+    say("hit latency (EnsureModel on cached models)")
+    with agent.running_agent(ctx, None) as daemon:
+        for m in (few, many, small, main_model):
+            cost = agent.hit_latency(ctx, daemon, m, calls=args.hit_calls)
+            costs[m.name] = {
+                "files": m.file_count,
+                "bytes": m.total_bytes,
+                "best": cost.ensure_best,
+                "median": cost.ensure_median,
+                "served_per_call": cost.served_per_call,
+            }
+    return {
+        "models": costs,
+        "few_files": few.file_count,
+        "many_files": many.file_count,
+        "files_ratio": costs["hits-64"]["median"] / costs["hits-4"]["median"],
+        "big_bytes": main_model.total_bytes,
+        "small_bytes": small.total_bytes,
+        "bytes_ratio": costs["main"]["median"] / costs["hits-small"]["median"],
+    }
+
+
+def profile(
+    args: argparse.Namespace,
+    *,
+    ctx: Context,
+    samples: dict[str, Sample],
+    model: BenchModel,
+    planes: list[str],
+    default_plane: str,
+) -> dict[str, Any]:
+    if args.profile == "never":
+        return {}
+    ceiling = samples.get("ceiling")
+    profiles: dict[str, Any] = {}
+    for plane in planes or [default_plane]:
+        cold = samples.get(f"prewarm cold ({plane})")
+        if cold is None or not cold.ok:
+            continue
+        below = ceiling is not None and ceiling.ok and ceiling.best / cold.best < 0.9
+        if args.profile == "auto" and not below:
+            continue
+        say(f"profiling the daemon (py-spy) during a cold pull on {plane}")
+        try:
+            py_spy = profiling.install_py_spy(_HERE / ".cache")
+            RESULTS.mkdir(parents=True, exist_ok=True)
+            output = RESULTS / f"profile-{plane}-{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}.txt"
+            profiles[plane] = profiling.profile_cold_pull(ctx, model, plane, py_spy, output)
+            profiles[plane]["raw"] = str(output)
+        except Exception as exc:
+            profiles[plane] = {"error": f"{type(exc).__name__}: {exc}"}
+    if profiles:
+        costs = [profiling.fallocate_seconds(ctx.scratch, model) for _ in range(args.repeats)]
+        profiles["fallocate"] = {"bytes": model.total_bytes, "best": min(costs), "runs": costs}
+    return profiles

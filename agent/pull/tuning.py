@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
-from typing import Literal
 
 from agent._config import S3Settings
-from agent._exceptions import InvalidRequest
+from agent._vocabulary import DATA_PLANE_NAMES, DataPlaneName, PullOptions
 from agent.source.transfer import (
     STREAMER_BLOCK,
     STREAMER_INFLIGHT_MIB,
@@ -49,8 +47,10 @@ __all__ = [
     "tune",
 ]
 
-DataPlaneChoice = Literal["auto", "streamer", "aiobotocore"]
-DATA_PLANE_CHOICES: tuple[DataPlaneChoice, ...] = ("auto", "streamer", "aiobotocore")
+# The request's options and the data plane names are the shared vocabulary
+# (agent._vocabulary); these names stay for the pull package's callers.
+DataPlaneChoice = DataPlaneName
+DATA_PLANE_CHOICES = DATA_PLANE_NAMES
 
 # Decimal gigabytes, as in the guidance (145 GB -> 37 streams).
 GB_PER_STREAM = 4 * 10**9
@@ -58,28 +58,6 @@ GB_PER_STREAM = 4 * 10**9
 # CRT client with several parts in flight; a GET is one connection read in order.
 # Measured here (docs/data-planes.md): 2 or 4 GETs per stream beat 1 by about 30 %.
 GETS_PER_STREAM = 4
-_MIN_CHUNK = 1024**2
-_MAX_CHUNK = 4 * 1024**3
-
-
-@dataclass(frozen=True, slots=True)
-class PullOptions:
-    """A request's overrides of the config; None (or 0 on the wire) keeps the config's."""
-
-    data_plane: DataPlaneChoice | None = None
-    concurrency: int | None = None
-    chunk_size: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.data_plane is not None and self.data_plane not in DATA_PLANE_CHOICES:
-            choices = ", ".join(DATA_PLANE_CHOICES)
-            raise InvalidRequest(f"Unknown data plane {self.data_plane!r}; use one of {choices}.")
-        if self.concurrency is not None and self.concurrency < 1:
-            raise InvalidRequest(f"concurrency must be at least 1, not {self.concurrency}.")
-        if self.chunk_size is not None and not _MIN_CHUNK <= self.chunk_size <= _MAX_CHUNK:
-            raise InvalidRequest(
-                f"chunk_size must be between 1 MiB and 4 GiB, not {self.chunk_size} bytes."
-            )
 
 
 def auto_concurrency(total_bytes: int, *, cpus: int, maximum: int) -> int:

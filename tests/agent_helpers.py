@@ -1,4 +1,4 @@
-"""Helpers shared by the integration tests (real daemon, real S3 server)."""
+"""Helpers shared by the integration tests (real agent, real S3 server)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,14 @@ import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
-from agent.testing import AgentProcess, RecordedRequest
+from agent.testing import AgentProcess, InProcessAgent, RecordedRequest
 
-# start_agent(config_toml="", s3=None) -> a started AgentProcess (see conftest).
-AgentFactory = Callable[..., AgentProcess]
+# An agent serving on its socket: in this process, or a daemon subprocess.
+RunningAgent = InProcessAgent | AgentProcess
+# start_agent(config_toml="", s3=None) -> a started agent (see conftest).
+AgentFactory = Callable[..., RunningAgent]
+# start_agent_process(config_toml="", s3=None) -> a started daemon subprocess.
+ProcessFactory = Callable[..., AgentProcess]
 
 
 def tree_digest(directory: Path) -> dict[str, str]:
@@ -21,7 +25,7 @@ def tree_digest(directory: Path) -> dict[str, str]:
     }
 
 
-def cache_entries(agent: AgentProcess) -> dict[str, list[str]]:
+def cache_entries(agent: RunningAgent) -> dict[str, list[str]]:
     """What each tier holds in each of its areas (published, staging, manifests...)."""
     found: dict[str, list[str]] = {}
     for tier_root in (agent.shm_root, agent.disk_root):
@@ -35,4 +39,5 @@ def cache_entries(agent: AgentProcess) -> dict[str, list[str]]:
 
 
 def object_gets(requests: list[RecordedRequest]) -> list[RecordedRequest]:
+    """The object GETs among ``requests`` (listings and HEADs left out)."""
     return [r for r in requests if r.method == "GET" and r.key is not None]

@@ -1,23 +1,28 @@
-"""Shared fixtures: a real S3 server on loopback, buckets, a sample model, the daemon.
+"""Shared fixtures: a real S3 server on loopback, buckets, a sample model, the agent.
 
 Tests never patch boto3 or aiobotocore: they talk to moto's server over HTTP
-(``agent.testing.S3Server``), and the daemon runs as a real subprocess.
+(``agent.testing.S3Server``). The agent is the real ``serve()`` on its own Unix
+socket: on a thread of the test process (``agent_daemon``, ``start_agent``)
+when the test is about what the agent answers, or as a ``python -m agent``
+subprocess (``agent_process``, ``start_agent_process``) when it is about the
+process: signals, SIGKILL and restart, exit codes, stderr, process-wide metrics.
 """
 
 from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 import pytest
-from agent_helpers import AgentFactory
+from agent_helpers import AgentFactory, ProcessFactory, RunningAgent
 
 from agent.testing import (
     AgentProcess,
+    InProcessAgent,
     S3Server,
     SampleModel,
     make_safetensors_model,
@@ -99,19 +104,37 @@ def small_model(
 
 
 @pytest.fixture
-def agent_daemon(s3_server: S3Server) -> Iterator[AgentProcess]:
-    """The real daemon (``python -m agent``) pointed at the shared S3 server, ready to serve."""
-    agent = AgentProcess(env=s3_server.env())
-    try:
-        agent.start()
-        yield agent
-    finally:
-        agent.close()
+def start_agent(s3_server: S3Server) -> Iterator[AgentFactory]:
+    """Start agents against the shared S3 server (or ``s3=``); each is stopped at teardown.
+
+    The first runs in this process; one started while it runs is a subprocess,
+    because the metrics registry, logging and os.environ are per process.
+    """
+    started: list[RunningAgent] = []
+
+    def start(config: str = "", s3: S3Server | None = None) -> RunningAgent:
+        env = (s3 or s3_server).env()
+        agent: RunningAgent
+        if InProcessAgent.active() is None:
+            agent = InProcessAgent(env=env, config=config)
+        else:
+            agent = AgentProcess(env=env, config=config)
+        started.append(agent)
+        return agent.start()
+
+    yield start
+    _close_all(started)
 
 
 @pytest.fixture
-def start_agent(s3_server: S3Server) -> Iterator[AgentFactory]:
-    """Start real daemons against the shared S3 server; each is stopped at teardown."""
+def agent_daemon(start_agent: AgentFactory) -> RunningAgent:
+    """The real agent, in this process, pointed at the shared S3 server, ready to serve."""
+    return start_agent()
+
+
+@pytest.fixture
+def start_agent_process(s3_server: S3Server) -> Iterator[ProcessFactory]:
+    """Start real daemon subprocesses (``python -m agent``); each is stopped at teardown."""
     started: list[AgentProcess] = []
 
     def start(config: str = "", s3: S3Server | None = None) -> AgentProcess:
@@ -120,5 +143,22 @@ def start_agent(s3_server: S3Server) -> Iterator[AgentFactory]:
         return agent.start()
 
     yield start
-    for agent in started:
-        agent.close()
+    _close_all(started)
+
+
+@pytest.fixture
+def agent_process(start_agent_process: ProcessFactory) -> AgentProcess:
+    """The real daemon subprocess pointed at the shared S3 server, ready to serve."""
+    return start_agent_process()
+
+
+def _close_all(agents: Sequence[RunningAgent]) -> None:
+    # Newest first: a later agent may lean on an earlier one's S3 server or files.
+    errors: list[BaseException] = []
+    for agent in reversed(agents):
+        try:
+            agent.close()
+        except Exception as exc:  # close the others before reporting it
+            errors.append(exc)
+    if errors:
+        raise errors[0]

@@ -1,4 +1,4 @@
-"""EnsureModel end to end: the real daemon on a Unix socket, moto's S3 server on loopback."""
+"""EnsureModel end to end: the real agent on a Unix socket, moto's S3 server on loopback."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from agent_helpers import AgentFactory, cache_entries, object_gets, tree_digest
 
 from agent.client import Client, ModelHandle, Progress
-from agent.testing import S3Server, SampleModel, make_safetensors_model, upload_model
+from agent.testing import AgentProcess, S3Server, SampleModel, make_safetensors_model, upload_model
 
 
 def _model(
@@ -29,6 +29,11 @@ def _model(
 def test_pulled_files_equal_the_source(
     start_agent: AgentFactory, s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
+    """A cold pull lands in the shm tier byte for byte as uploaded.
+
+    The handle lists every file with its size, progress reaches the last byte,
+    and the download time is part of the total.
+    """
     model = _model(s3_server, bucket, tmp_path, mib=6, shards=3)
     agent = start_agent()
     events: list[Progress] = []
@@ -49,6 +54,7 @@ def test_pulled_files_equal_the_source(
 def test_disk_tier_hint_places_the_model_on_disk(
     start_agent: AgentFactory, s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
+    """tier="disk" publishes the snapshot under the disk tier's root."""
     model = _model(s3_server, bucket, tmp_path, mib=1, shards=1)
     agent = start_agent()
     with Client(agent.socket_path) as client:
@@ -60,6 +66,7 @@ def test_disk_tier_hint_places_the_model_on_disk(
 def test_second_ensure_is_a_hit_that_fetches_no_object(
     start_agent: AgentFactory, s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
+    """A second ensure of an unchanged model is a hit on the same path and GETs no object."""
     model = _model(s3_server, bucket, tmp_path, mib=2, shards=2)
     agent = start_agent()
     with Client(agent.socket_path) as client:
@@ -76,6 +83,7 @@ def test_second_ensure_is_a_hit_that_fetches_no_object(
 def test_hit_works_with_the_s3_server_stopped(
     start_agent: AgentFactory, stoppable_s3: S3Server, tmp_path: Path
 ) -> None:
+    """With S3 down, a cached model is served from the cache, marked resolved_offline."""
     stoppable_s3.client().create_bucket(Bucket="offline")
     model = _model(stoppable_s3, "offline", tmp_path, mib=2, shards=2)
     agent = start_agent(s3=stoppable_s3)
@@ -92,6 +100,7 @@ def test_hit_works_with_the_s3_server_stopped(
 def test_uncached_model_with_s3_stopped_is_unavailable(
     start_agent: AgentFactory, stoppable_s3: S3Server
 ) -> None:
+    """With S3 down, a model never pulled is SourceUnavailable and leaves nothing in the cache."""
     agent = start_agent("[s3]\nmax_attempts = 2\n", s3=stoppable_s3)
     stoppable_s3.stop()
     from agent import SourceUnavailable
@@ -104,6 +113,7 @@ def test_uncached_model_with_s3_stopped_is_unavailable(
 def test_concurrent_ensures_fetch_each_byte_range_once(
     start_agent: AgentFactory, s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
+    """Eight clients asking at once share one pull: each byte range is fetched exactly once."""
     model = _model(s3_server, bucket, tmp_path, mib=12, shards=3)
     agent = start_agent('[s3]\nchunk_size = "1MiB"\nconcurrency = 4\n')
     s3_server.clear_requests()
@@ -134,6 +144,7 @@ def test_concurrent_ensures_fetch_each_byte_range_once(
 def test_changed_object_gives_a_new_snapshot(
     start_agent: AgentFactory, s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
+    """An object changed in S3 gives a new snapshot beside the old one, which keeps its bytes."""
     model = _model(s3_server, bucket, tmp_path, mib=1, shards=1)
     agent = start_agent()
     with Client(agent.socket_path) as client:
@@ -153,6 +164,7 @@ def test_changed_object_gives_a_new_snapshot(
 def test_include_and_exclude_select_files(
     start_agent: AgentFactory, s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
+    """include/exclude globs decide which files the snapshot holds."""
     model = _model(s3_server, bucket, tmp_path, mib=1, shards=2)
     agent = start_agent()
     with Client(agent.socket_path) as client:
@@ -163,6 +175,7 @@ def test_include_and_exclude_select_files(
 
 
 def test_socket_is_created_with_mode_0660(start_agent: AgentFactory) -> None:
+    """The API socket is a socket with mode 0660."""
     agent = start_agent()
     mode = agent.socket_path.stat().st_mode
     assert stat.S_ISSOCK(mode)
@@ -170,16 +183,17 @@ def test_socket_is_created_with_mode_0660(start_agent: AgentFactory) -> None:
 
 
 def test_sigterm_stops_the_agent_cleanly_and_removes_the_socket(
-    start_agent: AgentFactory,
+    agent_process: AgentProcess,
 ) -> None:
-    agent = start_agent()
-    assert agent.stop() == 0
-    assert not agent.socket_path.exists()
+    """SIGTERM makes the daemon exit 0 and remove its socket."""
+    assert agent_process.stop() == 0
+    assert not agent_process.socket_path.exists()
 
 
 def test_published_models_survive_a_restart(
     start_agent: AgentFactory, s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
+    """After a restart a published model is a hit again; stray staging and unpublished trees go."""
     model = _model(s3_server, bucket, tmp_path, mib=1, shards=1)
     agent = start_agent()
     with Client(agent.socket_path) as client:
@@ -201,6 +215,10 @@ def test_published_models_survive_a_restart(
 def test_client_killed_mid_pull_does_not_break_the_pull_for_others(
     start_agent: AgentFactory, s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
+    """A client killed mid-pull does not cancel the pull another client shares.
+
+    The survivor gets every byte, and no range is fetched twice.
+    """
     model = _model(s3_server, bucket, tmp_path, mib=48, shards=4)
     agent = start_agent('[s3]\nchunk_size = "1MiB"\nconcurrency = 2\n')
     script = textwrap.dedent(

@@ -4,6 +4,8 @@
   request (``RecordedRequest``); stop or kill it to simulate an outage.
 - ``AgentProcess``: the real daemon (``python -m agent``) on a private socket
   and private tier roots, ready when its gRPC health service says SERVING.
+- ``InProcessAgent``: the same ``serve()`` on a thread of the calling process,
+  for tests that are not about the process (one at a time per process).
 - ``make_safetensors_model`` / ``upload_directory`` / ``upload_model``: sharded
   safetensors models in the Hugging Face layout, and putting them in a bucket.
 - ``NotifySocket``: systemd's end of sd_notify (``$NOTIFY_SOCKET``), recording
@@ -21,6 +23,7 @@ numpy and safetensors (the ``dev`` extra) are imported when first used.
 
 from ._daemon import AgentProcess, AgentStartupError
 from ._fault_proxy import Fault, FaultKind, FaultProxy
+from ._inprocess import InProcessAgent
 from ._memory_source import MemorySource, RangeRead
 from ._models import SampleModel, make_safetensors_model, upload_directory, upload_model
 from ._s3server import CONTROL_PATH, RecordedRequest, S3Server, S3ServerError
@@ -33,6 +36,7 @@ __all__ = [
     "Fault",
     "FaultKind",
     "FaultProxy",
+    "InProcessAgent",
     "MemorySource",
     "NotifyMessage",
     "NotifySocket",

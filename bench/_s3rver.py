@@ -25,6 +25,7 @@ import threading
 from pathlib import Path
 from typing import Any, Self
 
+from agent.testing._endpoint import LoopbackEndpoint
 from agent.testing._process import Startable, StartupFailure, purge_tree, read_until, stop_process
 
 from ._system import cpu_seconds, proc_io
@@ -128,29 +129,18 @@ class S3rver(Startable):
 
     def env(self) -> dict[str, str]:
         """Environment for the agent, s5cmd and the streamer to use this server."""
-        return {
-            "AWS_ENDPOINT_URL": self.endpoint_url,
-            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-            "AWS_DEFAULT_REGION": REGION,
+        return self._endpoint.env() | {
             "AWS_REGION": REGION,
-            "AWS_EC2_METADATA_DISABLED": "true",
-            "AWS_CONFIG_FILE": os.devnull,
-            "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
-            "PREWARM_S3__ADDRESSING_STYLE": "path",
             "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
         }
 
     def client(self, **config: Any) -> Any:
-        import boto3.session
-        from botocore.config import Config
+        """A boto3 S3 client for this server; ``config`` adds botocore Config options."""
+        return self._endpoint.client(**config)
 
-        options: dict[str, Any] = {"s3": {"addressing_style": "path"}}
-        options.update(config)
-        session = boto3.session.Session(
-            aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY, region_name=REGION
-        )
-        return session.client("s3", endpoint_url=self.endpoint_url, config=Config(**options))
+    @property
+    def _endpoint(self) -> LoopbackEndpoint:
+        return LoopbackEndpoint(self.endpoint_url, ACCESS_KEY, SECRET_KEY, REGION)
 
     # -- accounting --------------------------------------------------------------------
 

@@ -1,9 +1,7 @@
-"""Packaging: the install script in a fresh prefix, the packaged config, the manifests.
+"""Packaging: the packaged config, the manifests, the health probe and the pod's view.
 
-The install test is the real thing: a new virtualenv with every dependency from
-the package index, the unit, users and cache roots written under a temporary
-root, and the installed daemon started and asked for its health. The manifests
-are read as YAML and held to what docs/node-setup.md promises about them.
+The manifests are read as YAML and held to what docs/node-setup.md promises
+about them. The install script itself is tested in test_packaging_install.py.
 """
 
 from __future__ import annotations
@@ -15,17 +13,15 @@ import shutil
 import subprocess
 import sys
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from agent import __version__
 from agent._config import Settings, load_settings
 from agent._uri import parse_uri
-from agent.testing import AgentProcess, S3Server, SampleModel
+from agent.testing import AgentProcess, SampleModel
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGING = REPO / "packaging"
@@ -74,139 +70,11 @@ def unit_value(key: str) -> str:
     return line.partition("=")[2]
 
 
-# -- install.sh ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Installed:
-    source: Path
-    prefix: Path
-    root: Path
-
-
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
-    """packaging/install.sh run once, from a copy of the source tree, into a temp prefix."""
-    if os.geteuid() != 0:
-        pytest.skip("install.sh creates users and chowns under its --root")
-    base = tmp_path_factory.mktemp("install")
-    source = base / "src"
-    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for part in ("agent", "systemd", "packaging", "docs"):
-        shutil.copytree(REPO / part, source / part, ignore=skip)
-    for part in ("pyproject.toml", "README.md"):
-        shutil.copy2(REPO / part, source / part)
-    prefix, root = base / "opt" / "prewarm", base / "root"
-    result = subprocess.run(
-        ["bash", str(source / "packaging" / "install.sh"), f"--prefix={prefix}", f"--root={root}"],
-        capture_output=True,
-        text=True,
-        env=clean_env(),
-        timeout=280,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    return Installed(source, prefix, root)
-
-
-@pytest.mark.slow
-def test_install_script_gives_a_working_prewarmd_in_a_fresh_prefix(installed: Installed) -> None:
-    version = subprocess.run(
-        [installed.prefix / "bin" / "prewarmd", "--version"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert version.stdout.strip() == f"prewarmd {__version__}"
-    assert (installed.root / "usr/local/bin/prewarm").resolve() == installed.prefix / "bin/prewarm"
-
-
-@pytest.mark.slow
-def test_installed_daemon_serves_and_answers_its_health_probe(
-    installed: Installed, s3_server: S3Server
-) -> None:
-    config = installed.root / "etc/prewarm/agent.toml"
-    agent = AgentProcess(
-        # The installed package, not the checkout (AgentProcess puts it on PYTHONPATH), and
-        # no socket group: the prewarm group exists only under the temporary root.
-        env=s3_server.env() | {"PYTHONPATH": "", "PREWARM_SOCKET_GROUP": ""},
-        argv=[str(installed.prefix / "bin" / "prewarmd"), "--config", str(config)],
-    )
-    with agent:
-        health = subprocess.run(
-            [installed.prefix / "bin" / "prewarm", "health", "--socket", str(agent.socket_path)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-    assert (health.returncode, health.stdout) == (0, "SERVING\n")
-
-
-@pytest.mark.slow
-def test_installed_unit_runs_the_prefix_and_passes_systemd_analyze_verify(
-    installed: Installed,
-) -> None:
-    unit = installed.root / "etc/systemd/system/prewarmd.service"
-    assert f"ExecStart={installed.prefix}/bin/prewarmd --config /etc/prewarm/agent.toml" in (
-        unit.read_text().splitlines()
-    )
-    assert (
-        installed.root / "etc/systemd/system/multi-user.target.wants/prewarmd.service"
-    ).is_symlink()
-    analyze = shutil.which("systemd-analyze")
-    if analyze is None:
-        if os.environ.get("CI"):
-            pytest.fail("systemd-analyze is missing; .ci/run should have installed it")
-        pytest.skip("systemd-analyze is not installed")
-    result = subprocess.run(
-        [analyze, "verify", str(unit)], capture_output=True, text=True, check=False
-    )
-    assert (result.returncode, result.stderr) == (0, "")
-
-
-@pytest.mark.slow
-def test_install_creates_the_prewarm_group_and_cache_roots(installed: Installed) -> None:
-    groups = (installed.root / "etc/group").read_text().splitlines()
-    assert any(line.startswith(f"prewarm:x:{GID}:") for line in groups), groups
-    for directory in HOST_DIRS:
-        info = (installed.root / directory.lstrip("/")).stat()
-        assert (info.st_gid, info.st_mode & 0o777) == (GID, 0o755), directory
-    assert (installed.root / "etc/prewarm/agent.toml").read_text() == AGENT_TOML.read_text()
-    assert (installed.prefix / "share/doc/prewarm/node-setup.md").is_file()
-
-
-@pytest.mark.slow
-def test_reinstall_upgrades_in_place_and_keeps_an_edited_config(installed: Installed) -> None:
-    config = installed.root / "etc/prewarm/agent.toml"
-    original = config.read_text()
-    edited = original + '\n[s3]\nregion = "eu-west-1"\n'
-    config.write_text(edited)
-    try:
-        subprocess.run(
-            [
-                "bash",
-                str(installed.source / "packaging" / "install.sh"),
-                f"--prefix={installed.prefix}",
-                f"--root={installed.root}",
-                # The dependencies are there from the first run; the package is replaced.
-                "--pip-arg=--no-deps",
-            ],
-            capture_output=True,
-            env=clean_env(),
-            timeout=280,
-            check=True,
-        )
-        assert config.read_text() == edited
-        assert (config.parent / "agent.toml.default").read_text() == AGENT_TOML.read_text()
-    finally:
-        config.write_text(original)
-        (config.parent / "agent.toml.default").unlink(missing_ok=True)
-
-
 # -- the packaged config -------------------------------------------------------------------
 
 
 def test_packaged_config_lists_every_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """packaging/agent.toml names every setting the daemon has, no more and no fewer."""
     for name in list(os.environ):
         if name.startswith("PREWARM_"):
             monkeypatch.delenv(name)
@@ -237,6 +105,7 @@ def test_packaged_config_defaults_match_print_config(tmp_path: Path) -> None:
 def test_packaged_config_hands_the_sockets_to_the_prewarm_group(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """The packaged config gives the sockets to the prewarm group."""
     monkeypatch.delenv("PREWARM_SOCKET_GROUP", raising=False)
     assert load_settings(AGENT_TOML).socket_group == "prewarm"
 
@@ -251,6 +120,7 @@ def daemonset_pod() -> dict[str, Any]:
 
 
 def test_daemonset_mounts_the_host_directories_the_unit_uses() -> None:
+    """The DaemonSet mounts the unit's writable host directories at the same paths inside."""
     pod = daemonset_pod()
     host_paths = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
     assert set(host_paths.values()) == HOST_DIRS
@@ -261,6 +131,7 @@ def test_daemonset_mounts_the_host_directories_the_unit_uses() -> None:
 
 
 def test_daemonset_probes_ask_the_grpc_health_service_over_the_socket() -> None:
+    """Every DaemonSet probe runs prewarm health on the agent's socket."""
     (agent,) = daemonset_pod()["containers"]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         command = agent[probe]["exec"]["command"]
@@ -269,6 +140,9 @@ def test_daemonset_probes_ask_the_grpc_health_service_over_the_socket() -> None:
 
 
 def test_daemonset_requests_resources_but_sets_no_memory_limit() -> None:
+    """The DaemonSet requests CPU and memory but sets no memory limit (tmpfs pages count against
+    it).
+    """
     (agent,) = daemonset_pod()["containers"]
     assert {"cpu", "memory"} <= set(agent["resources"]["requests"])
     # tmpfs pages the agent writes are charged to its cgroup: a limit would OOM-kill pulls.
@@ -276,11 +150,15 @@ def test_daemonset_requests_resources_but_sets_no_memory_limit() -> None:
 
 
 def test_daemonset_stop_grace_matches_the_units() -> None:
+    """The pod's termination grace equals the unit's TimeoutStopSec."""
     pod = daemonset_pod()
     assert pod["terminationGracePeriodSeconds"] == int(unit_value("TimeoutStopSec").rstrip("s"))
 
 
 def test_daemonset_runs_as_the_images_user_with_a_valid_config(tmp_path: Path) -> None:
+    """The DaemonSet runs as the image's uid/gid, one image for all containers, with a config the
+    daemon loads.
+    """
     pod = daemonset_pod()
     (agent,) = pod["containers"]
     containerfile = (PACKAGING / "Containerfile").read_text()
@@ -296,6 +174,7 @@ def test_daemonset_runs_as_the_images_user_with_a_valid_config(tmp_path: Path) -
 
 
 def test_vllm_pod_mounts_socket_and_cache_read_only_at_the_host_paths() -> None:
+    """The vLLM pod mounts the socket and cache directories read-only at the host paths."""
     (pod,) = load_yaml("k8s/vllm-pod.yaml")
     volumes = {v["name"]: v["hostPath"]["path"] for v in pod["spec"]["volumes"] if "hostPath" in v}
     (vllm,) = pod["spec"]["containers"]
@@ -306,6 +185,7 @@ def test_vllm_pod_mounts_socket_and_cache_read_only_at_the_host_paths() -> None:
 
 
 def test_vllm_pod_launches_through_prewarm_exec() -> None:
+    """The vLLM pod starts through prewarm exec with a valid URI and {model} in the engine's argv."""
     (pod,) = load_yaml("k8s/vllm-pod.yaml")
     (vllm,) = pod["spec"]["containers"]
     command = vllm["command"]
@@ -332,6 +212,7 @@ def prewarm_health(*args: str) -> subprocess.CompletedProcess[str]:
 def test_health_exits_0_when_the_agent_and_its_api_are_serving(
     agent_daemon: AgentProcess,
 ) -> None:
+    """prewarm health exits 0 and prints SERVING for the overall and the API service."""
     socket = str(agent_daemon.socket_path)
     results = [prewarm_health("--socket", socket, "--service", name) for name in ("", SERVICE)]
     assert [(r.returncode, r.stdout) for r in results] == [(0, "SERVING\n")] * 2
@@ -340,6 +221,7 @@ def test_health_exits_0_when_the_agent_and_its_api_are_serving(
 def test_health_exits_1_for_a_service_the_agent_does_not_serve(
     agent_daemon: AgentProcess,
 ) -> None:
+    """prewarm health exits 1 for an unknown service and says SERVICE_UNKNOWN in JSON."""
     result = prewarm_health(
         "--socket", str(agent_daemon.socket_path), "--service", "nope", "--json"
     )
@@ -348,6 +230,7 @@ def test_health_exits_1_for_a_service_the_agent_does_not_serve(
 
 
 def test_health_exits_3_when_nothing_answers(tmp_path: Path) -> None:
+    """prewarm health exits 3 with a plain error when no agent listens on the socket."""
     result = prewarm_health("--socket", str(tmp_path / "agent.sock"))
     assert result.returncode == 3
     assert result.stderr.startswith(
@@ -359,6 +242,7 @@ def test_health_exits_3_when_nothing_answers(tmp_path: Path) -> None:
 
 
 def test_containerfile_installs_with_the_install_script() -> None:
+    """The Containerfile installs with install.sh and makes the prewarm user with the fixed gid."""
     text = (PACKAGING / "Containerfile").read_text()
     assert "packaging/install.sh --prefix /opt/prewarm --no-system" in text
     assert 'ENTRYPOINT ["prewarmd"]' in text
@@ -367,6 +251,7 @@ def test_containerfile_installs_with_the_install_script() -> None:
 
 
 def test_image_builder_component_installs_validates_and_tests() -> None:
+    """The Image Builder component installs with install.sh, verifies the unit and probes health."""
     (component,) = load_yaml("imagebuilder/prewarm-component.yaml")
     assert component["schemaVersion"] == 1.0
     phases = {phase["name"]: phase["steps"] for phase in component["phases"]}

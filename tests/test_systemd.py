@@ -88,6 +88,7 @@ def unit_for(prewarmd: Path, tmp_path: Path) -> Path:
 
 
 def test_notifier_without_notify_socket_is_inert() -> None:
+    """Without NOTIFY_SOCKET the notifier is disabled, has no watchdog and its calls do nothing."""
     notifier = SystemdNotifier.from_environment({"WATCHDOG_USEC": "1000000"})
     assert not notifier.enabled
     assert notifier.watchdog_seconds is None
@@ -95,6 +96,7 @@ def test_notifier_without_notify_socket_is_inert() -> None:
 
 
 def test_notifier_reaches_an_abstract_socket() -> None:
+    """An abstract NOTIFY_SOCKET (@name) receives READY=1 with the status in one datagram."""
     with NotifySocket(abstract=True) as systemd:
         assert systemd.address.startswith("@")
         SystemdNotifier.from_environment(systemd.env()).ready("serving")
@@ -103,6 +105,7 @@ def test_notifier_reaches_an_abstract_socket() -> None:
 
 
 def test_notifier_ignores_a_watchdog_meant_for_another_process() -> None:
+    """WATCHDOG_USEC applies only when WATCHDOG_PID is absent or names this process."""
     env = {"NOTIFY_SOCKET": "/run/x", "WATCHDOG_USEC": "3000000"}
     assert SystemdNotifier.from_environment(env).watchdog_seconds == 3.0
     mine = SystemdNotifier.from_environment(env | {"WATCHDOG_PID": str(os.getpid())})
@@ -112,6 +115,7 @@ def test_notifier_ignores_a_watchdog_meant_for_another_process() -> None:
 
 
 def test_notifier_sends_a_status_only_when_it_changes() -> None:
+    """A repeated STATUS is not sent again; STOPPING=1 carries its own status."""
     with NotifySocket() as systemd:
         notifier = SystemdNotifier.from_environment(systemd.env())
         for text in ("one", "one", "two"):
@@ -128,6 +132,7 @@ def test_notifier_sends_a_status_only_when_it_changes() -> None:
 def test_notifier_logs_once_and_carries_on_when_nobody_listens(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """A NOTIFY_SOCKET nobody listens on is logged once and otherwise ignored."""
     notifier = SystemdNotifier.from_environment({"NOTIFY_SOCKET": str(tmp_path / "gone.sock")})
     with caplog.at_level(logging.WARNING, logger="agent.obs.sdnotify"):
         notifier.ready("a")
@@ -139,6 +144,9 @@ def test_notifier_logs_once_and_carries_on_when_nobody_listens(
 
 
 async def test_heartbeat_pings_the_watchdog_at_half_its_interval() -> None:
+    """The heartbeat sends WATCHDOG=1 every half watchdog interval, never sooner, with the status
+    first.
+    """
     with NotifySocket() as systemd:
         notifier = SystemdNotifier.from_environment(systemd.env(watchdog_usec=400_000))
         async with notifier.heartbeat(lambda: "fine"):
@@ -172,6 +180,9 @@ def _index(messages: list[NotifyMessage], line: str) -> int:
 
 
 def test_daemon_is_ready_only_once_both_sockets_are_bound(s3_server: S3Server) -> None:
+    """The daemon says READY=1 only after the API and lease sockets accept connections, with its
+    status lines.
+    """
     with NotifySocket() as systemd, _notifying_agent(s3_server, systemd) as agent:
         lease_socket = agent.socket_path.parent / "lease.sock"
 
@@ -195,6 +206,7 @@ def test_daemon_is_ready_only_once_both_sockets_are_bound(s3_server: S3Server) -
 
 
 def test_daemon_pings_the_watchdog_after_ready(s3_server: S3Server) -> None:
+    """With WatchdogSec set, the daemon's watchdog pings begin only after READY=1."""
     with NotifySocket() as systemd, _notifying_agent(s3_server, systemd, watchdog_usec=300_000):
         pings = _wait_for_pings(systemd, 3)
         ready_at = _index(systemd.messages, "READY=1")
@@ -203,6 +215,7 @@ def test_daemon_pings_the_watchdog_after_ready(s3_server: S3Server) -> None:
 
 
 def test_daemon_status_counts_cached_models(s3_server: S3Server, small_model: SampleModel) -> None:
+    """The daemon's STATUS line counts a model once it is cached."""
     with (
         NotifySocket() as systemd,
         _notifying_agent(s3_server, systemd, watchdog_usec=200_000) as agent,
@@ -221,6 +234,9 @@ def test_daemon_status_counts_cached_models(s3_server: S3Server, small_model: Sa
 def test_sigterm_mid_pull_says_stopping_and_exits_within_the_units_stop_timeout(
     stoppable_s3: S3Server, tmp_path: Path
 ) -> None:
+    """SIGTERM during a hung pull says STOPPING=1, keeps the pull resumable and exits well within
+    TimeoutStopSec.
+    """
     source = tmp_path / "model"
     tensors = make_safetensors_model(source, total_bytes=16 * MiB, shards=2)
     s3 = stoppable_s3.client()
@@ -270,6 +286,7 @@ def test_sigterm_mid_pull_says_stopping_and_exits_within_the_units_stop_timeout(
 
 
 def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    """The unit as installed passes systemd-analyze verify without a warning."""
     tool = systemd_tool("systemd-analyze")
     unit = unit_for(Path(sys.executable).with_name("prewarmd"), tmp_path)
     result = subprocess.run(
@@ -280,6 +297,7 @@ def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
 
 
 def test_unit_sandbox_exposure_stays_below_two(tmp_path: Path) -> None:
+    """systemd-analyze security rates the unit's exposure below 2.0."""
     tool = systemd_tool("systemd-analyze")
     unit = unit_for(Path(sys.executable).with_name("prewarmd"), tmp_path)
     # --offline needs systemd >= 250; 20 is 2.0 on the 0-10 scale systemd prints.
@@ -295,6 +313,9 @@ def test_unit_sandbox_exposure_stays_below_two(tmp_path: Path) -> None:
 
 
 def test_unit_is_a_hardened_notify_service() -> None:
+    """The unit is Type=notify with a watchdog, no capabilities, a strict sandbox and the default
+    roots writable.
+    """
     directives = unit_directives(UNIT.read_text())
 
     def one(key: str) -> str:
@@ -323,6 +344,9 @@ def test_unit_is_a_hardened_notify_service() -> None:
 def test_tmpfiles_and_sysusers_create_the_cache_roots_for_the_prewarm_user(
     tmp_path: Path,
 ) -> None:
+    """sysusers.d creates the prewarm user (gid 2929) and tmpfiles.d its roots, owned by it, mode
+    0755.
+    """
     sysusers = systemd_tool("systemd-sysusers")
     tmpfiles = systemd_tool("systemd-tmpfiles")
     root = tmp_path / "root"

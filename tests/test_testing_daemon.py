@@ -71,6 +71,7 @@ def _health(process: AgentProcess) -> int:
 
 
 def test_start_returns_once_the_health_service_says_serving(agent: AgentProcess) -> None:
+    """start() returns only when the daemon's health service answers SERVING."""
     agent.start()
 
     assert agent.running
@@ -78,6 +79,7 @@ def test_start_returns_once_the_health_service_says_serving(agent: AgentProcess)
 
 
 def test_start_follows_not_serving_until_serving(stand_in: list[str]) -> None:
+    """A daemon that first reports NOT_SERVING is followed on the Watch stream until it serves."""
     warming = AgentProcess(argv=stand_in, env={"STAND_IN_WARMUP": "0.5"})
     try:
         warming.start()
@@ -88,6 +90,9 @@ def test_start_follows_not_serving_until_serving(stand_in: list[str]) -> None:
 
 
 def test_paths_are_short_and_passed_in_the_environment(agent: AgentProcess) -> None:
+    """Socket, tier roots and config sit under one short root and reach the daemon as PREWARM_*
+    variables, beside the extra env.
+    """
     agent.start()
 
     seen = json.loads((agent.root / "env.json").read_text())
@@ -103,6 +108,7 @@ def test_paths_are_short_and_passed_in_the_environment(agent: AgentProcess) -> N
 def test_inherited_prewarm_and_aws_variables_do_not_reach_the_agent(
     agent: AgentProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """PREWARM_* and AWS_* variables of the test process are not inherited by the daemon."""
     monkeypatch.setenv("PREWARM_DEFAULT_TIER", "disk")
     monkeypatch.setenv("AWS_PROFILE", "production")
 
@@ -113,6 +119,7 @@ def test_inherited_prewarm_and_aws_variables_do_not_reach_the_agent(
 
 
 def test_startup_failure_reports_the_exit_code_and_output() -> None:
+    """A daemon that exits during startup fails start() at once, with its exit code and output."""
     crashing = AgentProcess(
         argv=[sys.executable, "-c", "import sys; print('config is broken'); sys.exit(3)"]
     )
@@ -127,6 +134,7 @@ def test_startup_failure_reports_the_exit_code_and_output() -> None:
 
 
 def test_startup_timeout_kills_an_agent_that_never_serves() -> None:
+    """A daemon that never serves fails start() at the startup timeout and is killed."""
     silent = AgentProcess(
         argv=[sys.executable, "-c", "import time; time.sleep(60)"], startup_timeout=1.0
     )
@@ -139,6 +147,7 @@ def test_startup_timeout_kills_an_agent_that_never_serves() -> None:
 
 
 def test_stop_sends_sigterm_and_returns_the_exit_code(agent: AgentProcess) -> None:
+    """stop() ends the daemon with SIGTERM and returns its own exit code."""
     agent.start()
 
     assert agent.stop() == 0
@@ -146,12 +155,14 @@ def test_stop_sends_sigterm_and_returns_the_exit_code(agent: AgentProcess) -> No
 
 
 def test_kill_ends_the_agent_with_sigkill(agent: AgentProcess) -> None:
+    """kill() ends the daemon with SIGKILL (exit code -9)."""
     agent.start()
 
     assert agent.kill() == -9
 
 
 def test_restart_keeps_the_directory_and_serves_again(agent: AgentProcess) -> None:
+    """restart() starts a new process on the same root, which serves again."""
     agent.start()
     first_pid = agent.pid
     (agent.root / "kept").write_text("x")
@@ -165,6 +176,7 @@ def test_restart_keeps_the_directory_and_serves_again(agent: AgentProcess) -> No
 
 
 def test_close_removes_the_directory_even_when_read_only(stand_in: list[str]) -> None:
+    """close() removes the root it made, read-only published directories included."""
     process = AgentProcess(argv=stand_in).start()
     published = process.shm_root / "snapshot"
     published.mkdir(parents=True)
@@ -174,3 +186,24 @@ def test_close_removes_the_directory_even_when_read_only(stand_in: list[str]) ->
     process.close()
 
     assert not process.root.exists()
+
+
+def test_root_is_made_in_the_given_parent_and_removed_by_close(
+    stand_in: list[str], tmp_path: Path
+) -> None:
+    """parent= is where AgentProcess makes its root (the bench: /dev/shm); close() removes it."""
+    with AgentProcess(argv=stand_in, parent=tmp_path) as process:
+        assert process.root.parent == tmp_path
+        assert process.socket_path.exists()
+
+    assert not process.root.exists()
+
+
+def test_a_with_block_whose_start_fails_still_removes_the_root() -> None:
+    """A failed start inside ``with`` closes the AgentProcess, so its root does not leak."""
+    crashing = AgentProcess(argv=[sys.executable, "-c", "raise SystemExit(4)"])
+
+    with pytest.raises(AgentStartupError, match="code 4"), crashing:
+        pass
+
+    assert not crashing.root.exists()

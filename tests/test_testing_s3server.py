@@ -33,6 +33,7 @@ def _refuses_connections(server: S3Server) -> bool:
 
 
 def test_put_then_get_returns_the_same_bytes(s3_client: Any, bucket: str) -> None:
+    """The server stores an object and serves back exactly its bytes."""
     body = bytes(range(256)) * 1000
     s3_client.put_object(Bucket=bucket, Key="a/b.bin", Body=body)
 
@@ -44,6 +45,7 @@ def test_put_then_get_returns_the_same_bytes(s3_client: Any, bucket: str) -> Non
 def test_ranged_get_is_recorded_with_its_range_and_byte_count(
     s3_server: S3Server, s3_client: Any, bucket: str
 ) -> None:
+    """A ranged GET lands in the request log with its key, Range header, 206 status and bytes sent."""
     s3_client.put_object(Bucket=bucket, Key="w.bin", Body=b"x" * 100_000)
 
     response = s3_client.get_object(Bucket=bucket, Key="w.bin", Range="bytes=1000-5999")
@@ -59,6 +61,7 @@ def test_ranged_get_is_recorded_with_its_range_and_byte_count(
 def test_request_log_decodes_keys_and_keeps_query_and_if_match(
     s3_server: S3Server, s3_client: Any, bucket: str
 ) -> None:
+    """The log holds keys decoded to UTF-8, the query string of a listing and the If-Match header."""
     etag = s3_client.put_object(Bucket=bucket, Key="dir/ünï code.bin", Body=b"1")["ETag"]
     s3_client.get_object(Bucket=bucket, Key="dir/ünï code.bin", IfMatch=etag)["Body"].read()
     s3_client.list_objects_v2(Bucket=bucket, Prefix="dir/")
@@ -74,6 +77,7 @@ def test_request_log_decodes_keys_and_keeps_query_and_if_match(
 def test_requests_filtered_by_bucket_leave_out_other_buckets(
     s3_server: S3Server, s3_client: Any, bucket: str
 ) -> None:
+    """requests(bucket=...) returns only that bucket's requests."""
     other = f"{bucket[:50]}-other"
     s3_client.create_bucket(Bucket=other)
     s3_client.put_object(Bucket=other, Key="k", Body=b"1")
@@ -88,6 +92,7 @@ def test_requests_filtered_by_bucket_leave_out_other_buckets(
 
 
 def test_clear_requests_empties_the_log(s3_server: S3Server, s3_client: Any, bucket: str) -> None:
+    """clear_requests() forgets every request logged before it."""
     s3_client.put_object(Bucket=bucket, Key="k", Body=b"1")
     assert s3_server.requests()
 
@@ -97,6 +102,7 @@ def test_clear_requests_empties_the_log(s3_server: S3Server, s3_client: Any, buc
 
 
 def test_control_path_is_not_logged_and_not_an_s3_bucket(s3_server: S3Server) -> None:
+    """Reading or clearing the log is not itself logged, and its path can never be a bucket."""
     s3_server.clear_requests()
     s3_server.requests()
 
@@ -108,6 +114,9 @@ def test_control_path_is_not_logged_and_not_an_s3_bucket(s3_server: S3Server) ->
 def test_download_cut_short_records_only_the_bytes_written(
     s3_server: S3Server, s3_client: Any, bucket: str
 ) -> None:
+    """A download the client abandons is logged with the bytes actually written, not the object
+    size.
+    """
     size = 64 * MiB
     s3_client.put_object(Bucket=bucket, Key="big.bin", Body=b"\0" * size)
     s3_server.clear_requests()
@@ -122,6 +131,7 @@ def test_download_cut_short_records_only_the_bytes_written(
 
 
 def test_stop_makes_the_endpoint_refuse_connections(stoppable_s3: S3Server) -> None:
+    """stop() ends the server so its port refuses connections; a second stop() is harmless."""
     assert not _refuses_connections(stoppable_s3)
 
     stoppable_s3.stop()
@@ -132,6 +142,7 @@ def test_stop_makes_the_endpoint_refuse_connections(stoppable_s3: S3Server) -> N
 
 
 def test_kill_makes_the_endpoint_refuse_connections(stoppable_s3: S3Server) -> None:
+    """kill() ends the server at once so its port refuses connections."""
     stoppable_s3.kill()
 
     assert _refuses_connections(stoppable_s3)
@@ -140,6 +151,7 @@ def test_kill_makes_the_endpoint_refuse_connections(stoppable_s3: S3Server) -> N
 def test_start_after_stop_serves_again_on_the_same_port_but_empty(
     stoppable_s3: S3Server,
 ) -> None:
+    """start() after stop() binds the same port again, with none of the old buckets."""
     client = stoppable_s3.client()
     client.create_bucket(Bucket="before-restart")
     endpoint = stoppable_s3.endpoint_url
@@ -155,6 +167,9 @@ def test_start_after_stop_serves_again_on_the_same_port_but_empty(
 def test_env_lets_another_process_reach_the_server(
     s3_server: S3Server, s3_client: Any, bucket: str
 ) -> None:
+    """env() is all another process's boto3 needs to reach the server (path-style addressing
+    included).
+    """
     s3_client.put_object(Bucket=bucket, Key="hello.txt", Body=b"hi")
     program = (
         "import boto3, sys; "
@@ -173,6 +188,7 @@ def test_env_lets_another_process_reach_the_server(
 
 
 def test_make_safetensors_model_output_loads_back_equal(tmp_path: Path) -> None:
+    """The generated shards load back with safetensors into the tensors the generator returned."""
     tensors = make_safetensors_model(tmp_path, total_bytes=4 * MiB, shards=2, seed=7)
 
     loaded: dict[str, np.ndarray[Any, Any]] = {}
@@ -186,6 +202,9 @@ def test_make_safetensors_model_output_loads_back_equal(tmp_path: Path) -> None:
 
 
 def test_make_safetensors_model_writes_the_hugging_face_layout(tmp_path: Path) -> None:
+    """The generated model has the Hugging Face files, an index naming every tensor, mixed dtypes
+    and about the asked size.
+    """
     tensors = make_safetensors_model(tmp_path, total_bytes=6 * MiB, shards=3)
 
     names = sorted(p.name for p in tmp_path.iterdir())
@@ -206,6 +225,7 @@ def test_make_safetensors_model_writes_the_hugging_face_layout(tmp_path: Path) -
 
 
 def test_make_safetensors_model_is_deterministic_per_seed(tmp_path: Path) -> None:
+    """The same seed generates the same tensors; another seed other ones."""
     first = make_safetensors_model(tmp_path / "a", total_bytes=MiB, shards=1, seed=3)
     again = make_safetensors_model(tmp_path / "b", total_bytes=MiB, shards=1, seed=3)
     other = make_safetensors_model(tmp_path / "c", total_bytes=MiB, shards=1, seed=4)
@@ -218,6 +238,9 @@ def test_make_safetensors_model_is_deterministic_per_seed(tmp_path: Path) -> Non
 def test_upload_directory_puts_every_file_under_the_prefix(
     s3_client: Any, bucket: str, tmp_path: Path
 ) -> None:
+    """upload_directory puts every file, subdirectories included, under the prefix (leading slash
+    dropped).
+    """
     (tmp_path / "sub").mkdir()
     (tmp_path / "a.txt").write_text("a")
     (tmp_path / "sub" / "b.txt").write_text("b")
@@ -232,6 +255,7 @@ def test_upload_directory_puts_every_file_under_the_prefix(
 def test_small_model_fixture_is_uploaded_under_models_small(
     small_model: SampleModel, s3_client: Any
 ) -> None:
+    """The small_model fixture is a ~8 MiB, 3-shard model listed under models/small/."""
     assert small_model.uri == f"s3://{small_model.bucket}/models/small/"
     listed = s3_client.list_objects_v2(Bucket=small_model.bucket, Prefix="models/small/")
     assert sorted(o["Key"] for o in listed["Contents"]) == small_model.keys

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
+from ._endpoint import LoopbackEndpoint
 from ._process import (
     Startable,
     StartupFailure,
@@ -200,38 +201,19 @@ class S3Server(Startable):
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
 
+    @property
+    def endpoint(self) -> LoopbackEndpoint:
+        """The endpoint with this server's credentials."""
+        return LoopbackEndpoint(self.endpoint_url, ACCESS_KEY, SECRET_KEY, REGION)
+
     def env(self) -> dict[str, str]:
         """The environment a process (the agent, the CLI) needs to use this server."""
-        return {
-            "AWS_ENDPOINT_URL": self.endpoint_url,
-            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-            "AWS_DEFAULT_REGION": REGION,
-            "AWS_EC2_METADATA_DISABLED": "true",
-            # A developer's ~/.aws must not leak profiles, endpoints or
-            # addressing settings into the tests.
-            "AWS_CONFIG_FILE": os.devnull,
-            "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
-            # moto serves path-style only; virtual hosts would need DNS for
-            # <bucket>.127.0.0.1.
-            "PREWARM_S3__ADDRESSING_STYLE": "path",
-        }
+        return self.endpoint.env()
 
     def client(self, **config: Any) -> Any:
         """A boto3 S3 client for this server; ``config`` adds botocore Config options."""
-        import boto3.session
-        from botocore.config import Config
-
-        options: dict[str, Any] = {
-            "s3": {"addressing_style": "path"},
-            "retries": {"max_attempts": 2, "mode": "standard"},
-        }
-        options.update(config)
-        # A fresh session ignores whatever the default session picked up.
-        session = boto3.session.Session(
-            aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY, region_name=REGION
-        )
-        return session.client("s3", endpoint_url=self.endpoint_url, config=Config(**options))
+        options: dict[str, Any] = {"retries": {"max_attempts": 2, "mode": "standard"}}
+        return self.endpoint.client(**(options | config))
 
     # -- the request log -------------------------------------------------------------
 

@@ -12,10 +12,10 @@ from agent_helpers import AgentFactory, tree_digest
 
 from agent import IntegrityError
 from agent._config import S3Settings, Settings
-from agent.check.hashes import S3Checksum
 from agent.client import Client
 from agent.pull.puller import Puller
 from agent.service.operations import AgentService, EnsureResult
+from agent.source.checksums import S3Checksum
 from agent.store.leases import LeaseTable
 from agent.store.store import Store
 from agent.testing import MemorySource, S3Server

@@ -26,9 +26,8 @@ from agent._exceptions import (
     UnsafeObjectKey,
 )
 
-from ._async import AsyncClient, aensure
+from ._async import AsyncClient
 from ._compile import detect_key_parts
-from ._compile_calls import acompile_cache, compile_cache
 from ._compile_types import (
     CompileCacheHandle,
     CompileCacheInfo,
@@ -39,7 +38,8 @@ from ._compile_types import (
 )
 from ._convert import DEFAULT_LEASE_SOCKET_PATH, DEFAULT_SOCKET_PATH, SOCKET_ENV
 from ._hold import AsyncLeaseHold, LeaseHold
-from ._sync import Client, ensure
+from ._shortcuts import acompile_cache, aensure, compile_cache, ensure
+from ._sync import Client
 from ._tensors import SafetensorsError, load_safetensors
 from ._types import (
     AgentStatus,

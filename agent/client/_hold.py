@@ -16,12 +16,13 @@ import contextlib
 import json
 import os
 import socket
+from collections.abc import Iterator
 from pathlib import Path
-from types import TracebackType
-from typing import Self
+from typing import Generic, Self, TypeVar
 
 from agent._exceptions import AgentUnavailable, PrewarmError
 
+from ._closing import ClosedOnAsyncExit, ClosedOnExit
 from ._errors import error_for_code
 from ._types import LeaseGrant
 
@@ -30,10 +31,12 @@ __all__ = ["AsyncLeaseHold", "LeaseHold"]
 # The agent reads at most this much of a hello, and answers in one short line.
 _LINE_LIMIT = 4096
 _DEFAULT_TIMEOUT = 5.0
+# What stays open while the lease is held: a socket, or an asyncio stream's writer.
+Connection = TypeVar("Connection")
 
 
-class _Hold:
-    """What the sync and async holders share: the hello, the reply, the errors."""
+class _Hold(Generic[Connection]):
+    """What the sync and async holders share: the state, the hello, the reply, the errors."""
 
     def __init__(
         self,
@@ -47,6 +50,7 @@ class _Hold:
         self._name = name
         self._socket_path = Path(socket_path) if socket_path is not None else lease.socket_path
         self._timeout = timeout
+        self._connection: Connection | None = None
 
     @property
     def lease(self) -> LeaseGrant:
@@ -56,11 +60,22 @@ class _Hold:
     def socket_path(self) -> Path:
         return self._socket_path
 
+    @property
+    def held(self) -> bool:
+        """True from a successful ``open()`` until ``close()``."""
+        return self._connection is not None
+
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(lease={self._lease.id!r}, key={self._lease.key!r}, "
             f"socket_path={str(self._socket_path)!r})"
         )
+
+    def _refuse_second_open(self) -> None:
+        if self._connection is not None:
+            raise PrewarmError(
+                f"lease {self._lease.id} is already held by this {type(self).__name__}."
+            )
 
     def _hello(self) -> bytes:
         return json.dumps({"lease": self._lease.id, "name": self._name}).encode() + b"\n"
@@ -85,7 +100,15 @@ class _Hold:
             message = str(reply.get("error") or "the agent refused the lease without a reason")
             raise error_for_code(str(reply.get("code", "")), message)
 
-    def _connect_error(self, exc: OSError) -> AgentUnavailable:
+    @contextlib.contextmanager
+    def _speaking(self) -> Iterator[None]:
+        """Failures to connect, send or read, as AgentUnavailable with what to do about them."""
+        try:
+            yield
+        except OSError as exc:
+            raise self._unavailable(exc) from exc
+
+    def _unavailable(self, exc: OSError) -> AgentUnavailable:
         path = self._socket_path
         if isinstance(exc, FileNotFoundError):
             return AgentUnavailable(
@@ -111,7 +134,7 @@ class _Hold:
         return AgentUnavailable(f"cannot hold the lease on {path}: {exc}.")
 
 
-class LeaseHold(_Hold):
+class LeaseHold(_Hold[socket.socket], ClosedOnExit):
     """Holds a lease open on the agent's lease socket until closed; blocking.
 
     ``with LeaseHold(handle.lease, name="ns/pod"):`` the snapshot is not evicted
@@ -125,47 +148,20 @@ class LeaseHold(_Hold):
     the lease then lasts until both processes have closed it or exited.
     """
 
-    def __init__(
-        self,
-        lease: LeaseGrant,
-        *,
-        name: str = "",
-        socket_path: str | os.PathLike[str] | None = None,
-        timeout: float = _DEFAULT_TIMEOUT,
-    ) -> None:
-        super().__init__(lease, name=name, socket_path=socket_path, timeout=timeout)
-        self._sock: socket.socket | None = None
-
-    @property
-    def held(self) -> bool:
-        """True from a successful ``open()`` until ``close()``."""
-        return self._sock is not None
-
     def __enter__(self) -> Self:
         self.open()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
     def open(self) -> None:
         """Connect, send the hello, check the reply; the lease is held when this returns."""
-        if self._sock is not None:
-            raise PrewarmError(f"lease {self._lease.id} is already held by this LeaseHold.")
+        self._refuse_second_open()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(self._timeout)
-            try:
+            with self._speaking():
                 sock.connect(str(self._socket_path))
                 sock.sendall(self._hello())
-                line = self._read_line(sock)
-            except OSError as exc:
-                raise self._connect_error(exc) from exc
+                line = _receive_line(sock)
             self._check_reply(line)
             # From here on nothing is read or written: the socket only has to
             # stay open. Blocking mode, so nothing times out while held.
@@ -173,63 +169,28 @@ class LeaseHold(_Hold):
         except BaseException:
             sock.close()
             raise
-        self._sock = sock
+        self._connection = sock
 
     def close(self) -> None:
         """End the lease (the agent sees the connection close). Safe to call twice."""
-        sock, self._sock = self._sock, None
+        sock, self._connection = self._connection, None
         if sock is not None:
             sock.close()
 
-    @staticmethod
-    def _read_line(sock: socket.socket) -> bytes:
-        line = b""
-        while not line.endswith(b"\n") and len(line) < _LINE_LIMIT:
-            chunk = sock.recv(_LINE_LIMIT - len(line))
-            if not chunk:
-                break
-            line += chunk
-        return line
 
-
-class AsyncLeaseHold(_Hold):
+class AsyncLeaseHold(_Hold[asyncio.StreamWriter], ClosedOnAsyncExit):
     """``LeaseHold`` for asyncio code: ``async with AsyncLeaseHold(lease): ...``."""
-
-    def __init__(
-        self,
-        lease: LeaseGrant,
-        *,
-        name: str = "",
-        socket_path: str | os.PathLike[str] | None = None,
-        timeout: float = _DEFAULT_TIMEOUT,
-    ) -> None:
-        super().__init__(lease, name=name, socket_path=socket_path, timeout=timeout)
-        self._writer: asyncio.StreamWriter | None = None
-
-    @property
-    def held(self) -> bool:
-        """True from a successful ``open()`` until ``close()``."""
-        return self._writer is not None
 
     async def __aenter__(self) -> Self:
         await self.open()
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
-
     async def open(self) -> None:
         """Connect, send the hello, check the reply; the lease is held when this returns."""
-        if self._writer is not None:
-            raise PrewarmError(f"lease {self._lease.id} is already held by this AsyncLeaseHold.")
+        self._refuse_second_open()
         writer: asyncio.StreamWriter | None = None
         try:
-            try:
+            with self._speaking():
                 async with asyncio.timeout(self._timeout):
                     reader, writer = await asyncio.open_unix_connection(
                         self._socket_path, limit=_LINE_LIMIT
@@ -237,8 +198,6 @@ class AsyncLeaseHold(_Hold):
                     writer.write(self._hello())
                     await writer.drain()
                     line = await _read_line(reader)
-            except OSError as exc:
-                raise self._connect_error(exc) from exc
             self._check_reply(line)
         except BaseException:
             if writer is not None:
@@ -246,15 +205,25 @@ class AsyncLeaseHold(_Hold):
                 # this path free of awaits that a cancellation could cut.
                 writer.close()
             raise
-        self._writer = writer
+        self._connection = writer
 
     async def close(self) -> None:
         """End the lease (the agent sees the connection close). Safe to call twice."""
-        writer, self._writer = self._writer, None
+        writer, self._connection = self._connection, None
         if writer is not None:
             writer.close()
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()
+
+
+def _receive_line(sock: socket.socket) -> bytes:
+    line = b""
+    while not line.endswith(b"\n") and len(line) < _LINE_LIMIT:
+        chunk = sock.recv(_LINE_LIMIT - len(line))
+        if not chunk:
+            break
+        line += chunk
+    return line
 
 
 async def _read_line(reader: asyncio.StreamReader) -> bytes:

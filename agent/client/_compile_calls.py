@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import platform
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from agent._exceptions import InvalidRequest, PrewarmError
+from agent._exceptions import PrewarmError
 from agent._proto.prewarm.v1 import prewarm_pb2 as pb
+from agent._wire import datetime_from_proto, parts_from_proto, parts_to_proto
 from agent.compile.keys import CompileKeyParts
 
 from ._compile import key_parts
@@ -54,7 +54,7 @@ def compile_cache(
     arguments. ``skip_restore`` keeps a new key empty even if S3 has it.
     """
     request = pb.EnsureCompileCacheRequest(
-        parts=_parts_to_proto(key_parts(parts, **fields)),
+        parts=parts_to_proto(key_parts(parts, **fields)),
         skip_restore=skip_restore,
         client_name=client_name or _default_name(),
     )
@@ -100,7 +100,7 @@ def compile_lock(
     the pod's whole life. The client's timeout does not apply.
     """
     request = pb.CompileLockRequest(
-        parts=_parts_to_proto(key_parts(parts, **fields)),
+        parts=parts_to_proto(key_parts(parts, **fields)),
         client_name=client_name or _default_name(),
     )
     return Streamed("CompileLock", request, _LockReader(on_wait), timed=False)
@@ -151,47 +151,6 @@ def _default_name() -> str:
 # -- protobuf ---------------------------------------------------------------------------------
 
 
-def _parts_to_proto(parts: CompileKeyParts) -> pb.CompileKeyParts:
-    try:
-        return pb.CompileKeyParts(
-            engine=parts.engine,
-            engine_version=parts.engine_version,
-            torch_version=parts.torch_version,
-            triton_version=parts.triton_version,
-            cuda_version=parts.cuda_version,
-            gpu_name=parts.gpu_name,
-            model_key=parts.model_key,
-            tensor_parallel=parts.tensor_parallel,
-            pipeline_parallel=parts.pipeline_parallel,
-            data_parallel=parts.data_parallel,
-            config_hash=parts.config_hash,
-            extras=parts.extras,
-        )
-    except (TypeError, ValueError) as exc:
-        raise InvalidRequest(f"Invalid compile key parts ({exc}): {parts}.") from exc
-
-
-def _parts_from_proto(msg: pb.CompileKeyParts) -> CompileKeyParts:
-    return CompileKeyParts(
-        engine=msg.engine,
-        engine_version=msg.engine_version,
-        torch_version=msg.torch_version,
-        triton_version=msg.triton_version,
-        cuda_version=msg.cuda_version,
-        gpu_name=msg.gpu_name,
-        model_key=msg.model_key,
-        tensor_parallel=msg.tensor_parallel,
-        pipeline_parallel=msg.pipeline_parallel,
-        data_parallel=msg.data_parallel,
-        config_hash=msg.config_hash,
-        extras=dict(msg.extras),
-    )
-
-
-def _when(stamp: Any) -> datetime:
-    return datetime.fromtimestamp(stamp.ToNanoseconds() / 1e9, UTC)
-
-
 def _handle_from_proto(msg: pb.CompileCacheHandle) -> CompileCacheHandle:
     return CompileCacheHandle(
         key=msg.key,
@@ -200,7 +159,7 @@ def _handle_from_proto(msg: pb.CompileCacheHandle) -> CompileCacheHandle:
         restored=msg.restored,
         restore_seconds=msg.restore_seconds,
         restore_note=msg.restore_note,
-        parts=_parts_from_proto(msg.parts),
+        parts=parts_from_proto(msg.parts),
         bytes=msg.bytes,
         file_count=msg.file_count,
     )
@@ -210,13 +169,13 @@ def _info_from_proto(msg: pb.CompileCacheInfo) -> CompileCacheInfo:
     return CompileCacheInfo(
         key=msg.key,
         path=Path(msg.path),
-        parts=_parts_from_proto(msg.parts),
+        parts=parts_from_proto(msg.parts),
         bytes=msg.bytes,
         file_count=msg.file_count,
-        created=_when(msg.created),
-        last_used=_when(msg.last_used),
+        created=datetime_from_proto(msg.created),
+        last_used=datetime_from_proto(msg.last_used),
         uploaded_digest=msg.uploaded_digest,
-        uploaded=_when(msg.uploaded) if msg.HasField("uploaded") else None,
+        uploaded=datetime_from_proto(msg.uploaded) if msg.HasField("uploaded") else None,
         restored=msg.restored,
     )
 

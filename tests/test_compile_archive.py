@@ -47,6 +47,7 @@ def _archive(members: list[tuple[tarfile.TarInfo, bytes]]) -> bytes:
 
 
 def test_a_packed_directory_unpacks_to_the_same_artifacts_elsewhere(tmp_path: Path) -> None:
+    """Pack then unpack keeps the artifacts (modes, symlinks) and drops locks and temporaries."""
     source = _cache_dir(tmp_path)
     archive = tmp_path / "c.tar.zst"
     packed = pack(source, archive)
@@ -64,6 +65,7 @@ def test_a_packed_directory_unpacks_to_the_same_artifacts_elsewhere(tmp_path: Pa
 
 
 def test_lock_and_temporary_files_do_not_change_the_digest(tmp_path: Path) -> None:
+    """The content digest ignores locks and temporary files but changes with a new artifact."""
     source = _cache_dir(tmp_path)
     before = content_digest(source).digest
     (source / "inductor" / "locks" / "another.lock").write_text("")
@@ -75,6 +77,7 @@ def test_lock_and_temporary_files_do_not_change_the_digest(tmp_path: Path) -> No
 
 @pytest.mark.parametrize("cut", ["half", "last byte"])
 def test_a_truncated_archive_is_refused(tmp_path: Path, cut: str) -> None:
+    """An archive cut short is refused as broken or of the wrong digest."""
     archive = tmp_path / "c.tar.zst"
     packed = pack(_cache_dir(tmp_path), archive)
     data = archive.read_bytes()
@@ -87,6 +90,7 @@ def test_a_truncated_archive_is_refused(tmp_path: Path, cut: str) -> None:
 
 
 def test_an_archive_with_other_content_than_its_pointer_says_is_refused(tmp_path: Path) -> None:
+    """An archive whose content does not match the pointer's digest is refused."""
     archive = tmp_path / "c.tar.zst"
     pack(_cache_dir(tmp_path), archive)
     dest = tmp_path / "dest"
@@ -115,6 +119,7 @@ def _member(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile
     ],
 )
 def test_unsafe_members_are_refused(tmp_path: Path, member: tarfile.TarInfo, why: str) -> None:
+    """Absolute paths, "..", outward or hard links and devices are refused; nothing escapes."""
     archive = tmp_path / "evil.tar.zst"
     archive.write_bytes(_archive([(member, b"x")]))
     dest = tmp_path / "dest"
@@ -127,6 +132,7 @@ def test_unsafe_members_are_refused(tmp_path: Path, member: tarfile.TarInfo, why
 
 
 def test_nothing_is_written_through_a_link_inside_the_archive(tmp_path: Path) -> None:
+    """A member under a symlink the archive itself made is refused, not written through it."""
     archive = tmp_path / "evil.tar.zst"
     archive.write_bytes(
         _archive(
@@ -144,6 +150,7 @@ def test_nothing_is_written_through_a_link_inside_the_archive(tmp_path: Path) ->
 
 
 def test_an_archive_bigger_than_the_room_left_is_refused(tmp_path: Path) -> None:
+    """Unpacking stops with a size error once the content outgrows the room it is given."""
     archive = tmp_path / "c.tar.zst"
     packed = pack(_cache_dir(tmp_path), archive)
     dest = tmp_path / "dest"

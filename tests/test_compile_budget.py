@@ -27,6 +27,7 @@ def _blob_model(s3: S3Server, bucket: str, prefix: str, mib: int) -> str:
 def test_compile_caches_count_in_the_budget_and_go_after_every_model(
     start_agent: AgentFactory, s3_server: S3Server, bucket: str
 ) -> None:
+    """Compile caches count in the disk budget and are evicted only after every evictable model."""
     one = _blob_model(s3_server, bucket, "one", 8)
     two = _blob_model(s3_server, bucket, "two", 8)
     big = _blob_model(s3_server, bucket, "big", 16)

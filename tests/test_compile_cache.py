@@ -15,12 +15,14 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
-from agent_helpers import AgentFactory
+from agent_helpers import AgentFactory, RunningAgent
+from watchfiles._rust_notify import RustNotify
 
 from agent.client import (
     Client,
@@ -34,6 +36,8 @@ from agent.testing import SampleModel
 
 PROBE = Path(__file__).with_name("compile_probe.py")
 UPLOAD_DEADLINE = 90.0
+
+T = TypeVar("T")
 
 
 def _config(bucket: str) -> str:
@@ -71,15 +75,38 @@ def _pointer(s3_client: Any, bucket: str, key: str) -> dict[str, Any] | None:
     return document
 
 
-def _wait_for_pointer(s3_client: Any, bucket: str, key: str, digest: str) -> dict[str, Any]:
-    """The pointer once it names ``digest``: the agent's upload has finished."""
+def _once(agent: RunningAgent, condition: Callable[[], T | None], what: str) -> T:
+    """``condition()``'s first non-None answer, asked again each time the agent logs.
+
+    Whatever the agent does that a test waits for here (an upload, a restore)
+    ends with a log line, so a change of its log file is the moment to look
+    again. The watch starts before the first look, so no line can slip between.
+    """
     deadline = time.monotonic() + UPLOAD_DEADLINE
-    while True:
+    with RustNotify([str(agent.log_path)], False, False, 0, False, False) as log_changes:
+        while (answer := condition()) is None:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            assert left_ms > 0, f"{what} within {UPLOAD_DEADLINE} s"
+            changes = log_changes.watch(50, 10, left_ms, None)
+            if changes == "signal":
+                raise KeyboardInterrupt
+            if changes == "timeout":
+                answer = condition()
+                assert answer is not None, f"{what} within {UPLOAD_DEADLINE} s"
+                break
+    return answer
+
+
+def _wait_for_pointer(
+    agent: RunningAgent, s3_client: Any, bucket: str, key: str, digest: str
+) -> dict[str, Any]:
+    """The pointer once it names ``digest``: the agent's upload has finished."""
+
+    def naming_digest() -> dict[str, Any] | None:
         pointer = _pointer(s3_client, bucket, key)
-        if pointer is not None and pointer["digest"] == digest:
-            return pointer
-        assert time.monotonic() < deadline, f"no upload of {digest} within {UPLOAD_DEADLINE} s"
-        time.sleep(0.2)
+        return pointer if pointer is not None and pointer["digest"] == digest else None
+
+    return _once(agent, naming_digest, f"no upload of {digest}")
 
 
 @pytest.fixture
@@ -95,6 +122,7 @@ def test_a_new_node_restores_the_uploaded_cache_and_hits_it(
     parts: CompileKeyParts,
     tmp_path: Path,
 ) -> None:
+    """A filled cache is uploaded once quiet; a new node restores it and torch.compile hits it."""
     first = start_agent(_config(bucket))
     with Client(first.socket_path) as client:
         cold_handle = client.compile_cache(parts, client_name="pod-1")
@@ -107,7 +135,7 @@ def test_a_new_node_restores_the_uploaded_cache_and_hits_it(
     assert cold["fxgraph_cache_hit"] == 0
     local = content_digest(cold_handle.path)
     assert local.file_count > 0
-    pointer = _wait_for_pointer(s3_client, bucket, cold_handle.key, local.digest)
+    pointer = _wait_for_pointer(first, s3_client, bucket, cold_handle.key, local.digest)
     assert pointer["file_count"] == local.file_count
 
     second = start_agent(_config(bucket))  # a new node: empty disk, the same S3
@@ -133,6 +161,7 @@ def test_a_new_node_restores_the_uploaded_cache_and_hits_it(
 def test_another_key_part_gives_another_directory(
     start_agent: AgentFactory, parts: CompileKeyParts
 ) -> None:
+    """Each distinct set of key parts gets its own directory; the same parts get the same one."""
     agent = start_agent()
     with Client(agent.socket_path) as client:
         one = client.compile_cache(parts)
@@ -148,6 +177,7 @@ def test_another_key_part_gives_another_directory(
 
 
 def test_parts_without_a_torch_version_are_refused(start_agent: AgentFactory) -> None:
+    """Key parts without a torch_version are refused as an invalid request."""
     agent = start_agent()
     with Client(agent.socket_path) as client, pytest.raises(InvalidRequest, match="torch_version"):
         client.compile_cache(engine="vllm", model_key="m")
@@ -168,6 +198,7 @@ def test_a_damaged_archive_is_refused_and_the_pod_gets_an_empty_directory(
     parts: CompileKeyParts,
     damage: str,
 ) -> None:
+    """A truncated or altered archive in S3 is refused; the pod gets an empty, usable directory."""
     first = start_agent(_config(bucket))
     with Client(first.socket_path) as client:
         handle = client.compile_cache(parts)
@@ -204,6 +235,7 @@ def test_a_damaged_archive_is_refused_and_the_pod_gets_an_empty_directory(
 def test_a_manifest_entry_restores_its_compile_cache_with_the_model(
     start_agent: AgentFactory, small_model: SampleModel, tmp_path: Path
 ) -> None:
+    """A manifest's [model.compile] table creates the compile cache keyed to the pulled model."""
     manifests = tmp_path / "models.d"
     manifests.mkdir()
     (manifests / "m.toml").write_text(
@@ -212,10 +244,11 @@ def test_a_manifest_entry_restores_its_compile_cache_with_the_model(
     )
     agent = start_agent(f'[manifests]\ndirectory = "{manifests}"\n')
     with Client(agent.socket_path) as client:
-        deadline = time.monotonic() + UPLOAD_DEADLINE
-        while not (caches := client.list_compile_caches()):
-            assert time.monotonic() < deadline, "the manifest's compile cache never appeared"
-            time.sleep(0.2)
+        caches = _once(
+            agent,
+            lambda: client.list_compile_caches() or None,
+            "the manifest's compile cache never appeared",
+        )
         (model,) = client.list_models()
     (cache,) = caches
     assert cache.parts.model_key == model.key

@@ -34,6 +34,7 @@ def _ok(done: subprocess.CompletedProcess[str]) -> str:
 
 
 def test_ls_show_push_evict_pull(start_agent: AgentFactory, bucket: str) -> None:
+    """`prewarm compile` ls, show, push (twice: second skipped), evict and pull, by key prefix."""
     agent = start_agent(f'[compile_cache]\nuri = "s3://{bucket}/cc"\nquiet_seconds = 60\n')
     socket = agent.socket_path
     with Client(socket) as client:
@@ -86,6 +87,7 @@ def _exec(*args: str, socket: Path) -> subprocess.CompletedProcess[str]:
 def test_exec_gives_the_command_the_compile_cache_of_its_key_parts(
     start_agent: AgentFactory, small_model: SampleModel
 ) -> None:
+    """`prewarm exec --compile-key` runs the command with the env of the keyed compile cache."""
     import torch
 
     agent = start_agent()
@@ -110,6 +112,7 @@ def test_exec_gives_the_command_the_compile_cache_of_its_key_parts(
 def test_exec_refuses_a_bad_key_part_before_running_anything(
     start_agent: AgentFactory, small_model: SampleModel
 ) -> None:
+    """`prewarm exec` rejects a malformed key part (exit 2) before pulling or running anything."""
     agent = start_agent()
     done = _exec(
         small_model.uri,

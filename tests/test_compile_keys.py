@@ -26,6 +26,7 @@ BASE = CompileKeyParts(
 
 
 def test_spelling_differences_give_the_same_key() -> None:
+    """Case, spacing, extras order and unset parallelism do not change the key."""
     sloppy = replace(
         BASE,
         engine=" vLLM ",
@@ -50,25 +51,30 @@ def test_spelling_differences_give_the_same_key() -> None:
     ],
 )
 def test_any_real_difference_gives_another_key(change: dict[str, object]) -> None:
+    """Any change of version, GPU, parallelism, model, extras or engine gives another key."""
     assert compile_key(replace(BASE, **change)) != compile_key(BASE)  # type: ignore[arg-type]
 
 
 def test_torch_version_is_required() -> None:
+    """A blank torch_version is refused: the key would match incompatible caches."""
     with pytest.raises(InvalidRequest, match="torch_version is required"):
         compile_key(replace(BASE, torch_version=" "))
 
 
 def test_unknown_engine_is_refused() -> None:
+    """An engine the agent does not know is refused by name."""
     with pytest.raises(InvalidRequest, match="Unknown engine 'tensorrt'"):
         normalise_parts(replace(BASE, engine="tensorrt"))
 
 
 def test_plain_torch_defaults_its_engine_version_to_torch() -> None:
+    """Plain torch parts take torch's version as the engine version."""
     parts = normalise_parts(CompileKeyParts(torch_version="2.13.0"))
     assert (parts.engine, parts.engine_version) == ("torch", "2.13.0")
 
 
 def test_each_engine_gets_its_own_variables() -> None:
+    """Each engine's env points its own cache variables into the key directory."""
     directory = Path("/cache/compile/k")
     vllm = engine_env("vllm", directory, "a" * 32)
     sglang = engine_env("sglang", directory, "a" * 32)
@@ -79,6 +85,7 @@ def test_each_engine_gets_its_own_variables() -> None:
 
 
 def test_detected_parts_on_the_cpu_name_torch_and_the_cpu() -> None:
+    """Detection on a CPU-only host names the installed torch and "cpu", and yields a usable key."""
     import torch
 
     parts = detect_key_parts(model_key="m", extras={"dtype": "float32"})

@@ -32,6 +32,7 @@ async def _take(
 
 
 async def test_the_second_pod_waits_until_the_first_lets_go(start_agent: AgentFactory) -> None:
+    """A second pod asking for the lock waits, then gets it exclusively when the first lets go."""
     agent = start_agent()
     async with AsyncClient(agent.socket_path) as first, AsyncClient(agent.socket_path) as second:
         async with first.compile_lock(PARTS, client_name="pod-1") as held:
@@ -48,6 +49,7 @@ async def test_the_second_pod_waits_until_the_first_lets_go(start_agent: AgentFa
 
 
 async def test_a_killed_holder_passes_the_lock_on(start_agent: AgentFactory) -> None:
+    """A holder killed with SIGKILL loses the lock; the waiting pod gets it."""
     agent = start_agent()
     script = textwrap.dedent(
         """
@@ -93,6 +95,7 @@ async def test_a_killed_holder_passes_the_lock_on(start_agent: AgentFactory) -> 
 async def test_waiters_go_once_the_cache_has_settled_with_artifacts(
     start_agent: AgentFactory,
 ) -> None:
+    """Waiters go (warm, shared) once the cache settles with artifacts, the holder still in."""
     agent = start_agent("[compile_cache]\nquiet_seconds = 0.5\n")
     async with AsyncClient(agent.socket_path) as first, AsyncClient(agent.socket_path) as second:
         handle = await first.compile_cache(PARTS)
@@ -111,6 +114,7 @@ async def test_waiters_go_once_the_cache_has_settled_with_artifacts(
 
 
 async def test_a_held_lock_does_not_hold_up_the_agent_stopping(start_agent: AgentFactory) -> None:
+    """A held lock stream does not keep the daemon from stopping within its grace."""
     agent = start_agent("shutdown_grace_seconds = 60\n")
     async with (
         AsyncClient(agent.socket_path) as client,

@@ -33,7 +33,7 @@ from agent.compile.remote import RemoteCompileCaches
 from agent.compile.transfer import CompileCacheTransfer, Fetched, PushOutcome, parts_of
 from agent.compile.watch import SettleWatcher
 from agent.obs.metrics import COMPILE_CACHE_PHASE_SECONDS
-from agent.source.s3 import S3Source
+from agent.source.interface import ObjectSource
 from agent.store.budget import Candidate
 from agent.store.store import Store
 
@@ -57,7 +57,7 @@ class EnsuredCompileCache:
 class CompileCaches:
     """Every compile cache on the node; an async context manager that owns its watcher."""
 
-    def __init__(self, settings: Settings, store: Store, source: S3Source) -> None:
+    def __init__(self, settings: Settings, store: Store, source: ObjectSource) -> None:
         self._settings = settings.compile_cache
         self._store = store
         self._index = CacheIndex(settings.tiers.disk_root / "compile")

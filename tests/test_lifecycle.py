@@ -1,11 +1,13 @@
-"""The cache lifecycle with the real daemon: budgets, eviction, leases, pins, resume, verify."""
+"""The cache lifecycle through the agent's socket: budgets, eviction, leases, pins, resume, verify.
+
+Its logic is pinned in-process in test_store, test_eviction and test_lease_table;
+crash and signal tests run the daemon as a subprocess."""
 
 from __future__ import annotations
 
 import collections
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -14,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from agent_helpers import AgentFactory, cache_entries, object_gets, tree_digest
+from agent_helpers import AgentFactory, ProcessFactory, cache_entries, object_gets, tree_digest
 
 from agent import Conflict, IntegrityError, NoSpace
 from agent.client import Client, Progress
@@ -33,15 +35,6 @@ def _cached_uris(client: Client) -> set[str]:
     return {m.uri for m in client.list_models()}
 
 
-def _wait_for(condition: object, what: str, timeout: float = 15.0) -> None:
-    """Wait for something another process does (a kill being noticed); bounded."""
-    deadline = time.monotonic() + timeout
-    while not condition():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 BUDGET_10_MIB = """
 [tiers]
 shm_budget = "10MiB"
@@ -55,6 +48,7 @@ fallback = false
 def test_pressure_evicts_the_least_recently_used_snapshot(
     start_agent: AgentFactory, s3_server: S3Server, bucket: str
 ) -> None:
+    """Above the high watermark the least recently used snapshot goes, down to the low one."""
     a, b, c, d = (_blob_model(s3_server, bucket, name, 3) for name in "abcd")
     agent = start_agent(BUDGET_10_MIB)
     with Client(agent.socket_path) as client:
@@ -71,6 +65,7 @@ def test_pressure_evicts_the_least_recently_used_snapshot(
 def test_a_pull_makes_room_by_evicting_before_it_starts(
     start_agent: AgentFactory, s3_server: S3Server, bucket: str
 ) -> None:
+    """A pull that would exceed the budget evicts the LRU snapshot before it starts."""
     a, b, c = (_blob_model(s3_server, bucket, name, 4) for name in "abc")
     config = BUDGET_10_MIB.replace("0.85", "1.0").replace("0.6", "1.0")
     agent = start_agent(config)
@@ -84,6 +79,7 @@ def test_a_pull_makes_room_by_evicting_before_it_starts(
 def test_a_leased_snapshot_survives_pressure_and_an_unleased_one_goes(
     start_agent: AgentFactory, s3_server: S3Server, bucket: str
 ) -> None:
+    """A leased snapshot survives pressure and refuses evict until its lease is released."""
     a, b, c = (_blob_model(s3_server, bucket, name, 3) for name in "abc")
     agent = start_agent(BUDGET_10_MIB)
     with Client(agent.socket_path) as client:
@@ -103,6 +99,7 @@ def test_a_leased_snapshot_survives_pressure_and_an_unleased_one_goes(
 def test_a_pinned_snapshot_is_never_evicted_by_pressure(
     start_agent: AgentFactory, s3_server: S3Server, bucket: str
 ) -> None:
+    """A pinned snapshot survives pressure; evict refuses it unless forced."""
     a, b, c = (_blob_model(s3_server, bucket, name, 3) for name in "abc")
     agent = start_agent(BUDGET_10_MIB)
     with Client(agent.socket_path) as client:
@@ -116,18 +113,23 @@ def test_a_pinned_snapshot_is_never_evicted_by_pressure(
         assert client.evict(a, force=True).bytes_freed == 3 * MiB
 
 
-def test_a_lease_ends_when_the_client_process_is_killed(
+def test_a_held_lease_names_its_holder_process(
     start_agent: AgentFactory, s3_server: S3Server, bucket: str
 ) -> None:
+    """A lease held on the agent's lease socket reports the holder's pid and uid over the API.
+
+    The agent holds it before answering the hello, so nothing is waited for; that it
+    ends when the holder is killed is pinned in test_leases.py (the table is awaited).
+    """
     uri = _blob_model(s3_server, bucket, "m", 1)
     agent = start_agent()
     script = textwrap.dedent(
         """
-        import sys, time
+        import sys
         from agent.client import Client
-        with Client(sys.argv[1]).leased(sys.argv[2], client_name="ns/doomed") as handle:
+        with Client(sys.argv[1]).leased(sys.argv[2], client_name="ns/holder") as handle:
             print(handle.key, flush=True)
-            sys.stdin.read()  # hold until killed
+            sys.stdin.read()  # hold until stdin closes
         """
     )
     holder = subprocess.Popen(
@@ -137,28 +139,35 @@ def test_a_lease_ends_when_the_client_process_is_killed(
         text=True,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
     )
-    assert holder.stdout is not None
-    key = holder.stdout.readline().strip()
-    with Client(agent.socket_path) as client:
-        _wait_for(lambda: any(lease.held for lease in client.get(key).leases), "the lease hold")
-        lease = client.get(key).leases[0]
-        assert (lease.client_name, lease.pid, lease.uid) == ("ns/doomed", holder.pid, os.getuid())
-        holder.send_signal(signal.SIGKILL)
-        holder.wait()
-        _wait_for(lambda: not client.get(key).leases, "the lease to end")
-        assert client.evict(key).bytes_freed == MiB
     assert holder.stdin is not None
-    holder.stdin.close()
-    holder.stdout.close()
+    assert holder.stdout is not None
+    try:
+        key = holder.stdout.readline().strip()
+        with Client(agent.socket_path) as client:
+            (lease,) = client.get(key).leases
+            assert lease.held
+            assert (lease.client_name, lease.pid, lease.uid) == (
+                "ns/holder",
+                holder.pid,
+                os.getuid(),
+            )
+            with pytest.raises(Conflict, match=r"ns/holder \(pid"):
+                client.evict(key)
+    finally:
+        holder.stdin.close()
+        holder.stdout.close()
+        assert holder.wait(timeout=30) == 0
 
 
+@pytest.mark.slow
 def test_sigkill_mid_pull_resumes_and_fetches_only_what_was_missing(
-    start_agent: AgentFactory, s3_server: S3Server, bucket: str, tmp_path: Path
+    start_agent_process: ProcessFactory, s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
+    """After SIGKILL mid-pull, the next pull resumes from the journal and GETs only the rest."""
     source = tmp_path / "model"
     tensors = make_safetensors_model(source, total_bytes=48 * MiB, shards=4)
     model = upload_model(s3_server.client(), bucket, "m", source, tensors)
-    agent = start_agent('[s3]\nchunk_size = "1MiB"\nconcurrency = 2\n')
+    agent = start_agent_process('[s3]\nchunk_size = "1MiB"\nconcurrency = 2\n')
     s3_server.clear_requests()
     halfway = threading.Event()
 
@@ -206,13 +215,15 @@ def _journaled_bytes(agent: AgentProcess) -> int:
     return sum(json.loads(line)["n"] for line in lines)
 
 
+@pytest.mark.slow
 def test_a_changed_object_after_a_crash_starts_clean(
-    start_agent: AgentFactory, s3_server: S3Server, bucket: str, tmp_path: Path
+    start_agent_process: ProcessFactory, s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
+    """An object changed in S3 after a crash makes the next pull start clean, not resume."""
     source = tmp_path / "model"
     tensors = make_safetensors_model(source, total_bytes=24 * MiB, shards=3)
     model = upload_model(s3_server.client(), bucket, "m", source, tensors)
-    agent = start_agent('[s3]\nchunk_size = "1MiB"\nconcurrency = 1\n')
+    agent = start_agent_process('[s3]\nchunk_size = "1MiB"\nconcurrency = 1\n')
     moving = threading.Event()
 
     def doomed_pull() -> None:
@@ -240,6 +251,7 @@ def test_a_changed_object_after_a_crash_starts_clean(
 def test_a_corrupt_safetensors_header_is_refused_and_nothing_is_published(
     start_agent: AgentFactory, s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
+    """A safetensors file whose header is not a JSON object is refused; nothing is published."""
     source = tmp_path / "model"
     make_safetensors_model(source, total_bytes=2 * MiB, shards=1)
     shard = next(source.glob("*.safetensors"))
@@ -258,6 +270,7 @@ def test_a_corrupt_safetensors_header_is_refused_and_nothing_is_published(
 def test_a_truncated_safetensors_object_is_refused(
     start_agent: AgentFactory, s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
+    """A safetensors object shorter than its header says is refused as an IntegrityError."""
     source = tmp_path / "model"
     make_safetensors_model(source, total_bytes=2 * MiB, shards=1)
     shard = next(source.glob("*.safetensors"))
@@ -274,6 +287,7 @@ def test_a_truncated_safetensors_object_is_refused(
 def test_verify_catches_a_flipped_byte_and_evicts_the_snapshot(
     start_agent: AgentFactory, s3_server: S3Server, bucket: str
 ) -> None:
+    """Verify reports a flipped byte as a hash problem and, unless report-only, evicts it."""
     uri = _blob_model(s3_server, bucket, "m", 2)
     agent = start_agent()
     with Client(agent.socket_path) as client:
@@ -300,6 +314,7 @@ def test_verify_catches_a_flipped_byte_and_evicts_the_snapshot(
 def test_a_budget_smaller_than_the_model_is_resource_exhausted(
     start_agent: AgentFactory, s3_server: S3Server, bucket: str
 ) -> None:
+    """A model over a strict tier's budget is NoSpace naming what is pinned; nothing changes."""
     small = _blob_model(s3_server, bucket, "small", 1)
     big = _blob_model(s3_server, bucket, "big", 3)
     agent = start_agent('[tiers]\nshm_budget = "2MiB"\nshm_reserve = "0"\n')
@@ -314,14 +329,18 @@ def test_a_budget_smaller_than_the_model_is_resource_exhausted(
         assert _cached_uris(client) == {small}
 
 
+@pytest.mark.slow
 def test_sigterm_mid_pull_keeps_the_pull_resumable(
-    start_agent: AgentFactory, s3_server: S3Server, bucket: str, tmp_path: Path
+    start_agent_process: ProcessFactory, s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
+    """A graceful stop with no grace period cancels a pull but keeps it resumable."""
     source = tmp_path / "model"
     tensors = make_safetensors_model(source, total_bytes=32 * MiB, shards=2)
     model = upload_model(s3_server.client(), bucket, "m", source, tensors)
     # No grace period: the stop cancels the pull instead of letting it finish.
-    agent = start_agent('shutdown_grace_seconds = 0\n[s3]\nchunk_size = "1MiB"\nconcurrency = 1\n')
+    agent = start_agent_process(
+        'shutdown_grace_seconds = 0\n[s3]\nchunk_size = "1MiB"\nconcurrency = 1\n'
+    )
     moving = threading.Event()
 
     def interrupted_pull() -> None:
@@ -347,6 +366,7 @@ def test_sigterm_mid_pull_keeps_the_pull_resumable(
 def test_a_lease_that_is_not_renewed_expires(
     start_agent: AgentFactory, s3_server: S3Server, bucket: str
 ) -> None:
+    """A timed lease ends at the expiry the agent reported; a renewed one lives on."""
     uri = _blob_model(s3_server, bucket, "m", 1)
     agent = start_agent()
     with Client(agent.socket_path) as client:
@@ -355,13 +375,17 @@ def test_a_lease_that_is_not_renewed_expires(
         assert renewed.lease is not None
         assert short.lease is not None
         client.renew_lease(renewed.lease.id, ttl=600)
-        _wait_for(lambda: len(client.get(uri).leases) == 1, "the short lease to expire")
+        assert short.lease.expires is not None
+        # Only the clock ends a timed lease, so wait (once) until the instant the
+        # agent said it would, plus a margin for the timestamp's rounding.
+        time.sleep(max(0.0, short.lease.expires.timestamp() - time.time()) + 0.05)
         assert [lease.id for lease in client.get(uri).leases] == [renewed.lease.id]
 
 
 def test_reconcile_drops_manifests_whose_files_are_gone(
     start_agent: AgentFactory, s3_server: S3Server, bucket: str
 ) -> None:
+    """At start-up a snapshot whose files were deleted by hand is dropped, others kept."""
     kept, broken = (_blob_model(s3_server, bucket, name, 1) for name in ("kept", "broken"))
     agent = start_agent()
     with Client(agent.socket_path) as client:

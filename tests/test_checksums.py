@@ -24,6 +24,7 @@ from agent.testing import MemorySource, S3Server
 def test_objects_with_s3_checksums_are_checked_and_published(
     start_agent: AgentFactory, s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
+    """Objects with an S3 checksum are HEADed and checked before publish; others are not HEADed."""
     # Only when asked: botocore otherwise adds a CRC32 to every upload by default.
     client = s3_server.client(request_checksum_calculation="when_required")
     source = tmp_path / "src"
@@ -48,6 +49,7 @@ async def _drain(service: AgentService) -> None:
 
 
 async def test_a_checksum_mismatch_is_refused_and_nothing_is_published(tmp_path: Path) -> None:
+    """A file that differs from S3's checksum fails as IntegrityError and publishes nothing."""
     memory = MemorySource()
     memory.put("models", "m/a.bin", b"what landed on disk")
     wrong = base64.b64encode(hashlib.sha256(b"what S3 holds").digest()).decode()

@@ -62,6 +62,7 @@ def _is_botocore(request: RecordedRequest) -> bool:
 
 
 def test_status_names_the_auto_data_plane(start_agent: AgentFactory) -> None:
+    """Status reports the plane that data_plane = "auto" resolves to."""
     agent = start_agent()
     with Client(agent.socket_path) as client:
         assert client.status().data_plane == AUTO_DATA_PLANE
@@ -69,6 +70,7 @@ def test_status_names_the_auto_data_plane(start_agent: AgentFactory) -> None:
 
 @needs_streamer
 def test_status_names_the_configured_streamer(start_agent: AgentFactory) -> None:
+    """With data_plane = "streamer" configured, status names the streamer."""
     agent = start_agent('[s3]\ndata_plane = "streamer"\n')
     with Client(agent.socket_path) as client:
         assert client.status().data_plane == "streamer"
@@ -77,6 +79,7 @@ def test_status_names_the_configured_streamer(start_agent: AgentFactory) -> None
 def test_auto_without_the_streamer_extra_pulls_with_aiobotocore(
     tmp_path: Path, s3_server: S3Server, small_model: SampleModel
 ) -> None:
+    """Without the streamer installed, "auto" falls back to aiobotocore and the pull succeeds."""
     with _without_streamer(tmp_path, s3_server) as agent, Client(agent.socket_path) as client:
         assert client.status().data_plane == "aiobotocore"
         handle = client.ensure(small_model.uri)
@@ -86,6 +89,7 @@ def test_auto_without_the_streamer_extra_pulls_with_aiobotocore(
 def test_streamer_config_without_the_extra_refuses_to_start(
     tmp_path: Path, s3_server: S3Server
 ) -> None:
+    """A config that demands the missing streamer stops startup with a log saying how to fix it."""
     agent = _without_streamer(tmp_path, s3_server, '[s3]\ndata_plane = "streamer"\n')
     try:
         with pytest.raises(AgentStartupError):
@@ -101,6 +105,7 @@ def test_streamer_config_without_the_extra_refuses_to_start(
 def test_asking_for_the_streamer_without_the_extra_is_invalid(
     tmp_path: Path, s3_server: S3Server, small_model: SampleModel
 ) -> None:
+    """A request for the missing streamer is InvalidRequest and publishes nothing."""
     with _without_streamer(tmp_path, s3_server) as agent, Client(agent.socket_path) as client:
         with pytest.raises(InvalidRequest, match="no streamer data plane"):
             client.ensure(small_model.uri, data_plane="streamer")
@@ -110,6 +115,7 @@ def test_asking_for_the_streamer_without_the_extra_is_invalid(
 def test_request_options_set_the_plane_and_the_chunk_size(
     start_agent: AgentFactory, s3_server: S3Server, small_model: SampleModel
 ) -> None:
+    """A request's data plane and chunk size decide who sends the GETs and how large they are."""
     agent = start_agent()
     s3_server.clear_requests()
     with Client(agent.socket_path) as client:
@@ -127,6 +133,7 @@ def test_request_options_set_the_plane_and_the_chunk_size(
 def test_request_for_the_streamer_pulls_through_it(
     start_agent: AgentFactory, s3_server: S3Server, small_model: SampleModel
 ) -> None:
+    """A request for the streamer moves the bytes through it: no botocore GETs, one per range."""
     agent = start_agent('[s3]\ndata_plane = "aiobotocore"\n')
     s3_server.clear_requests()
     with Client(agent.socket_path) as client:
@@ -141,6 +148,7 @@ def test_request_for_the_streamer_pulls_through_it(
 def test_an_unknown_data_plane_is_an_invalid_request(
     start_agent: AgentFactory, small_model: SampleModel
 ) -> None:
+    """A data plane name the agent does not know is refused as InvalidRequest."""
     agent = start_agent()
     with Client(agent.socket_path) as client, pytest.raises(InvalidRequest, match="fastest"):
         client.ensure(small_model.uri, data_plane="fastest")  # type: ignore[arg-type]
@@ -149,6 +157,7 @@ def test_an_unknown_data_plane_is_an_invalid_request(
 def test_cli_pull_takes_plane_concurrency_and_chunk_size(
     start_agent: AgentFactory, s3_server: S3Server, small_model: SampleModel
 ) -> None:
+    """`prewarm pull` passes --data-plane, --concurrency and --chunk-size through to the pull."""
     agent = start_agent()
     s3_server.clear_requests()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}
@@ -167,6 +176,7 @@ def test_cli_pull_takes_plane_concurrency_and_chunk_size(
 
 
 def test_cli_refuses_a_malformed_chunk_size(agent_daemon: AgentProcess) -> None:
+    """`prewarm pull --chunk-size lots` exits 2 with a usage error."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}
     env["PREWARM_SOCKET_PATH"] = str(agent_daemon.socket_path)
     done = subprocess.run(

@@ -38,9 +38,12 @@ needs_streamer = pytest.mark.skipif(
 )
 
 
-def _plane_params() -> list[Any]:
+def _plane_params(*, slow_streamer: bool = False) -> list[Any]:
+    """Both planes; ``slow_streamer`` marks the streamer's run slow (the CRT's own retries
+    take 10 s and more before it gives up)."""
+    streamer_marks = [needs_streamer, pytest.mark.slow] if slow_streamer else [needs_streamer]
     return [
-        pytest.param(plane, marks=needs_streamer if plane == "streamer" else ()) for plane in PLANES
+        pytest.param(plane, marks=streamer_marks if plane == "streamer" else ()) for plane in PLANES
     ]
 
 
@@ -137,6 +140,7 @@ def published(tmp_path: Path) -> list[str]:
 
 @pytest.fixture
 def proxy(s3_server: S3Server) -> Iterator[FaultProxy]:
+    """A fault-injecting proxy in front of the shared S3 server."""
     with FaultProxy(s3_server.endpoint_url) as running:
         yield running
 
@@ -148,6 +152,7 @@ def proxy(s3_server: S3Server) -> Iterator[FaultProxy]:
 async def test_plane_publishes_byte_identical_files(
     plane: DataPlaneChoice, tmp_path: Path, s3_server: S3Server, small_model: SampleModel
 ) -> None:
+    """Each plane publishes the model byte for byte, one journal range per delivered chunk."""
     s3_server.clear_requests()
     async with running_agent(tmp_path, s3_server, s3_server.endpoint_url) as agent:
         result = await agent.ensure(small_model.uri, PullOptions(data_plane=plane))
@@ -169,6 +174,7 @@ async def test_plane_publishes_byte_identical_files(
 async def test_streamer_resumes_from_another_planes_journal(
     tmp_path: Path, s3_server: S3Server, small_model: SampleModel, proxy: FaultProxy
 ) -> None:
+    """A streamer pull resumes from ranges an aiobotocore pull journaled before it failed."""
     # aiobotocore gives up on the last shard half way (every GET of it fails)...
     last = shards(small_model)[-1]
     proxy.add(Fault.internal_error(key=last, times=None))
@@ -206,6 +212,7 @@ async def test_transient_faults_are_retried_and_the_result_is_identical(
     small_model: SampleModel,
     proxy: FaultProxy,
 ) -> None:
+    """5xx, SlowDown, resets and short bodies are retried and the files come out identical."""
     template = FAULTS[kind]
     # Only object GETs, so the listing and the checksum HEADs go through untouched.
     proxy.add(
@@ -225,6 +232,7 @@ async def test_a_stalled_get_is_abandoned_and_retried(
     small_model: SampleModel,
     proxy: FaultProxy,
 ) -> None:
+    """A GET that goes silent is dropped after the low-speed window, not the read timeout."""
     proxy.add(Fault.stall(after_bytes=10_000, key=small_model.prefix, times=1))
     async with running_agent(
         tmp_path, s3_server, proxy.endpoint_url, request_timeout_ms=1000, read_timeout_seconds=60
@@ -239,7 +247,7 @@ async def test_a_stalled_get_is_abandoned_and_retried(
 # -- persistent faults: the pull fails, names the object, publishes nothing -------------
 
 
-@pytest.mark.parametrize("plane", _plane_params())
+@pytest.mark.parametrize("plane", _plane_params(slow_streamer=True))
 async def test_a_persistent_fault_fails_the_pull_naming_the_object(
     plane: DataPlaneChoice,
     tmp_path: Path,
@@ -247,6 +255,7 @@ async def test_a_persistent_fault_fails_the_pull_naming_the_object(
     small_model: SampleModel,
     proxy: FaultProxy,
 ) -> None:
+    """An object that keeps failing fails the pull with its S3 URI and cause; nothing published."""
     victim = shards(small_model)[1]
     proxy.add(Fault.slow_down(key=victim, times=None))
     async with running_agent(
@@ -262,7 +271,7 @@ async def test_a_persistent_fault_fails_the_pull_naming_the_object(
     assert published(tmp_path) == []
 
 
-@pytest.mark.parametrize("plane", _plane_params())
+@pytest.mark.parametrize("plane", _plane_params(slow_streamer=True))
 async def test_a_body_that_is_always_cut_short_is_never_published(
     plane: DataPlaneChoice,
     tmp_path: Path,
@@ -270,6 +279,7 @@ async def test_a_body_that_is_always_cut_short_is_never_published(
     small_model: SampleModel,
     proxy: FaultProxy,
 ) -> None:
+    """A body always cut short fails the pull naming the object, and publishes nothing."""
     victim = shards(small_model)[0]
     proxy.add(Fault.truncate(after_bytes=1000, key=victim, times=None))
     async with running_agent(
@@ -287,6 +297,7 @@ async def test_a_body_that_is_always_cut_short_is_never_published(
 async def test_stopping_a_streamer_pull_does_not_wait_out_a_silent_s3(
     tmp_path: Path, s3_server: S3Server, small_model: SampleModel, proxy: FaultProxy
 ) -> None:
+    """Shutdown stops a streamer pull stuck on a silent S3 promptly and keeps its staging."""
     # Every GET goes silent: the CRT would retry it for many seconds.
     proxy.add(Fault.stall(key=small_model.prefix, times=None))
     async with running_agent(

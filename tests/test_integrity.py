@@ -56,10 +56,12 @@ def _pieces(chunk: bytes, rng: random.Random) -> Iterator[bytes]:
 
 
 def test_algorithm_name_says_what_the_manifest_records() -> None:
+    """The manifest's algorithm name is "xxh3-128/chunks", part of the on-disk format."""
     assert ALGORITHM == "xxh3-128/chunks"
 
 
 def test_digest_is_xxh3_128_over_the_chunk_digests(data_file: Path, data: bytes) -> None:
+    """A file's digest is xxh3-128 of its chunks' xxh3-128 digests, concatenated in order."""
     chunks = [data[i : i + CHUNK] for i in range(0, len(data), CHUNK)]
     expected = xxhash.xxh3_128(b"".join(xxhash.xxh3_128(c).digest() for c in chunks)).hexdigest()
     result = hash_file(data_file, CHUNK)
@@ -68,6 +70,7 @@ def test_digest_is_xxh3_128_over_the_chunk_digests(data_file: Path, data: bytes)
 
 
 def test_chunks_hashed_out_of_order_in_pieces_match_hash_file(data_file: Path, data: bytes) -> None:
+    """Chunks hashed in any order, fed in pieces of any size, give hash_file's digest."""
     rng = random.Random(1)
     table = ChunkDigests(len(data), CHUNK)
     order = list(range(chunk_count(len(data), CHUNK)))
@@ -85,6 +88,7 @@ def test_chunks_hashed_out_of_order_in_pieces_match_hash_file(data_file: Path, d
 def test_file_written_by_concurrent_workers_in_any_order_matches_hash_file(
     tmp_path: Path, data: bytes
 ) -> None:
+    """Concurrent workers writing and hashing ranges at their offsets agree with hash_file."""
     # What the puller does: workers pwrite whole ranges at their offsets in any
     # order, each hashing its range as it writes it.
     path = tmp_path / "out.bin"
@@ -115,6 +119,7 @@ def test_file_written_by_concurrent_workers_in_any_order_matches_hash_file(
 def test_resumed_chunk_hashes_the_part_on_disk_then_the_new_bytes(
     data_file: Path, data: bytes
 ) -> None:
+    """A chunk resumed after a crash (bytes read back from disk, then new ones) hashes the same."""
     # After a crash mid-range the hasher's state is lost; the bytes already
     # written are read back, then hashing goes on with what arrives.
     index, written = 2, 5000
@@ -130,6 +135,7 @@ def test_resumed_chunk_hashes_the_part_on_disk_then_the_new_bytes(
 
 
 def test_reading_past_the_end_of_a_file_is_an_eof_error(data_file: Path, data: bytes) -> None:
+    """Feeding a hasher from beyond the end of the file raises EOFError saying it is short."""
     fd = os.open(data_file, os.O_RDONLY)
     try:
         with pytest.raises(EOFError, match="short"):
@@ -140,17 +146,20 @@ def test_reading_past_the_end_of_a_file_is_an_eof_error(data_file: Path, data: b
 
 @pytest.mark.parametrize("read_block", [1, 4096, 10_000, CHUNK, 4 * 1024 * 1024])
 def test_read_block_does_not_change_the_digest(data_file: Path, read_block: int) -> None:
+    """hash_file's read block size is a speed knob only; the digest is the same for any."""
     assert hash_file(data_file, CHUNK, read_block=read_block) == hash_file(data_file, CHUNK)
 
 
 @pytest.mark.parametrize("size", [1, CHUNK - 1, CHUNK, CHUNK + 1, 3 * CHUNK])
 def test_chunk_count_matches_the_chunks_hashed(tmp_path: Path, size: int) -> None:
+    """chunk_count agrees with the number of chunk digests hash_file produces, at the edges too."""
     path = tmp_path / "f"
     path.write_bytes(_data(size))
     assert len(hash_file(path, CHUNK).chunk_digests) == chunk_count(size, CHUNK)
 
 
 def test_empty_file_has_no_chunks_and_the_digest_of_nothing(tmp_path: Path) -> None:
+    """An empty file has no chunks and the digest of xxh3-128 over nothing."""
     path = tmp_path / "empty"
     path.write_bytes(b"")
     result = hash_file(path, CHUNK)
@@ -160,6 +169,7 @@ def test_empty_file_has_no_chunks_and_the_digest_of_nothing(tmp_path: Path) -> N
 
 
 def test_flipped_byte_changes_the_digest_and_only_its_chunk(data_file: Path, data: bytes) -> None:
+    """One flipped byte changes the file digest and only the digest of the chunk holding it."""
     before = hash_file(data_file, CHUNK)
     flipped = bytearray(data)
     flipped[3 * CHUNK + 17] ^= 0x01
@@ -175,10 +185,12 @@ def test_flipped_byte_changes_the_digest_and_only_its_chunk(data_file: Path, dat
 
 
 def test_chunk_size_is_part_of_the_digest(data_file: Path) -> None:
+    """The same bytes hashed with another chunk size give another digest."""
     assert hash_file(data_file, CHUNK).digest != hash_file(data_file, 2 * CHUNK).digest
 
 
 def test_swapping_two_chunks_changes_the_digest(data_file: Path, data: bytes) -> None:
+    """Chunk order is part of the digest: two chunks swapped do not hash the same."""
     swapped = data[CHUNK : 2 * CHUNK] + data[:CHUNK] + data[2 * CHUNK :]
     data_file.write_bytes(swapped)
     assert hash_file(data_file, CHUNK).digest != combine(
@@ -187,6 +199,7 @@ def test_swapping_two_chunks_changes_the_digest(data_file: Path, data: bytes) ->
 
 
 def test_unfinished_chunk_table_names_the_missing_chunks() -> None:
+    """Finishing a file with chunks still undigested fails, naming those chunks."""
     table = ChunkDigests(3 * CHUNK, CHUNK)
     table.set(1, bytes(16))
     assert table.missing() == [0, 2]
@@ -195,6 +208,7 @@ def test_unfinished_chunk_table_names_the_missing_chunks() -> None:
 
 
 def test_chunk_digest_of_the_wrong_size_is_refused() -> None:
+    """A chunk digest that is not 16 bytes is refused."""
     with pytest.raises(ValueError, match="16 bytes"):
         ChunkDigests(CHUNK, CHUNK).set(0, b"short")
 
@@ -217,11 +231,13 @@ def model_dir(tmp_path: Path) -> tuple[Path, list[tuple[str, int, str]]]:
 def test_unchanged_files_have_no_problems(
     model_dir: tuple[Path, list[tuple[str, int, str]]],
 ) -> None:
+    """verify_files finds nothing wrong with files as they were written."""
     root, expected = model_dir
     assert verify_files(root, expected, CHUNK) == []
 
 
 def test_missing_file_is_reported(model_dir: tuple[Path, list[tuple[str, int, str]]]) -> None:
+    """A deleted file is reported as "missing"."""
     root, expected = model_dir
     (root / "sub/b.safetensors").unlink()
     assert verify_files(root, expected, CHUNK) == [
@@ -232,6 +248,7 @@ def test_missing_file_is_reported(model_dir: tuple[Path, list[tuple[str, int, st
 def test_directory_in_place_of_a_file_is_reported_missing(
     model_dir: tuple[Path, list[tuple[str, int, str]]],
 ) -> None:
+    """A directory where a file should be is reported as "missing", not read."""
     root, expected = model_dir
     (root / "config.json").unlink()
     (root / "config.json").mkdir()
@@ -242,6 +259,7 @@ def test_directory_in_place_of_a_file_is_reported_missing(
 def test_truncated_file_is_reported_as_a_size_problem(
     model_dir: tuple[Path, list[tuple[str, int, str]]],
 ) -> None:
+    """A truncated file is a "size" problem, found by stat without hashing."""
     root, expected = model_dir
     path = root / "sub/b.safetensors"
     os.truncate(path, 10)
@@ -254,6 +272,7 @@ def test_truncated_file_is_reported_as_a_size_problem(
 def test_changed_byte_is_reported_as_a_hash_problem(
     model_dir: tuple[Path, list[tuple[str, int, str]]],
 ) -> None:
+    """A changed byte is a "hash" problem naming the recorded digest."""
     root, expected = model_dir
     path = root / "a.safetensors"
     with path.open("r+b") as file:
@@ -270,6 +289,7 @@ def test_changed_byte_is_reported_as_a_hash_problem(
 def test_every_problem_is_reported_not_just_the_first(
     model_dir: tuple[Path, list[tuple[str, int, str]]],
 ) -> None:
+    """verify_files reports every broken file, not only the first."""
     root, expected = model_dir
     (root / "a.safetensors").unlink()
     os.truncate(root / "config.json", 0)
@@ -278,6 +298,7 @@ def test_every_problem_is_reported_not_just_the_first(
 
 
 def test_problem_becomes_an_integrity_error_naming_file_and_check() -> None:
+    """A FileProblem becomes an IntegrityError carrying its path and check."""
     error = FileProblem("a.safetensors", "hash", "it changed.").to_error()
     assert isinstance(error, IntegrityError)
     assert (error.path, error.check, str(error)) == (

@@ -62,6 +62,7 @@ def source() -> MemorySource:
 async def test_broken_transfers_resume_where_they_stopped(
     tmp_path: Path, source: MemorySource
 ) -> None:
+    """A range broken mid-body is retried from its last good byte: no byte is fetched twice."""
     # Two failures on a.bin: after 100 KiB of one range and after 700 KiB of another.
     source.break_after["m/a.bin"] = [100 * 1024, 700 * 1024]
     store = Store({"shm": tmp_path / "shm", "disk": tmp_path / "disk"})
@@ -81,6 +82,7 @@ async def test_broken_transfers_resume_where_they_stopped(
 async def test_persistent_failure_names_the_object_and_keeps_the_pull_resumable(
     tmp_path: Path, source: MemorySource
 ) -> None:
+    """A range that keeps failing names the object; its staging stays and the next pull resumes."""
     # One worker, files in path order: a.bin completes, then sub/b.bin keeps breaking.
     source.break_after["m/sub/b.bin"] = [10] * 50
     store = Store({"shm": tmp_path / "shm", "disk": tmp_path / "disk"})
@@ -106,6 +108,7 @@ async def test_persistent_failure_names_the_object_and_keeps_the_pull_resumable(
 async def test_object_replaced_mid_pull_aborts_without_publishing(
     tmp_path: Path, source: MemorySource
 ) -> None:
+    """An object replaced during the pull (new ETag) is SourceChanged; nothing is published."""
     store = Store({"shm": tmp_path / "shm", "disk": tmp_path / "disk"})
     await store.open()
     original_open = source.open_range
@@ -125,6 +128,7 @@ async def test_object_replaced_mid_pull_aborts_without_publishing(
 async def test_a_watcher_leaving_does_not_cancel_the_pull(
     tmp_path: Path, source: MemorySource
 ) -> None:
+    """A request that stops watching leaves the pull running; a later request joins it."""
     source.gate = asyncio.Event()  # hold the pull after its first piece
     store = Store({"shm": tmp_path / "shm", "disk": tmp_path / "disk"})
     await store.open()
@@ -172,6 +176,7 @@ def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
 async def test_disk_full_mid_pull_is_no_space_and_leaves_other_models_intact(
     tiny_tmpfs: Path, tmp_path: Path
 ) -> None:
+    """ENOSPC while writing is NoSpace, cleans its staging and leaves published models intact."""
     source = MemorySource()
     source.put("models", "small/a.bin", os.urandom(MiB // 2))
     source.put("models", "big/a.bin", os.urandom(3 * MiB))

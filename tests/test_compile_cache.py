@@ -1,5 +1,9 @@
 """Compile caches end to end: the real daemon, the real S3 server, real torch.compile.
 
+The cache's own logic (index, restore, upload, pull, damaged archives) is
+tested in process over MemorySource in test_compile_caches.py; here is what
+needs the socket, the watcher's automatic upload and a real compiler.
+
 The compile runs in child processes (tests/compile_probe.py) with the env vars
 from the agent's handle, the inductor backend on the CPU, and TMPDIR inside the
 test's own directory, so nothing is left behind outside it. Precompiled headers
@@ -181,55 +185,6 @@ def test_parts_without_a_torch_version_are_refused(start_agent: AgentFactory) ->
     agent = start_agent()
     with Client(agent.socket_path) as client, pytest.raises(InvalidRequest, match="torch_version"):
         client.compile_cache(engine="vllm", model_key="m")
-
-
-def _fill(directory: Path, seed: int) -> None:
-    for index in range(3):
-        artifact = directory / "inductor" / f"k{index}" / f"kernel{seed}.so"
-        artifact.parent.mkdir(parents=True, exist_ok=True)
-        artifact.write_bytes(os.urandom(64 * 1024))
-
-
-@pytest.mark.parametrize("damage", ["truncated", "corrupt"])
-def test_a_damaged_archive_is_refused_and_the_pod_gets_an_empty_directory(
-    start_agent: AgentFactory,
-    s3_client: Any,
-    bucket: str,
-    parts: CompileKeyParts,
-    damage: str,
-) -> None:
-    """A truncated or altered archive in S3 is refused; the pod gets an empty, usable directory."""
-    first = start_agent(_config(bucket))
-    with Client(first.socket_path) as client:
-        handle = client.compile_cache(parts)
-        _fill(handle.path, seed=1)
-        pushed = client.push_compile_cache(handle.key)
-    assert pushed.uploaded, pushed.skipped_reason
-    pointer = _pointer(s3_client, bucket, handle.key)
-    assert pointer is not None
-    archive_key = f"compile/{handle.key}/{pointer['archive']}"
-    data = s3_client.get_object(Bucket=bucket, Key=archive_key)["Body"].read()
-    if damage == "truncated":  # the pointer's size no longer matches
-        data = data[: len(data) // 2]
-    else:  # same size, flipped bytes: the checksum or the digest no longer matches
-        middle = len(data) // 2
-        data = (
-            data[:middle]
-            + bytes(b ^ 0xFF for b in data[middle : middle + 64])
-            + data[middle + 64 :]
-        )
-    s3_client.put_object(Bucket=bucket, Key=archive_key, Body=data)
-
-    second = start_agent(_config(bucket))
-    with Client(second.socket_path) as client:
-        refused = client.compile_cache(parts)
-    assert not refused.restored
-    assert refused.restore_note.startswith("refused the archive in S3")
-    assert refused.path.is_dir()
-    assert content_digest(refused.path).file_count == 0
-    # Working: the pod can write its artifacts there, and nothing of the archive leaked out.
-    (refused.path / "inductor" / "written").write_text("ok")
-    assert not list((second.disk_root / "compile" / ".tmp").iterdir())
 
 
 def test_a_manifest_entry_restores_its_compile_cache_with_the_model(

@@ -24,6 +24,7 @@ from agent.testing import AgentProcess, SampleModel
 def test_cold_ensure_reports_progress_up_to_every_byte(
     agent_daemon: AgentProcess, small_model: SampleModel
 ) -> None:
+    """A cold ensure() pulls every file, reporting progress from resolve up to the last byte."""
     seen: list[Progress] = []
     handle = ensure(small_model.uri, socket_path=agent_daemon.socket_path, progress=seen.append)
     assert not handle.hit
@@ -42,6 +43,7 @@ def test_cold_ensure_reports_progress_up_to_every_byte(
 async def test_async_ensure_of_a_cached_model_is_a_hit(
     agent_daemon: AgentProcess, small_model: SampleModel
 ) -> None:
+    """aensure() of a model already cached is a hit on the same snapshot key and path."""
     first = await aensure(small_model.uri, socket_path=agent_daemon.socket_path)
     second = await aensure(small_model.uri, socket_path=agent_daemon.socket_path)
     assert second.hit
@@ -51,6 +53,7 @@ async def test_async_ensure_of_a_cached_model_is_a_hit(
 async def test_async_client_gets_lists_and_evicts(
     agent_daemon: AgentProcess, small_model: SampleModel
 ) -> None:
+    """AsyncClient gets by key prefix, lists and evicts; a get after the eviction is NotFound."""
     async with AsyncClient(agent_daemon.socket_path) as client:
         handle = await client.ensure(small_model.uri, tier="disk")
         info = await client.get(handle.key[:8])
@@ -66,6 +69,7 @@ async def test_async_client_gets_lists_and_evicts(
 def test_status_counts_the_cached_model(
     agent_daemon: AgentProcess, small_model: SampleModel
 ) -> None:
+    """status() counts the cached model and names both tier roots."""
     with Client(agent_daemon.socket_path) as client:
         client.ensure(small_model.uri)
         status = client.status()
@@ -77,6 +81,7 @@ def test_status_counts_the_cached_model(
 
 
 def test_bad_uri_is_an_invalid_request(agent_daemon: AgentProcess) -> None:
+    """A URI that is not s3:// comes back from the agent as InvalidRequest."""
     with pytest.raises(InvalidRequest, match="not an S3 URI"):
         ensure("http://example.com/model", socket_path=agent_daemon.socket_path)
 
@@ -84,6 +89,7 @@ def test_bad_uri_is_an_invalid_request(agent_daemon: AgentProcess) -> None:
 def test_weights_load_from_the_cache_without_a_copy(
     agent_daemon: AgentProcess, small_model: SampleModel
 ) -> None:
+    """load_safetensors(handle) gives the saved values as CPU views of the snapshot's files."""
     handle = ensure(small_model.uri, socket_path=agent_daemon.socket_path)
     weights = load_safetensors(handle)
     assert weights.keys() == small_model.tensors.keys()

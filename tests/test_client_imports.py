@@ -12,6 +12,7 @@ HEAVY = ["pydantic", "aiobotocore", "botocore", "typer", "rich", "torch", "safet
 
 
 def test_importing_the_client_loads_no_heavy_dependency() -> None:
+    """Importing agent.client's main names loads none of the daemon's or torch's dependencies."""
     code = (
         "import json, sys\n"
         "import agent.client\n"

@@ -146,6 +146,11 @@ def _held_by_me(info: ModelInfo) -> bool:
 
 
 async def test_leased_holds_the_lease_for_the_block_and_releases_it(agent: Agent) -> None:
+    """Client.leased holds the lease (found next to the API socket) for the block, then releases it.
+
+    Inside the block this process is the holder and the lease has no expiry.
+    """
+
     def use() -> tuple[LeaseGrant | None, ModelInfo]:
         with (
             Client(agent.socket_path) as client,
@@ -165,6 +170,7 @@ async def test_leased_holds_the_lease_for_the_block_and_releases_it(agent: Agent
 
 
 async def test_async_leased_holds_the_lease_for_the_block_and_releases_it(agent: Agent) -> None:
+    """AsyncClient.leased holds the lease for the block and none is left active after it."""
     async with AsyncClient(agent.socket_path) as client:
         async with client.leased("s3://b/m/", client_name="ns/pod") as handle:
             assert handle.lease is not None
@@ -174,6 +180,8 @@ async def test_async_leased_holds_the_lease_for_the_block_and_releases_it(agent:
 
 
 async def test_leased_releases_the_lease_when_the_block_raises(agent: Agent) -> None:
+    """An exception in the leased block propagates and the lease is released all the same."""
+
     class Boom(Exception):
         pass
 
@@ -187,6 +195,7 @@ async def test_leased_releases_the_lease_when_the_block_raises(agent: Agent) -> 
 
 
 async def test_async_leased_releases_the_lease_when_cancelled(agent: Agent) -> None:
+    """Cancelling a task inside an async leased block ends its lease."""
     entered = asyncio.Event()
 
     async def use() -> None:
@@ -205,6 +214,9 @@ async def test_async_leased_releases_the_lease_when_cancelled(agent: Agent) -> N
 
 
 async def test_leased_releases_the_lease_when_the_hold_cannot_open(agent: Agent) -> None:
+    """When the lease socket cannot be reached, leased raises AgentUnavailable before the block and
+    releases the granted lease.
+    """
     agent.lease_socket.unlink()  # the agent serves no lease socket the client can reach
 
     def use() -> None:
@@ -217,6 +229,7 @@ async def test_leased_releases_the_lease_when_the_hold_cannot_open(agent: Agent)
 
 
 async def test_hold_ends_the_lease_when_closed(agent: Agent) -> None:
+    """A LeaseHold is held inside its with block and closing it ends the lease on the agent."""
     record = agent.table.grant(KEY, ttl=60)
     grant = _grant(record, agent)
 
@@ -230,6 +243,7 @@ async def test_hold_ends_the_lease_when_closed(agent: Agent) -> None:
 
 
 async def test_async_hold_reports_who_holds_it(agent: Agent) -> None:
+    """An AsyncLeaseHold makes this process (with its name) the holder, until the block exits."""
     record = agent.table.grant(KEY, "granted", ttl=60)
     async with AsyncLeaseHold(_grant(record, agent), name="worker") as hold:
         assert hold.held
@@ -243,6 +257,7 @@ async def test_async_hold_reports_who_holds_it(agent: Agent) -> None:
 
 
 async def test_hold_of_an_unknown_lease_is_not_found(agent: Agent) -> None:
+    """Holding a released (unknown) lease is NotFound, for both the sync and the async hold."""
     record = agent.table.grant(KEY)
     agent.table.release(record.id)
     grant = _grant(record, agent)
@@ -253,6 +268,7 @@ async def test_hold_of_an_unknown_lease_is_not_found(agent: Agent) -> None:
 
 
 async def test_second_hold_of_the_same_lease_is_a_conflict(agent: Agent) -> None:
+    """A second hold of a lease that is already held is a Conflict, and the first hold keeps it."""
     record = agent.table.grant(KEY)
     grant = _grant(record, agent)
     async with AsyncLeaseHold(grant):
@@ -262,6 +278,7 @@ async def test_second_hold_of_the_same_lease_is_a_conflict(agent: Agent) -> None
 
 
 async def test_hold_without_a_lease_socket_is_agent_unavailable(tmp_path: Path) -> None:
+    """A hold with no lease socket at the path is AgentUnavailable saying so, sync and async."""
     grant = LeaseGrant(id="x", key=KEY, expires=None, socket_path=tmp_path / "lease.sock")
     with pytest.raises(AgentUnavailable, match="no prewarm lease socket"):
         LeaseHold(grant).open()
@@ -270,6 +287,9 @@ async def test_hold_without_a_lease_socket_is_agent_unavailable(tmp_path: Path) 
 
 
 async def test_renewed_lease_can_still_be_held(agent: Agent) -> None:
+    """A renewed lease gets a later expiry, has none while held open, and once the hold closes
+    releasing it is NotFound.
+    """
     async with AsyncClient(agent.socket_path) as client:
         handle = await client.ensure("s3://b/m/", lease=True, lease_ttl=5)
         assert handle.lease is not None

@@ -52,6 +52,7 @@ def start_child_on(model: SampleModel, socket: Path) -> subprocess.Popen[str]:
 def test_exec_runs_the_command_on_the_cached_model_and_passes_its_exit_status_through(
     agent_daemon: AgentProcess, small_model: SampleModel
 ) -> None:
+    """prewarm exec runs the command on the cached model's path and exits with its status."""
     launcher = start_child_on(small_model, agent_daemon.socket_path)
     _, stderr = launcher.communicate("7\n", timeout=60)
     assert launcher.returncode == 7, stderr
@@ -61,6 +62,7 @@ def test_exec_runs_the_command_on_the_cached_model_and_passes_its_exit_status_th
 def test_exec_holds_the_lease_while_the_command_runs_and_not_after(
     agent_daemon: AgentProcess, small_model: SampleModel
 ) -> None:
+    """prewarm exec holds a lease (as the launcher, under --name) only while the command runs."""
     launcher = start_child_on(small_model, agent_daemon.socket_path)
     with Client(agent_daemon.socket_path) as client:
         [lease] = client.get(small_model.uri).leases
@@ -75,6 +77,7 @@ def test_exec_holds_the_lease_while_the_command_runs_and_not_after(
 def test_exec_forwards_sigterm_and_exits_128_plus_the_signal(
     agent_daemon: AgentProcess, small_model: SampleModel
 ) -> None:
+    """SIGTERM to prewarm exec reaches the command; it exits 128+15 and the lease is gone."""
     launcher = start_child_on(small_model, agent_daemon.socket_path)
     # The child runs in its own process group: only forwarding can reach it.
     launcher.send_signal(signal.SIGTERM)
@@ -87,6 +90,7 @@ def test_exec_forwards_sigterm_and_exits_128_plus_the_signal(
 def test_exec_with_fallback_runs_the_command_on_the_uri_when_no_agent_answers(
     tmp_path: Path,
 ) -> None:
+    """With --fallback and no agent, prewarm exec warns and runs the command on the URI itself."""
     uri = "s3://models/llama/"
     show_argv = "import sys; print(sys.argv[1:]); sys.exit(5)"
     launcher = start_exec(
@@ -107,6 +111,7 @@ def test_exec_with_fallback_runs_the_command_on_the_uri_when_no_agent_answers(
 
 
 def test_exec_without_fallback_exits_3_when_no_agent_answers(tmp_path: Path) -> None:
+    """Without --fallback and no agent, prewarm exec exits 3 naming the socket, running nothing."""
     marker = tmp_path / "ran"
     launcher = start_exec(
         "s3://models/llama/",

@@ -2,7 +2,7 @@
 
 A key has settled when something under ``<root>/<key>/`` changed and then
 nothing did for ``quiet_seconds``. Changes to ignored paths (locks, temporary
-files, see ``_compile_archive.is_ignored``) and to the agent's own bookkeeping
+files, see ``agent.compile.archive.is_ignored``) and to the agent's own bookkeeping
 directories (``.meta``, ``.tmp``, ``.trash``) do not count. Quietness is
 awaited per key with a timeout on an event, never by polling; the filesystem
 events come from ``watchfiles`` (inotify on Linux).
@@ -61,7 +61,7 @@ class SettleWatcher:
     ) -> None:
         # The watch thread checks the stop event every step. A timer is waiting
         # or uploading; cancelling an upload leaves at most an unreferenced
-        # archive in S3, never a broken pointer (see _compile_remote).
+        # archive in S3, never a broken pointer (see agent.compile.remote).
         self._stop.set()
         for timer in self._timers:
             timer.cancel()

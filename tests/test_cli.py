@@ -39,6 +39,9 @@ def prewarm_json(*args: str, socket: Path) -> Any:
 def test_pull_prints_phase_timings_then_a_hit(
     agent_daemon: AgentProcess, small_model: SampleModel
 ) -> None:
+    """`prewarm pull` prints the cold pull's phase timings and path, then a one-line hit with the
+    same path.
+    """
     cold = prewarm("pull", small_model.uri, socket=agent_daemon.socket_path)
     assert cold.returncode == 0, cold.stderr
     match = re.fullmatch(
@@ -65,6 +68,7 @@ def test_pull_prints_phase_timings_then_a_hit(
 def test_pull_json_honours_tier_and_include(
     agent_daemon: AgentProcess, small_model: SampleModel
 ) -> None:
+    """`pull --json --tier disk --include` lands on disk and keeps only the matching files."""
     handle = prewarm_json(
         "pull",
         small_model.uri,
@@ -84,6 +88,7 @@ def test_pull_json_honours_tier_and_include(
 def test_ls_json_lists_the_pulled_model(
     agent_daemon: AgentProcess, small_model: SampleModel
 ) -> None:
+    """`ls --json` is empty at first, then lists the pulled model's key, URI, tier and sizes."""
     assert prewarm_json("ls", socket=agent_daemon.socket_path) == []
     handle = prewarm_json("pull", small_model.uri, socket=agent_daemon.socket_path)
     [model] = prewarm_json("ls", socket=agent_daemon.socket_path)
@@ -97,6 +102,7 @@ def test_ls_json_lists_the_pulled_model(
 def test_ls_shows_a_table_with_the_short_key(
     agent_daemon: AgentProcess, small_model: SampleModel
 ) -> None:
+    """`ls` prints a table whose rows start with the 12-character key, URI and tier."""
     handle = prewarm_json("pull", small_model.uri, socket=agent_daemon.socket_path)
     listing = prewarm("ls", socket=agent_daemon.socket_path)
     assert listing.returncode == 0, listing.stderr
@@ -108,6 +114,7 @@ def test_ls_shows_a_table_with_the_short_key(
 def test_show_finds_a_model_by_key_prefix(
     agent_daemon: AgentProcess, small_model: SampleModel
 ) -> None:
+    """`show` accepts a key prefix and lists the model's key, path and files."""
     handle = prewarm_json("pull", small_model.uri, socket=agent_daemon.socket_path)
     shown = prewarm("show", handle["key"][:10], socket=agent_daemon.socket_path)
     assert shown.returncode == 0, shown.stderr
@@ -118,6 +125,7 @@ def test_show_finds_a_model_by_key_prefix(
 
 
 def test_evict_removes_the_model(agent_daemon: AgentProcess, small_model: SampleModel) -> None:
+    """`evict` by key prefix reports what it evicted and removes the directory."""
     handle = prewarm_json("pull", small_model.uri, socket=agent_daemon.socket_path)
     evicted = prewarm("evict", handle["key"][:10], socket=agent_daemon.socket_path)
     assert evicted.returncode == 0, evicted.stderr
@@ -129,6 +137,7 @@ def test_evict_removes_the_model(agent_daemon: AgentProcess, small_model: Sample
 def test_status_json_reports_version_tiers_and_models(
     agent_daemon: AgentProcess, small_model: SampleModel
 ) -> None:
+    """`status --json` reports the version, default tier, model count and each tier's root."""
     prewarm_json("pull", small_model.uri, socket=agent_daemon.socket_path)
     status = prewarm_json("status", socket=agent_daemon.socket_path)
     assert status["version"] == __version__
@@ -143,6 +152,7 @@ def test_status_json_reports_version_tiers_and_models(
 
 
 def test_bad_uri_exits_2_with_the_agents_message(agent_daemon: AgentProcess) -> None:
+    """A bad URI exits 2 with the agent's message on stderr and no traceback."""
     done = prewarm("pull", "http://example.com/model", socket=agent_daemon.socket_path)
     assert done.returncode == 2
     assert done.stdout == ""
@@ -152,6 +162,7 @@ def test_bad_uri_exits_2_with_the_agents_message(agent_daemon: AgentProcess) -> 
 
 
 def test_unknown_model_exits_1(agent_daemon: AgentProcess, bucket: str) -> None:
+    """An unknown model exits 1 with a one-line error and no traceback."""
     done = prewarm("show", f"s3://{bucket}/nothing/", socket=agent_daemon.socket_path)
     assert done.returncode == 1
     assert done.stderr.startswith("error: ")
@@ -159,6 +170,7 @@ def test_unknown_model_exits_1(agent_daemon: AgentProcess, bucket: str) -> None:
 
 
 def test_missing_socket_exits_3_and_says_how_to_fix_it(tmp_path: Path) -> None:
+    """No agent on the socket exits 3 and says how to start one."""
     missing = tmp_path / "agent.sock"
     done = prewarm("status", "--socket", str(missing), socket=tmp_path / "ignored.sock")
     assert done.returncode == 3
@@ -168,6 +180,7 @@ def test_missing_socket_exits_3_and_says_how_to_fix_it(tmp_path: Path) -> None:
 
 
 def test_version_flag_prints_the_version() -> None:
+    """`--version` prints the package version and exits 0 without an agent."""
     done = prewarm("--version", socket=Path("/nonexistent"))
     assert done.returncode == 0
     assert done.stdout == f"prewarm {__version__}\n"
@@ -179,6 +192,7 @@ def test_version_flag_prints_the_version() -> None:
 def test_pull_pin_shows_in_ls_and_unpin_clears_it(
     agent_daemon: AgentProcess, small_model: SampleModel
 ) -> None:
+    """`pull --pin` shows as pinned in `ls`; `unpin` clears it and `pin` sets it again."""
     sock = agent_daemon.socket_path
     handle = prewarm_json("pull", small_model.uri, "--pin", socket=sock)
     [model] = prewarm_json("ls", socket=sock)
@@ -198,6 +212,7 @@ def test_pull_pin_shows_in_ls_and_unpin_clears_it(
 def test_evict_of_a_pinned_model_needs_force(
     agent_daemon: AgentProcess, small_model: SampleModel
 ) -> None:
+    """`evict` refuses a pinned model (exit 1) and `evict --force` removes it."""
     sock = agent_daemon.socket_path
     handle = prewarm_json("pull", small_model.uri, "--pin", socket=sock)
     refused = prewarm("evict", handle["key"], socket=sock)
@@ -211,6 +226,7 @@ def test_evict_of_a_pinned_model_needs_force(
 def test_show_lists_a_lease_held_by_this_process(
     agent_daemon: AgentProcess, small_model: SampleModel
 ) -> None:
+    """`show` and `ls` list a held lease with this process's pid and uid; it is gone once released."""
     sock = agent_daemon.socket_path
     with Client(sock) as client, client.leased(small_model.uri, client_name="ns/pod") as handle:
         assert handle.lease is not None
@@ -229,6 +245,7 @@ def test_show_lists_a_lease_held_by_this_process(
 def test_gc_with_room_to_spare_collects_nothing(
     agent_daemon: AgentProcess, small_model: SampleModel
 ) -> None:
+    """`gc` under the watermarks collects nothing, in text and JSON, and keeps the model."""
     sock = agent_daemon.socket_path
     prewarm_json("pull", small_model.uri, socket=sock)
     done = prewarm("gc", socket=sock)
@@ -241,6 +258,7 @@ def test_gc_with_room_to_spare_collects_nothing(
 def test_verify_passes_an_intact_model(
     agent_daemon: AgentProcess, small_model: SampleModel
 ) -> None:
+    """`verify` of an intact model prints ok and the totals, exit 0."""
     sock = agent_daemon.socket_path
     handle = prewarm_json("pull", small_model.uri, socket=sock)
     done = prewarm("verify", handle["key"][:10], socket=sock)
@@ -253,6 +271,9 @@ def test_verify_passes_an_intact_model(
 def test_verify_reports_a_changed_file_and_exits_1(
     agent_daemon: AgentProcess, small_model: SampleModel
 ) -> None:
+    """`verify` finds a flipped byte: --report-only keeps the model, a plain verify evicts it; both
+    exit 1.
+    """
     sock = agent_daemon.socket_path
     handle = prewarm_json("pull", small_model.uri, socket=sock)
     victim = Path(handle["path"]) / handle["files"][0]["path"]
@@ -280,6 +301,7 @@ def test_verify_reports_a_changed_file_and_exits_1(
 
 
 def test_verify_needs_a_model_or_all(agent_daemon: AgentProcess) -> None:
+    """`verify` with neither a model nor --all exits 2."""
     done = prewarm("verify", socket=agent_daemon.socket_path)
     assert done.returncode == 2
     assert "not neither" in done.stderr

@@ -44,6 +44,7 @@ def scripted(served: tuple[Path, ScriptedAgent]) -> ScriptedAgent:
 
 
 def test_ensure_with_a_lease_returns_the_grant(socket_path: Path) -> None:
+    """ensure(lease=True) returns the agent's lease grant; a plain ensure has no lease."""
     with Client(socket_path) as client:
         handle = client.ensure("s3://b/m/", lease=True, lease_ttl=30, client_name="me")
         assert client.ensure("s3://b/m/").lease is None
@@ -55,6 +56,7 @@ def test_ensure_with_a_lease_returns_the_grant(socket_path: Path) -> None:
 def test_ensure_sends_the_lease_pin_and_strict_tier_options(
     socket_path: Path, scripted: ScriptedAgent
 ) -> None:
+    """ensure() puts lease, TTL, pin and strict_tier on the wire; unset ones go as zero values."""
     with Client(socket_path) as client:
         client.ensure(
             "s3://b/m/", tier="disk", lease=True, lease_ttl=30, pin=True, strict_tier=True
@@ -77,15 +79,18 @@ def test_ensure_sends_the_lease_pin_and_strict_tier_options(
 
 
 def test_handle_reports_the_bytes_a_resumed_pull_kept(socket_path: Path) -> None:
+    """The handle carries the bytes a resumed pull kept from its journal."""
     assert ensure("s3://b/m/", socket_path=socket_path).resumed_bytes == 40
 
 
 def test_lease_ttl_without_a_lease_is_refused_before_any_call(tmp_path: Path) -> None:
+    """lease_ttl without lease=True is refused locally."""
     with Client(tmp_path / "unused.sock") as client, pytest.raises(InvalidRequest, match="lease"):
         client.ensure("s3://b/m/", lease_ttl=30)
 
 
 def test_model_info_lists_leases_and_the_pin(socket_path: Path) -> None:
+    """Model info converts leases (held ones with credentials, uid 0 included) and the pin flag."""
     with Client(socket_path) as client:
         info = client.get("abcdef12")
     assert info.pinned
@@ -106,6 +111,7 @@ def test_model_info_lists_leases_and_the_pin(socket_path: Path) -> None:
 
 
 def test_renew_lease_returns_the_new_expiry(socket_path: Path) -> None:
+    """renew_lease returns the new expiry; no TTL sends 0, the agent's default."""
     with Client(socket_path) as client:
         renewed = client.renew_lease("L1", ttl=90)
         default = client.renew_lease("L1")
@@ -117,6 +123,7 @@ def test_renew_lease_returns_the_new_expiry(socket_path: Path) -> None:
 
 
 def test_renew_or_release_of_an_unknown_lease_is_not_found(socket_path: Path) -> None:
+    """Renewing or releasing an unknown lease raises NotFound; a known release succeeds."""
     with Client(socket_path) as client:
         with pytest.raises(NotFound):
             client.renew_lease("fail:NOT_FOUND")
@@ -126,12 +133,14 @@ def test_renew_or_release_of_an_unknown_lease_is_not_found(socket_path: Path) ->
 
 
 def test_pin_and_unpin(socket_path: Path) -> None:
+    """pin() and pin(pinned=False) return the model with the new pin state."""
     with Client(socket_path) as client:
         assert client.pin("abcdef12").pinned
         assert not client.pin("abcdef12", pinned=False).pinned
 
 
 def test_evict_sends_force(socket_path: Path) -> None:
+    """evict() without force surfaces the agent's Conflict; with force it returns what was freed."""
     with Client(socket_path) as client:
         with pytest.raises(Conflict, match="is leased"):
             client.evict("abcdef12")
@@ -141,12 +150,14 @@ def test_evict_sends_force(socket_path: Path) -> None:
 
 
 def test_collect_garbage_sends_the_tier(socket_path: Path) -> None:
+    """collect_garbage() sends the tier asked for, or none for both."""
     with Client(socket_path) as client:
         assert client.collect_garbage(tier="disk").evicted[0].tier == "disk"
         assert client.collect_garbage().evicted[0].tier == "shm"
 
 
 def test_verify_returns_each_snapshot_and_its_problems(socket_path: Path) -> None:
+    """verify() returns one result per snapshot with its problems and whether it was evicted."""
     with Client(socket_path) as client:
         ok, bad = client.verify(all=True)
         [kept] = client.verify("s3://b/bad/", report_only=True)
@@ -171,11 +182,13 @@ def test_verify_returns_each_snapshot_and_its_problems(socket_path: Path) -> Non
 def test_verify_needs_exactly_one_of_ref_and_all(
     tmp_path: Path, ref: str | None, all_models: bool, word: str
 ) -> None:
+    """verify() with both or neither of a ref and all=True is refused locally."""
     with Client(tmp_path / "unused.sock") as client, pytest.raises(InvalidRequest, match=word):
         client.verify(ref, all=all_models)
 
 
 def test_status_reports_budgets_and_lease_counts(socket_path: Path) -> None:
+    """status() converts per-tier budget, reserve, staging, lease and pin counts."""
     with Client(socket_path) as client:
         status = client.status()
     assert status.lease_count == 2
@@ -185,6 +198,7 @@ def test_status_reports_budgets_and_lease_counts(socket_path: Path) -> None:
 
 
 async def test_async_client_leases_pins_gc_and_verify(socket_path: Path) -> None:
+    """The async client covers the same lease, pin, gc, evict and verify calls and error mapping."""
     async with AsyncClient(socket_path) as client:
         handle = await client.ensure("s3://b/m/", lease=True, client_name="a")
         assert handle.lease is not None

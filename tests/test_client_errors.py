@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from scripted_agent import ScriptedAgent, serve_scripted
+from scripted_agent import serve_scripted
 
 from agent.client import (
     AccessDenied,
@@ -33,20 +33,10 @@ from agent.client import (
 
 
 @pytest.fixture
-def served(tmp_path: Path) -> Iterator[tuple[Path, ScriptedAgent]]:
+def socket_path(tmp_path: Path) -> Iterator[Path]:
     path = tmp_path / "agent.sock"
-    with serve_scripted(path) as scripted:
-        yield path, scripted
-
-
-@pytest.fixture
-def socket_path(served: tuple[Path, ScriptedAgent]) -> Path:
-    return served[0]
-
-
-@pytest.fixture
-def scripted(served: tuple[Path, ScriptedAgent]) -> ScriptedAgent:
-    return served[1]
+    with serve_scripted(path):
+        yield path
 
 
 @pytest.mark.parametrize(
@@ -65,6 +55,9 @@ def scripted(served: tuple[Path, ScriptedAgent]) -> ScriptedAgent:
 def test_status_code_becomes_its_error_class_with_the_agents_message(
     socket_path: Path, code: str, error: type[PrewarmError]
 ) -> None:
+    """Each mapped status code raises its error class with the agent's message, chained to the
+    RpcError.
+    """
     with Client(socket_path) as client, pytest.raises(error) as info:
         client.get(f"fail:{code}")
     assert str(info.value) == f"the agent says {code}"
@@ -72,6 +65,7 @@ def test_status_code_becomes_its_error_class_with_the_agents_message(
 
 
 def test_unmapped_status_code_is_a_plain_prewarm_error(socket_path: Path) -> None:
+    """A status code outside the error tree (INTERNAL) is a plain PrewarmError carrying the message."""
     with Client(socket_path) as client, pytest.raises(PrewarmError) as info:
         client.get("fail:INTERNAL")
     assert type(info.value) is PrewarmError
@@ -79,11 +73,13 @@ def test_unmapped_status_code_is_a_plain_prewarm_error(socket_path: Path) -> Non
 
 
 def test_error_in_the_stream_is_mapped_too(socket_path: Path) -> None:
+    """A status ending the EnsureModel stream maps to its error class like a unary call's."""
     with pytest.raises(NotFound, match="the agent says NOT_FOUND"):
         ensure("fail:NOT_FOUND", socket_path=socket_path)
 
 
 def test_missing_socket_is_agent_unavailable_with_a_hint(tmp_path: Path) -> None:
+    """No socket file is AgentUnavailable saying where it looked and how to point elsewhere."""
     missing = tmp_path / "nobody.sock"
     with Client(missing) as client, pytest.raises(AgentUnavailable) as info:
         client.status()
@@ -92,6 +88,7 @@ def test_missing_socket_is_agent_unavailable_with_a_hint(tmp_path: Path) -> None
 
 
 def test_socket_nobody_listens_on_is_agent_unavailable(tmp_path: Path) -> None:
+    """A socket file nobody listens on is AgentUnavailable saying the connection was refused."""
     dead = tmp_path / "dead.sock"
     with socket.socket(socket.AF_UNIX) as sock:
         sock.bind(str(dead))
@@ -102,6 +99,7 @@ def test_socket_nobody_listens_on_is_agent_unavailable(tmp_path: Path) -> None:
 def test_socket_path_comes_from_the_environment(
     socket_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Without an explicit path the client uses $PREWARM_SOCKET_PATH."""
     monkeypatch.setenv("PREWARM_SOCKET_PATH", str(socket_path))
     with Client() as client:
         assert client.socket_path == socket_path
@@ -109,6 +107,7 @@ def test_socket_path_comes_from_the_environment(
 
 
 def test_ensure_reports_each_progress_event_and_returns_the_handle(socket_path: Path) -> None:
+    """ensure() hands every progress event to the callback and returns the converted handle."""
     seen: list[Progress] = []
     handle = ensure("s3://b/m/", socket_path=socket_path, tier="disk", progress=seen.append)
     assert [p.bytes_done for p in seen] == [0, 50, 100]
@@ -120,21 +119,25 @@ def test_ensure_reports_each_progress_event_and_returns_the_handle(socket_path: 
 
 
 def test_stream_that_ends_without_a_handle_is_an_error(socket_path: Path) -> None:
+    """An EnsureModel stream that ends without a handle is a PrewarmError, not a None."""
     with pytest.raises(PrewarmError, match="without a model handle"):
         ensure("s3://b/nohandle/", socket_path=socket_path)
 
 
 def test_bare_string_as_include_is_refused_before_any_call(tmp_path: Path) -> None:
+    """A bare string as include is refused locally instead of being split into one-letter globs."""
     with pytest.raises(InvalidRequest, match="sequence of glob patterns"):
         ensure("s3://b/m/", socket_path=tmp_path / "unused.sock", include="*.json")
 
 
 def test_unknown_tier_is_refused_before_any_call(tmp_path: Path) -> None:
+    """An unknown tier name is refused locally with the valid choices."""
     with pytest.raises(InvalidRequest, match="choose 'shm' or 'disk'"):
         ensure("s3://b/m/", socket_path=tmp_path / "unused.sock", tier="nvme")  # type: ignore[arg-type]
 
 
 async def test_async_client_streams_progress_and_maps_errors(socket_path: Path) -> None:
+    """The async client streams progress, returns handles and maps status codes like the sync one."""
     seen: list[Progress] = []
     handle = await aensure("s3://b/m/", socket_path=socket_path, progress=seen.append)
     assert handle.tier == "shm"
@@ -146,12 +149,15 @@ async def test_async_client_streams_progress_and_maps_errors(socket_path: Path) 
 
 
 async def test_async_client_on_missing_socket_is_agent_unavailable(tmp_path: Path) -> None:
+    """The async client reports a missing socket as AgentUnavailable."""
     async with AsyncClient(tmp_path / "nobody.sock") as client:
         with pytest.raises(AgentUnavailable, match="no prewarm agent is listening"):
             await client.status()
 
 
 def test_exception_from_the_progress_callback_reaches_the_caller(socket_path: Path) -> None:
+    """An exception raised by the progress callback propagates out of ensure() unchanged."""
+
     class Stop(Exception):
         pass
 

@@ -21,6 +21,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_defaults_when_no_file_exists(tmp_path: Path) -> None:
+    """With no config file the documented defaults apply."""
     settings = load_settings(None)
     assert settings.socket_path == Path("/run/prewarm/agent.sock")
     assert settings.socket_mode == 0o660
@@ -29,6 +30,7 @@ def test_defaults_when_no_file_exists(tmp_path: Path) -> None:
 
 
 def test_file_values_are_read(tmp_path: Path) -> None:
+    """Values in the TOML file are read, sizes like "8MiB" parsed to bytes."""
     config = tmp_path / "agent.toml"
     config.write_text('default_tier = "disk"\n[s3]\nconcurrency = 4\nchunk_size = "8MiB"\n')
     settings = load_settings(config)
@@ -38,6 +40,7 @@ def test_file_values_are_read(tmp_path: Path) -> None:
 
 
 def test_environment_overrides_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PREWARM_* variables override single keys of the file and leave the rest of a table alone."""
     config = tmp_path / "agent.toml"
     config.write_text('socket_mode = "0600"\n[s3]\nconcurrency = 4\nregion = "eu-west-1"\n')
     monkeypatch.setenv("PREWARM_S3__CONCURRENCY", "9")
@@ -51,6 +54,7 @@ def test_environment_overrides_the_file(tmp_path: Path, monkeypatch: pytest.Monk
 def test_config_path_can_come_from_the_environment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """$PREWARM_CONFIG names the config file when no path is given."""
     config = tmp_path / "other.toml"
     config.write_text('log_level = "debug"\n')
     monkeypatch.setenv("PREWARM_CONFIG", str(config))
@@ -58,11 +62,13 @@ def test_config_path_can_come_from_the_environment(
 
 
 def test_missing_explicit_file_is_an_error(tmp_path: Path) -> None:
+    """An explicitly named config file that is missing is a ConfigError."""
     with pytest.raises(ConfigError, match="does not exist"):
         load_settings(tmp_path / "nope.toml")
 
 
 def test_invalid_value_names_the_field(tmp_path: Path) -> None:
+    """Invalid values are reported with the dotted names of every bad field."""
     config = tmp_path / "agent.toml"
     config.write_text('default_tier = "ram"\n[s3]\nconcurrency = 0\n')
     with pytest.raises(ConfigError) as info:
@@ -72,6 +78,7 @@ def test_invalid_value_names_the_field(tmp_path: Path) -> None:
 
 
 def test_unknown_key_is_an_error(tmp_path: Path) -> None:
+    """A misspelt key is an error naming it, not silently ignored."""
     config = tmp_path / "agent.toml"
     config.write_text("sokcet_path = '/tmp/x'\n")
     with pytest.raises(ConfigError, match="sokcet_path"):
@@ -79,6 +86,7 @@ def test_unknown_key_is_an_error(tmp_path: Path) -> None:
 
 
 def test_broken_toml_is_an_error(tmp_path: Path) -> None:
+    """A file that is not valid TOML is a ConfigError saying it cannot be read."""
     config = tmp_path / "agent.toml"
     config.write_text("[s3\n")
     with pytest.raises(ConfigError, match="Cannot read config file"):
@@ -86,6 +94,7 @@ def test_broken_toml_is_an_error(tmp_path: Path) -> None:
 
 
 def test_rendered_config_loads_back_to_the_same_settings(tmp_path: Path) -> None:
+    """render_toml's output loads back to equal settings."""
     config = tmp_path / "agent.toml"
     config.write_text('[s3]\nendpoint_url = "http://127.0.0.1:9000"\nconcurrency = 3\n')
     settings = load_settings(config)
@@ -95,6 +104,7 @@ def test_rendered_config_loads_back_to_the_same_settings(tmp_path: Path) -> None
 
 
 def test_prewarmd_print_config_shows_effective_values(tmp_path: Path) -> None:
+    """`prewarmd --print-config` prints the merged file and environment values."""
     config = tmp_path / "agent.toml"
     config.write_text("[s3]\nconcurrency = 7\n")
     result = subprocess.run(
@@ -109,6 +119,7 @@ def test_prewarmd_print_config_shows_effective_values(tmp_path: Path) -> None:
 
 
 def test_prewarmd_reports_a_bad_config_and_exits_2(tmp_path: Path) -> None:
+    """`prewarmd` with an invalid config exits 2 naming the field."""
     config = tmp_path / "agent.toml"
     config.write_text("default_tier = 3\n")
     result = subprocess.run(

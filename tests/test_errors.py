@@ -4,6 +4,7 @@ and leaves nothing behind in the cache."""
 from __future__ import annotations
 
 import contextlib
+import socket
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -13,11 +14,16 @@ from typing import Any
 
 import grpc
 import pytest
-from agent_helpers import AgentFactory, cache_entries
+from agent_helpers import AgentFactory, RunningAgent, cache_entries
 
+from agent._config import ConfigError
+from agent._exceptions import Conflict, PrewarmError, error_type_for_status
 from agent._proto.prewarm.v1 import prewarm_pb2 as pb
 from agent._proto.prewarm.v1 import prewarm_pb2_grpc as pb_grpc
 from agent.client import Client, Progress
+from agent.client._errors import error_for_code
+from agent.edge.server import ApiServer
+from agent.edge.status import status_code_for
 from agent.testing import AgentProcess, S3Server, make_safetensors_model, upload_model
 
 
@@ -32,7 +38,7 @@ def _refusal(error: grpc.RpcError) -> Refusal:
     return Refusal(error.code(), error.details() or "")
 
 
-def _ensure_status(agent: AgentProcess, uri: str, **fields: Any) -> Refusal:
+def _ensure_status(agent: RunningAgent, uri: str, **fields: Any) -> Refusal:
     with grpc.insecure_channel(agent.target) as channel:
         stub = pb_grpc.PrewarmStub(channel)
         with pytest.raises(grpc.RpcError) as info:
@@ -51,6 +57,9 @@ def _ensure_status(agent: AgentProcess, uri: str, **fields: Any) -> Refusal:
     ],
 )
 def test_bad_uri_is_invalid_argument(start_agent: AgentFactory, uri: str, fragment: str) -> None:
+    """A malformed URI is INVALID_ARGUMENT naming the problem and the expected form; nothing is
+    cached.
+    """
     agent = start_agent()
     error = _ensure_status(agent, uri)
     assert error.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -60,6 +69,7 @@ def test_bad_uri_is_invalid_argument(start_agent: AgentFactory, uri: str, fragme
 
 
 def test_empty_include_glob_is_invalid_argument(start_agent: AgentFactory, bucket: str) -> None:
+    """An empty include glob is INVALID_ARGUMENT that mentions the glob."""
     agent = start_agent()
     error = _ensure_status(agent, f"s3://{bucket}/m/", include=[""])
     assert error.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -67,6 +77,7 @@ def test_empty_include_glob_is_invalid_argument(start_agent: AgentFactory, bucke
 
 
 def test_missing_bucket_is_not_found(start_agent: AgentFactory) -> None:
+    """A bucket that does not exist is NOT_FOUND naming the bucket; nothing is cached."""
     agent = start_agent()
     error = _ensure_status(agent, "s3://no-such-bucket-here/model/")
     assert error.code == grpc.StatusCode.NOT_FOUND
@@ -75,6 +86,7 @@ def test_missing_bucket_is_not_found(start_agent: AgentFactory) -> None:
 
 
 def test_empty_prefix_is_not_found(start_agent: AgentFactory, bucket: str) -> None:
+    """A prefix with no objects under it is NOT_FOUND; nothing is cached."""
     agent = start_agent()
     error = _ensure_status(agent, f"s3://{bucket}/nothing-here/")
     assert error.code == grpc.StatusCode.NOT_FOUND
@@ -85,6 +97,7 @@ def test_empty_prefix_is_not_found(start_agent: AgentFactory, bucket: str) -> No
 def test_filters_that_match_nothing_are_not_found(
     start_agent: AgentFactory, s3_server: S3Server, bucket: str
 ) -> None:
+    """Filters that leave no object are NOT_FOUND with a hint to loosen them."""
     s3_server.client().put_object(Bucket=bucket, Key="m/config.json", Body=b"{}")
     agent = start_agent()
     error = _ensure_status(agent, f"s3://{bucket}/m/", include=["*.safetensors"])
@@ -96,6 +109,9 @@ def test_filters_that_match_nothing_are_not_found(
 def test_object_key_that_escapes_the_model_dir_is_refused(
     start_agent: AgentFactory, s3_server: S3Server, bucket: str, bad_key: str
 ) -> None:
+    """An object key with '..', '//' or '.' is INVALID_ARGUMENT and writes nothing outside the
+    cache.
+    """
     client = s3_server.client()
     client.put_object(Bucket=bucket, Key="m/good.bin", Body=b"fine")
     client.put_object(Bucket=bucket, Key=bad_key, Body=b"evil")
@@ -110,6 +126,7 @@ def test_object_key_that_escapes_the_model_dir_is_refused(
 def test_file_and_directory_with_the_same_name_is_refused(
     start_agent: AgentFactory, s3_server: S3Server, bucket: str
 ) -> None:
+    """Keys that make one path both a file and a directory are INVALID_ARGUMENT; nothing is cached."""
     client = s3_server.client()
     client.put_object(Bucket=bucket, Key="m/a", Body=b"file")
     client.put_object(Bucket=bucket, Key="m/a/b", Body=b"nested")
@@ -122,6 +139,9 @@ def test_file_and_directory_with_the_same_name_is_refused(
 
 def test_denied_credentials_are_permission_denied(start_agent: AgentFactory) -> None:
     # moto checks credentials after its first N unauthenticated actions; ours are unknown to it.
+    """Credentials S3 refuses are PERMISSION_DENIED naming the missing permission; nothing is
+    cached.
+    """
     with S3Server(env={"INITIAL_NO_AUTH_ACTION_COUNT": "2"}) as strict:
         strict.client().create_bucket(Bucket="locked")
         strict.client().put_object(Bucket="locked", Key="m/a.bin", Body=b"secret")
@@ -158,6 +178,9 @@ def tiny_shm_agent(s3_server: S3Server) -> Iterator[AgentProcess]:
 def test_model_larger_than_a_strict_tier_is_resource_exhausted(
     tiny_shm_agent: AgentProcess, s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
+    """A model too big for a strict tier is RESOURCE_EXHAUSTED with a hint to evict; nothing is
+    cached.
+    """
     source = tmp_path / "big"
     tensors = make_safetensors_model(source, total_bytes=3 * 1024**2, shards=2)
     model = upload_model(s3_server.client(), bucket, "m", source, tensors)
@@ -171,6 +194,7 @@ def test_model_larger_than_a_strict_tier_is_resource_exhausted(
 def test_model_larger_than_the_hinted_tier_falls_back_to_the_other(
     tiny_shm_agent: AgentProcess, s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
+    """Without strict_tier, a model too big for shm lands on the disk tier instead."""
     source = tmp_path / "big"
     tensors = make_safetensors_model(source, total_bytes=3 * 1024**2, shards=2)
     model = upload_model(s3_server.client(), bucket, "m", source, tensors)
@@ -183,6 +207,7 @@ def test_model_larger_than_the_hinted_tier_falls_back_to_the_other(
 def test_evicting_a_model_while_it_is_pulled_is_refused(
     start_agent: AgentFactory, s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
+    """Evicting a model mid-pull is a Conflict; the pull finishes and can be evicted afterwards."""
     source = tmp_path / "slow"
     tensors = make_safetensors_model(source, total_bytes=32 * 1024**2, shards=4)
     model = upload_model(s3_server.client(), bucket, "m", source, tensors)
@@ -201,8 +226,6 @@ def test_evicting_a_model_while_it_is_pulled_is_refused(
     puller = threading.Thread(target=pull)
     puller.start()
     assert moving.wait(timeout=60)
-    from agent import Conflict
-
     with Client(agent.socket_path) as client, pytest.raises(Conflict, match="being pulled"):
         client.evict(model.uri)
     puller.join()
@@ -223,6 +246,9 @@ def test_evicting_a_model_while_it_is_pulled_is_refused(
 def test_get_and_evict_with_a_bad_ref(
     start_agent: AgentFactory, ref: str, code: grpc.StatusCode
 ) -> None:
+    """GetModel and EvictModel answer a malformed ref INVALID_ARGUMENT and an unknown one NOT_FOUND,
+    both pointing at `prewarm ls`.
+    """
     agent = start_agent()
     with grpc.insecure_channel(agent.target) as channel:
         stub = pb_grpc.PrewarmStub(channel)
@@ -234,3 +260,33 @@ def test_get_and_evict_with_a_bad_ref(
                 call()
             assert _refusal(info.value).code == code
             assert "prewarm ls" in _refusal(info.value).details
+
+
+@pytest.mark.parametrize("error_type", [PrewarmError, *PrewarmError.__subclasses__()])
+def test_each_error_has_one_status_on_both_sockets_and_maps_back(
+    error_type: type[PrewarmError],
+) -> None:
+    """The API's status code, the lease socket's status name and the client's class agree."""
+    error = error_type("message")
+    assert status_code_for(error).name == error.status
+    returned = error_for_code(error.status, "message")
+    assert type(returned) is error_type_for_status(error.status)
+    assert isinstance(error, type(returned))
+    assert str(returned) == "message"
+
+
+def test_api_socket_refuses_what_the_lease_socket_refuses(tmp_path: Path) -> None:
+    """A live socket or a non-socket path is a Conflict, an unknown group a ConfigError."""
+    live = tmp_path / "live.sock"
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(live))
+        listener.listen()
+        with pytest.raises(Conflict, match="already serving the API"):
+            ApiServer(live, 0o660, "", 1.0).claim()
+    regular = tmp_path / "file.sock"
+    regular.write_text("not a socket")
+    with pytest.raises(Conflict, match="is not a socket"):
+        ApiServer(regular, 0o660, "", 1.0).claim()
+    assert regular.read_text() == "not a socket"
+    with pytest.raises(ConfigError, match="does not exist"):
+        ApiServer(tmp_path / "api.sock", 0o660, "no-such-group-xyz", 1.0).claim()

@@ -1,11 +1,17 @@
-"""Tuning arithmetic: concurrency from model size, precedence, and the streamer's variables."""
+"""Tuning arithmetic: concurrency from model size, precedence, and the streamer's variables;
+pull options checked alike by the client and the agent, and their wire form."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 
 from agent import InvalidRequest
 from agent._config import S3Settings
+from agent._proto.prewarm.v1 import prewarm_pb2 as pb
+from agent._wire import pull_options_from_proto, pull_options_to_proto
+from agent.client._convert import ensure_request
 from agent.pull.tuning import (
     GETS_PER_STREAM,
     STREAMER_MIN_BLOCK,
@@ -32,15 +38,18 @@ GB = 10**9
     ],
 )
 def test_auto_concurrency_is_one_stream_per_4_gb(size: int, expected: int) -> None:
+    """Automatic concurrency is ceil(size / 4 GB) streams, at least one."""
     assert auto_concurrency(size, cpus=512, maximum=512) == expected
 
 
 def test_auto_concurrency_is_capped_by_cpus_and_the_maximum() -> None:
+    """Automatic concurrency never exceeds the CPU count or the configured maximum."""
     assert auto_concurrency(203 * GB, cpus=8, maximum=64) == 8
     assert auto_concurrency(203 * GB, cpus=192, maximum=32) == 32
 
 
 def test_config_pins_concurrency_and_a_request_overrides_it() -> None:
+    """A pinned config concurrency is used as is, and a request's option beats it."""
     settings = S3Settings(concurrency=6)
     assert tune(settings, 200 * GB, plane="streamer", cpus=192).concurrency == 6
     assert (
@@ -52,12 +61,14 @@ def test_config_pins_concurrency_and_a_request_overrides_it() -> None:
 
 
 def test_auto_concurrency_follows_the_model_size() -> None:
+    """On the streamer plane automatic concurrency grows with the model size, within the CPUs."""
     settings = S3Settings(max_concurrency=64)
     assert tune(settings, 10 * GB, plane="streamer", cpus=192).concurrency == 3
     assert tune(settings, 10 * GB, plane="streamer", cpus=2).concurrency == 2
 
 
 def test_aiobotocore_runs_several_gets_per_automatic_stream() -> None:
+    """The aiobotocore plane runs GETS_PER_STREAM GETs per automatic stream, up to the maximum."""
     settings = S3Settings(max_concurrency=64)
     assert tune(settings, 10 * GB, plane="aiobotocore", cpus=192).concurrency == 3 * GETS_PER_STREAM
     assert tune(settings, 2 * GB, plane="aiobotocore", cpus=2).concurrency == GETS_PER_STREAM
@@ -67,6 +78,7 @@ def test_aiobotocore_runs_several_gets_per_automatic_stream() -> None:
 
 
 def test_a_request_cannot_exceed_the_ceiling() -> None:
+    """A requested concurrency is capped at the ceiling, which a higher pinned value raises."""
     assert (
         tune(
             S3Settings(max_concurrency=8), GB, PullOptions(concurrency=100), plane="streamer"
@@ -79,6 +91,7 @@ def test_a_request_cannot_exceed_the_ceiling() -> None:
 
 
 def test_chunk_size_and_timeouts_come_from_config_unless_the_request_says() -> None:
+    """Chunk size and timeouts come from the config; a request's chunk size overrides it."""
     settings = S3Settings(chunk_size=32 * MiB, request_timeout_ms=2500, low_speed_limit="2MiB")
     tuning = tune(settings, GB, plane="aiobotocore")
     assert tuning.chunk_size == 32 * MiB
@@ -91,26 +104,51 @@ def test_chunk_size_and_timeouts_come_from_config_unless_the_request_says() -> N
 
 
 def test_default_timeouts_follow_the_published_guidance() -> None:
+    """Default timeouts are the published 3 s request timeout and 1 MiB/s low-speed limit."""
     tuning = tune(S3Settings(), GB, plane="streamer")
     assert tuning.request_timeout == 3.0
     assert tuning.low_speed_limit == MiB
 
 
-@pytest.mark.parametrize(
-    "options",
-    [
-        {"data_plane": "fastest"},
-        {"concurrency": 0},
-        {"chunk_size": 1000},
-        {"chunk_size": 8 * 1024**3},
-    ],
-)
+BAD_OPTIONS = [
+    {"data_plane": "fastest"},
+    {"concurrency": 0},
+    {"chunk_size": 1000},
+    {"chunk_size": 8 * 1024**3},
+]
+
+
+@pytest.mark.parametrize("options", BAD_OPTIONS)
 def test_bad_pull_options_are_invalid_requests(options: dict[str, object]) -> None:
+    """PullOptions refuses an unknown plane, zero concurrency and chunks outside 1 MiB..4 GiB."""
     with pytest.raises(InvalidRequest):
         PullOptions(**options)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("options", BAD_OPTIONS)
+def test_the_client_refuses_bad_pull_options_in_the_agents_words(
+    options: dict[str, Any],
+) -> None:
+    """The client's check before a call says what the agent's PullOptions would say."""
+    with pytest.raises(InvalidRequest) as agent_side:
+        PullOptions(**options)
+    with pytest.raises(InvalidRequest) as client_side:
+        ensure_request("s3://b/m/", tier=None, include=(), exclude=(), client_name="", **options)
+    assert str(client_side.value) == str(agent_side.value)
+
+
+def test_pull_options_cross_the_wire_with_zero_meaning_the_agents_setting() -> None:
+    """Unset options send no message, zeros read back as None, negatives are refused."""
+    assert pull_options_to_proto(PullOptions()) is None
+    sent = pull_options_to_proto(PullOptions(data_plane="streamer", chunk_size=2 * MiB))
+    assert sent is not None
+    assert pull_options_from_proto(sent) == PullOptions(data_plane="streamer", chunk_size=2 * MiB)
+    with pytest.raises(InvalidRequest, match="must not be negative"):
+        pull_options_from_proto(pb.PullOptions(concurrency=-1))
+
+
 def test_streamer_block_is_at_least_its_minimum_and_ring_holds_two_ranges() -> None:
+    """The streamer block is at least its 5 MiB minimum and its ring holds two ranges."""
     small = tune(S3Settings(chunk_size=MiB, concurrency=1), GB, plane="streamer")
     assert small.streamer_block == STREAMER_MIN_BLOCK
     assert small.streamer_memory == 2 * STREAMER_MIN_BLOCK
@@ -119,6 +157,9 @@ def test_streamer_block_is_at_least_its_minimum_and_ring_holds_two_ranges() -> N
 
 
 def test_streamer_environment_maps_the_settings() -> None:
+    """streamer_environment maps endpoint, region, addressing, timeouts and the pull's tuning to
+    RUNAI_*/AWS_* variables.
+    """
     settings = S3Settings(
         endpoint_url="http://127.0.0.1:9000",
         region="eu-west-1",
@@ -140,6 +181,9 @@ def test_streamer_environment_maps_the_settings() -> None:
 def test_streamer_environment_without_a_custom_endpoint_keeps_virtual_hosts(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Without a custom endpoint no endpoint or addressing is forced, and per-pull values are left
+    out.
+    """
     monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
     env = streamer_environment(S3Settings())
     assert "AWS_ENDPOINT_URL" not in env

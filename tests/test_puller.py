@@ -111,13 +111,7 @@ async def test_object_replaced_mid_pull_aborts_without_publishing(
     """An object replaced during the pull (new ETag) is SourceChanged; nothing is published."""
     store = Store({"shm": tmp_path / "shm", "disk": tmp_path / "disk"})
     await store.open()
-    original_open = source.open_range
-
-    def replacing_open(bucket: str, key: str, **kwargs: int | str):  # type: ignore[no-untyped-def]
-        source.put("models", "m/sub/b.bin", b"new content")
-        return original_open(bucket, key, **kwargs)  # type: ignore[arg-type]
-
-    source.open_range = replacing_open  # type: ignore[method-assign]
+    source.replace_on_read["m/sub/b.bin"] = b"new content"
     async with Puller(store, source, _settings()) as puller:
         with pytest.raises(SourceChanged):
             await _ensure(_service(tmp_path, source, puller, store), "s3://models/m")

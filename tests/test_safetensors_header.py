@@ -77,6 +77,7 @@ def model_file(tmp_path: Path) -> Path:
 
 
 def test_file_written_by_the_safetensors_library_is_accepted(model_file: Path) -> None:
+    """A file saved by the safetensors library parses to exactly the header it wrote."""
     header = read_header(model_file)
     raw = _raw_header(model_file)
 
@@ -96,6 +97,7 @@ def test_file_written_by_the_safetensors_library_is_accepted(model_file: Path) -
 
 
 def test_library_dtype_names_are_the_ones_written(model_file: Path) -> None:
+    """The dtype names we read (BF16, the F8 family, F4) are the library's own."""
     dtypes = {name: spec.dtype for name, spec in read_header(model_file).tensors.items()}
     assert dtypes["bf16"] == "BF16"
     assert dtypes["f8_e4m3"] == "F8_E4M3"
@@ -105,6 +107,7 @@ def test_library_dtype_names_are_the_ones_written(model_file: Path) -> None:
 
 
 def test_empty_tensors_are_accepted_with_their_shape(model_file: Path) -> None:
+    """Zero-element tensors are accepted and keep their shape, with no bytes of data."""
     tensors = read_header(model_file).tensors
     assert tensors["empty"].shape == (0, 8)
     assert tensors["empty"].nbytes == 0
@@ -112,6 +115,7 @@ def test_empty_tensors_are_accepted_with_their_shape(model_file: Path) -> None:
 
 
 def test_descriptor_path_and_buffer_give_the_same_header(model_file: Path) -> None:
+    """A path, a descriptor (offset untouched) and a buffer all parse to the same header."""
     by_path = read_header(model_file)
     fd = os.open(model_file, os.O_RDONLY)
     try:
@@ -126,12 +130,14 @@ def test_descriptor_path_and_buffer_give_the_same_header(model_file: Path) -> No
 
 
 def test_header_is_read_only(model_file: Path) -> None:
+    """The parsed tensor table cannot be modified."""
     header: SafetensorsHeader = read_header(model_file)
     with pytest.raises(TypeError):
         header.tensors["x"] = TensorSpec("U8", (0,), 0, 0)  # type: ignore[index]
 
 
 def test_errors_from_a_descriptor_name_the_given_path(model_file: Path) -> None:
+    """Errors from a descriptor carry the path the caller named, in the message and the error."""
     fd = os.open(model_file, os.O_RDONLY)
     try:
         with pytest.raises(IntegrityError, match=r"^staging/model\.safetensors: ") as caught:
@@ -142,18 +148,21 @@ def test_errors_from_a_descriptor_name_the_given_path(model_file: Path) -> None:
 
 
 def test_file_shorter_than_the_length_field_is_refused(tmp_path: Path) -> None:
+    """A file under 8 bytes, too short for the length field, is refused."""
     path = tmp_path / "x.safetensors"
     path.write_bytes(b"\x01\x02\x03")
     assert "3 bytes long, too short" in str(_refused(path))
 
 
 def test_empty_file_is_refused(tmp_path: Path) -> None:
+    """An empty file is refused as too short."""
     path = tmp_path / "x.safetensors"
     path.write_bytes(b"")
     assert "too short" in str(_refused(path))
 
 
 def test_flipped_high_byte_of_the_length_field_hits_the_cap(model_file: Path) -> None:
+    """A corrupted high byte of the length field is refused by the 100 MB header cap."""
     data = bytearray(model_file.read_bytes())
     data[6] ^= 0xFF
     model_file.write_bytes(data)
@@ -161,6 +170,7 @@ def test_flipped_high_byte_of_the_length_field_hits_the_cap(model_file: Path) ->
 
 
 def test_flipped_low_byte_of_the_length_field_points_past_the_file(model_file: Path) -> None:
+    """A length field under the cap but past the end of the file is refused, naming both."""
     data = bytearray(model_file.read_bytes())
     data[2] ^= 0x40  # + 4 MiB: under the cap, past the end of this small file
     model_file.write_bytes(data)
@@ -170,18 +180,21 @@ def test_flipped_low_byte_of_the_length_field_points_past_the_file(model_file: P
 
 
 def test_file_truncated_inside_the_header_is_refused(model_file: Path) -> None:
+    """A file cut off inside its header is refused."""
     data = model_file.read_bytes()
     model_file.write_bytes(data[:40])
     assert "header length field says" in str(_refused(model_file))
 
 
 def test_file_truncated_inside_the_data_is_refused(model_file: Path) -> None:
+    """A file cut off inside its tensor data is refused: tensors lie outside the data."""
     data = model_file.read_bytes()
     model_file.write_bytes(data[:-10])
     assert "outside the" in str(_refused(model_file))
 
 
 def test_size_promised_by_the_listing_is_checked_against_the_file(model_file: Path) -> None:
+    """A file shorter than the size S3 listed is refused even if its header looks whole."""
     # The puller passes the size S3 listed; a short file is caught even if the
     # header itself claims nothing past the end of what is there.
     size = model_file.stat().st_size
@@ -191,32 +204,38 @@ def test_size_promised_by_the_listing_is_checked_against_the_file(model_file: Pa
 
 
 def test_header_that_is_not_json_is_refused(tmp_path: Path) -> None:
+    """A header that is not valid JSON is refused."""
     path = _write(tmp_path / "x.safetensors", b'{"w": {"dtype": "F32",', b"")
     assert "not valid JSON" in str(_refused(path))
 
 
 def test_header_that_is_not_utf8_is_refused(tmp_path: Path) -> None:
+    """A header that is not UTF-8 is refused."""
     path = _write(tmp_path / "x.safetensors", b'{"\xff": {}}', b"")
     assert "not UTF-8" in str(_refused(path))
 
 
 def test_header_that_is_a_json_array_is_refused(tmp_path: Path) -> None:
+    """A header that is JSON but not an object is refused."""
     path = _write(tmp_path / "x.safetensors", [1, 2], b"")
     assert "JSON list, not a JSON object" in str(_refused(path))
 
 
 def test_tensor_named_twice_is_refused(tmp_path: Path) -> None:
+    """A tensor name that appears twice in the header is refused, not silently overwritten."""
     entry = '{"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}'
     path = _write(tmp_path / "x.safetensors", f'{{"w": {entry}, "w": {entry}}}'.encode(), b"\0")
     assert "the key 'w' appears twice" in str(_refused(path))
 
 
 def test_metadata_with_non_string_values_is_refused(tmp_path: Path) -> None:
+    """__metadata__ with non-string values is refused."""
     path = _write(tmp_path / "x.safetensors", {"__metadata__": {"layers": 32}}, b"")
     assert "__metadata__ is {'layers': 32}" in str(_refused(path))
 
 
 def test_unknown_dtype_is_refused(tmp_path: Path) -> None:
+    """A dtype safetensors does not define is refused by name."""
     header = {"w": {"dtype": "Q4_K", "shape": [1], "data_offsets": [0, 1]}}
     path = _write(tmp_path / "x.safetensors", header, b"\0")
     assert "tensor 'w' has dtype 'Q4_K', which is not a safetensors dtype" in str(_refused(path))
@@ -224,6 +243,7 @@ def test_unknown_dtype_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("shape", [[-1], [2, "3"], [True], 4, None])
 def test_shape_that_is_not_a_list_of_sizes_is_refused(tmp_path: Path, shape: object) -> None:
+    """A shape that is not a list of non-negative integers is refused."""
     header = {"w": {"dtype": "U8", "shape": shape, "data_offsets": [0, 0]}}
     path = _write(tmp_path / "x.safetensors", header, b"")
     assert f"tensor 'w' has shape {shape!r}, not a list of sizes" in str(_refused(path))
@@ -231,12 +251,14 @@ def test_shape_that_is_not_a_list_of_sizes_is_refused(tmp_path: Path, shape: obj
 
 @pytest.mark.parametrize("offsets", [[0], [0, 1, 2], [-1, 0], [0.0, 1.0], "0-1"])
 def test_malformed_data_offsets_are_refused(tmp_path: Path, offsets: object) -> None:
+    """data_offsets that are not a pair of non-negative integers are refused."""
     header = {"w": {"dtype": "U8", "shape": [1], "data_offsets": offsets}}
     path = _write(tmp_path / "x.safetensors", header, b"\0")
     assert "not a pair [begin, end]" in str(_refused(path))
 
 
 def test_offsets_past_the_data_section_are_refused(tmp_path: Path) -> None:
+    """A tensor whose offsets reach past the data section is refused."""
     header = {"w": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}
     path = _write(tmp_path / "x.safetensors", header, bytes(16))
     message = str(_refused(path))
@@ -244,12 +266,14 @@ def test_offsets_past_the_data_section_are_refused(tmp_path: Path) -> None:
 
 
 def test_begin_after_end_is_refused(tmp_path: Path) -> None:
+    """A tensor whose begin offset is past its end is refused."""
     header = {"w": {"dtype": "U8", "shape": [0], "data_offsets": [4, 2]}}
     path = _write(tmp_path / "x.safetensors", header, bytes(8))
     assert "data_offsets [4, 2], outside" in str(_refused(path))
 
 
 def test_length_that_disagrees_with_the_shape_is_refused(tmp_path: Path) -> None:
+    """A tensor whose byte length does not match its shape and dtype is refused."""
     header = {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}
     path = _write(tmp_path / "x.safetensors", header, bytes(16))
     message = str(_refused(path))
@@ -257,12 +281,14 @@ def test_length_that_disagrees_with_the_shape_is_refused(tmp_path: Path) -> None
 
 
 def test_packed_dtype_that_ends_inside_a_byte_is_refused(tmp_path: Path) -> None:
+    """A 4-bit tensor with an odd element count (half a byte) is refused."""
     header = {"w": {"dtype": "F4", "shape": [3], "data_offsets": [0, 2]}}
     path = _write(tmp_path / "x.safetensors", header, bytes(2))
     assert "need 1.5 (not a whole number of) bytes" in str(_refused(path))
 
 
 def test_overlapping_tensors_are_refused(tmp_path: Path) -> None:
+    """Two tensors sharing bytes are refused, naming both and their ranges."""
     header = {
         "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
         "b": {"dtype": "F32", "shape": [2], "data_offsets": [12, 20]},
@@ -273,6 +299,7 @@ def test_overlapping_tensors_are_refused(tmp_path: Path) -> None:
 
 
 def test_tensor_inside_another_is_refused(tmp_path: Path) -> None:
+    """A tensor lying wholly inside another is refused as an overlap."""
     header = {
         "outer": {"dtype": "U8", "shape": [16], "data_offsets": [0, 16]},
         "inner": {"dtype": "U8", "shape": [4], "data_offsets": [4, 8]},
@@ -282,6 +309,7 @@ def test_tensor_inside_another_is_refused(tmp_path: Path) -> None:
 
 
 def test_empty_tensors_never_overlap(tmp_path: Path) -> None:
+    """Zero-length tensors at any offset never count as overlapping."""
     header = {
         "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
         "e1": {"dtype": "F32", "shape": [0], "data_offsets": [8, 8]},
@@ -292,6 +320,7 @@ def test_empty_tensors_never_overlap(tmp_path: Path) -> None:
 
 
 def test_adjacent_tensors_do_not_overlap(tmp_path: Path) -> None:
+    """Tensors that touch end to start, listed out of order, do not overlap."""
     header = {
         "b": {"dtype": "U8", "shape": [4], "data_offsets": [4, 8]},
         "a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
@@ -301,16 +330,19 @@ def test_adjacent_tensors_do_not_overlap(tmp_path: Path) -> None:
 
 
 def test_huge_field_is_shortened_in_the_message(tmp_path: Path) -> None:
+    """A huge bad field is shortened in the error message, which stays under 1000 characters."""
     header = {"w": {"dtype": "x" * 10_000, "shape": [1], "data_offsets": [0, 1]}}
     path = _write(tmp_path / "x.safetensors", header, b"\0")
     assert len(str(_refused(path))) < 1000
 
 
 def test_client_loader_maps_only_dtypes_the_parser_knows() -> None:
+    """The client loader maps no dtype the header parser would refuse."""
     assert _tensors._DTYPES.keys() <= DTYPE_BITS.keys()
 
 
 def test_client_error_is_an_integrity_error_with_path_and_check(tmp_path: Path) -> None:
+    """The client loader's error is an IntegrityError naming the file and the check."""
     header = {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}
     path = _write(tmp_path / "x.safetensors", header, bytes(16))
     with pytest.raises(_tensors.SafetensorsError) as caught:
@@ -320,6 +352,7 @@ def test_client_error_is_an_integrity_error_with_path_and_check(tmp_path: Path) 
 
 
 def test_client_loader_maps_the_other_eight_bit_dtypes(tmp_path: Path) -> None:
+    """The client loader reads the F8_E8M0 and FNUZ 8-bit dtypes as their torch types."""
     raw = torch.arange(0, 250, 10, dtype=torch.uint8)
     dtypes = {
         "e8m0": ("F8_E8M0", torch.float8_e8m0fnu),
@@ -343,6 +376,7 @@ def test_client_loader_maps_the_other_eight_bit_dtypes(tmp_path: Path) -> None:
 
 
 def test_client_loader_refuses_a_packed_dtype_by_name(tmp_path: Path) -> None:
+    """The client loader refuses the packed F4 dtype by name instead of misreading it."""
     path = tmp_path / "x.safetensors"
     save_file({"w": torch.zeros(3, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)}, str(path))
     with pytest.raises(_tensors.SafetensorsError, match="dtype 'F4', which load_safetensors"):

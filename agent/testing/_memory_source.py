@@ -56,6 +56,9 @@ class MemorySource:
     # Checksums to report for keys (as S3 would from HEAD with ChecksumMode);
     # the listing then names their algorithm.
     checksums: dict[str, S3Checksum] = field(default_factory=dict)
+    # Objects replaced (in the bucket being read) the moment any range is opened:
+    # an upload racing a pull that has already listed the old snapshot.
+    replace_on_read: dict[str, bytes] = field(default_factory=dict)
     name: str = "memory"
     # Not S3: the streamer plane, which needs an S3 endpoint of its own, stays off.
     s3_settings: S3Settings | None = None
@@ -84,6 +87,7 @@ class MemorySource:
     async def open_range(
         self, bucket: str, key: str, *, etag: str, start: int, length: int
     ) -> AsyncIterator[_Reader]:
+        self._bucket(bucket).update(self.replace_on_read)
         data = self._bucket(bucket).get(key)
         if data is None or self.etag(bucket, key) != etag:
             raise SourceChanged(f"{key} changed or disappeared")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import watchfiles
-from agent_helpers import AgentFactory
+from agent_helpers import AgentFactory, RunningAgent
 
 from agent._config import ManifestSettings, S3Settings, Settings
 from agent.client import Client
@@ -24,7 +24,7 @@ from agent.pull.puller import Puller
 from agent.service.operations import AgentService
 from agent.store.leases import LeaseTable
 from agent.store.store import Store
-from agent.testing import AgentProcess, MemorySource, SampleModel
+from agent.testing import MemorySource, SampleModel
 
 MODEL_URI = "s3://models/llama/"
 MODEL_BYTES = 3 * 256 * 1024
@@ -355,7 +355,7 @@ async def test_a_compile_cache_named_by_an_entry_is_restored_once_its_model_is_c
 
 
 def daemon_log_line(
-    agent: AgentProcess, matches: Callable[[dict[str, object]], bool]
+    agent: RunningAgent, matches: Callable[[dict[str, object]], bool]
 ) -> dict[str, object]:
     """The first JSON line of the daemon's log that ``matches``, woken by writes to the log."""
 

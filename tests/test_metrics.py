@@ -7,11 +7,11 @@ import socket
 import urllib.request
 
 import pytest
-from agent_helpers import AgentFactory
+from agent_helpers import AgentFactory, RunningAgent
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.client import Client, NotFound
-from agent.testing import AgentProcess, SampleModel
+from agent.testing import SampleModel
 
 
 def free_port() -> int:
@@ -20,7 +20,10 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(port: int) -> Samples:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
     return {
@@ -30,76 +33,97 @@ def scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     }
 
 
-def value(
-    samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str
-) -> float:
-    return samples.get((name, frozenset(labels.items())), 0.0)
+class Meter:
+    """Scrapes of one agent's endpoint, read against the scrape taken when it started.
+
+    Counters are process-wide: an agent running in the test process starts from
+    what earlier tests counted, so counters are read as growth since the start.
+    """
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self._baseline = scrape(port)
+        self._latest = self._baseline
+
+    def scrape(self) -> Meter:
+        self._latest = scrape(self.port)
+        return self
+
+    def now(self, name: str, **labels: str) -> float:
+        """A gauge's value at the last scrape."""
+        return self._latest.get((name, frozenset(labels.items())), 0.0)
+
+    def grew(self, name: str, **labels: str) -> float:
+        """How much a counter (or a histogram's count or sum) grew since the agent started."""
+        key = (name, frozenset(labels.items()))
+        return self._latest.get(key, 0.0) - self._baseline.get(key, 0.0)
 
 
 @pytest.fixture
-def metered_agent(start_agent: AgentFactory) -> tuple[AgentProcess, int]:
+def metered_agent(start_agent: AgentFactory) -> tuple[RunningAgent, Meter]:
     port = free_port()
-    return start_agent(f"[metrics]\nport = {port}\n"), port
+    agent = start_agent(f"[metrics]\nport = {port}\n")
+    return agent, Meter(port)
 
 
 def test_metrics_show_a_pull_and_a_hit(
-    metered_agent: tuple[AgentProcess, int], small_model: SampleModel
+    metered_agent: tuple[RunningAgent, Meter], small_model: SampleModel
 ) -> None:
     """A cold pull then a hit show up in bytes, lookups, requests, phase timings and tier gauges."""
-    agent, port = metered_agent
+    agent, meter = metered_agent
     with Client(agent.socket_path) as client:
         client.ensure(small_model.uri)
         client.ensure(small_model.uri)
-    samples = scrape(port)
+    meter.scrape()
     total = small_model.total_bytes
-    assert value(samples, "prewarm_bytes_pulled_total", tier="shm") == total
-    assert value(samples, "prewarm_cache_lookups_total", result="miss") == 1
-    assert value(samples, "prewarm_cache_lookups_total", result="hit") == 1
-    assert value(samples, "prewarm_requests_total", method="EnsureModel", result="ok") == 2
-    assert value(samples, "prewarm_phase_seconds_count", phase="download", lookup="miss") == 1
-    assert value(samples, "prewarm_phase_seconds_count", phase="total", lookup="hit") == 1
-    assert value(samples, "prewarm_phase_seconds_sum", phase="total", lookup="miss") > 0
-    assert value(samples, "prewarm_tier_used_bytes", tier="shm") == total
-    assert value(samples, "prewarm_tier_models", tier="shm") == 1
-    assert value(samples, "prewarm_tier_budget_bytes", tier="shm") > total
-    assert value(samples, "prewarm_pulls_in_flight") == 0
+    assert meter.grew("prewarm_bytes_pulled_total", tier="shm") == total
+    assert meter.grew("prewarm_cache_lookups_total", result="miss") == 1
+    assert meter.grew("prewarm_cache_lookups_total", result="hit") == 1
+    assert meter.grew("prewarm_requests_total", method="EnsureModel", result="ok") == 2
+    assert meter.grew("prewarm_phase_seconds_count", phase="download", lookup="miss") == 1
+    assert meter.grew("prewarm_phase_seconds_count", phase="total", lookup="hit") == 1
+    assert meter.grew("prewarm_phase_seconds_sum", phase="total", lookup="miss") > 0
+    assert meter.now("prewarm_tier_used_bytes", tier="shm") == total
+    assert meter.now("prewarm_tier_models", tier="shm") == 1
+    assert meter.now("prewarm_tier_budget_bytes", tier="shm") > total
+    assert meter.now("prewarm_pulls_in_flight") == 0
 
 
 def test_metrics_count_a_failed_request_by_its_status_code(
-    metered_agent: tuple[AgentProcess, int], bucket: str
+    metered_agent: tuple[RunningAgent, Meter], bucket: str
 ) -> None:
     """A request that fails is counted under its gRPC status name, not as ok."""
-    agent, port = metered_agent
+    agent, meter = metered_agent
     with Client(agent.socket_path) as client:
         with pytest.raises(NotFound):
             client.ensure(f"s3://{bucket}/nothing-here/")
         # The status leaves the server just before the interceptor counts it; the
-        # daemon's single event loop resumes that handler (and counts) before it
+        # agent's single event loop resumes that handler (and counts) before it
         # can serve a request the client sends only after reading the status.
         client.status()
-    samples = scrape(port)
-    assert value(samples, "prewarm_requests_total", method="EnsureModel", result="NOT_FOUND") == 1
-    assert value(samples, "prewarm_requests_total", method="EnsureModel", result="ok") == 0
-    assert value(samples, "prewarm_requests_total", method="Status", result="ok") == 1
+    meter.scrape()
+    assert meter.grew("prewarm_requests_total", method="EnsureModel", result="NOT_FOUND") == 1
+    assert meter.grew("prewarm_requests_total", method="EnsureModel", result="ok") == 0
+    assert meter.grew("prewarm_requests_total", method="Status", result="ok") == 1
 
 
 def test_metrics_count_leases_and_manual_evictions(
-    metered_agent: tuple[AgentProcess, int], small_model: SampleModel
+    metered_agent: tuple[RunningAgent, Meter], small_model: SampleModel
 ) -> None:
     """The lease gauge follows a lease's life, and an eviction by hand is counted as manual."""
-    agent, port = metered_agent
+    agent, meter = metered_agent
     with Client(agent.socket_path) as client:
         with client.leased(small_model.uri):
-            assert value(scrape(port), "prewarm_leases") == 1
+            assert meter.scrape().now("prewarm_leases") == 1
         client.evict(small_model.uri)
-    samples = scrape(port)
-    assert value(samples, "prewarm_leases") == 0
-    assert value(samples, "prewarm_evictions_total", tier="shm", reason="manual") == 1
-    assert value(samples, "prewarm_tier_used_bytes", tier="shm") == 0
+    meter.scrape()
+    assert meter.now("prewarm_leases") == 0
+    assert meter.grew("prewarm_evictions_total", tier="shm", reason="manual") == 1
+    assert meter.now("prewarm_tier_used_bytes", tier="shm") == 0
 
 
 def test_every_log_line_of_a_pull_carries_the_uri_key_peer_and_client(
-    agent_daemon: AgentProcess, small_model: SampleModel
+    agent_daemon: RunningAgent, small_model: SampleModel
 ) -> None:
     """Request context bound at the edge reaches the service's and the puller's log lines."""
     with Client(agent_daemon.socket_path) as client:

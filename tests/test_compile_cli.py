@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from agent_helpers import AgentFactory
 
 from agent.client import Client
@@ -33,6 +34,7 @@ def _ok(done: subprocess.CompletedProcess[str]) -> str:
     return done.stdout
 
 
+@pytest.mark.slow  # seven CLI runs, each a fresh interpreter
 def test_ls_show_push_evict_pull(start_agent: AgentFactory, bucket: str) -> None:
     """`prewarm compile` ls, show, push (twice: second skipped), evict and pull, by key prefix."""
     agent = start_agent(f'[compile_cache]\nuri = "s3://{bucket}/cc"\nquiet_seconds = 60\n')
@@ -84,6 +86,7 @@ def _exec(*args: str, socket: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # the launcher imports torch to detect the key parts
 def test_exec_gives_the_command_the_compile_cache_of_its_key_parts(
     start_agent: AgentFactory, small_model: SampleModel
 ) -> None:

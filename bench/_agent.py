@@ -81,6 +81,7 @@ def running_agent(
 
 
 def reported_plane(agent: AgentProcess) -> str:
+    """The data plane the running daemon says it uses."""
     with Client(agent.socket_path) as client:
         return client.status().data_plane
 
@@ -213,6 +214,8 @@ def warm_launch(ctx: Context, agent: AgentProcess, model: BenchModel) -> RunResu
 
 @dataclass(frozen=True)
 class HitCost:
+    """EnsureModel on a cached model: best and median seconds, bytes from S3 per call."""
+
     ensure_best: float
     ensure_median: float
     served_per_call: float

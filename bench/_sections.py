@@ -73,6 +73,7 @@ def _record(sample: Sample, result: RunResult) -> None:
 
 
 def attempt(sample: Sample, run: Callable[[], RunResult]) -> None:
+    """Run one measurement into ``sample``; a failure is recorded there and not retried."""
     if sample.error is not None:
         return  # failed before; do not pay for it again
     try:
@@ -86,6 +87,7 @@ def attempt(sample: Sample, run: Callable[[], RunResult]) -> None:
 
 
 def say(text: str) -> None:
+    """A timestamped progress line on stderr."""
     print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
@@ -106,6 +108,7 @@ def warm(args: argparse.Namespace, ctx: Context, model: BenchModel) -> dict[str,
 
 
 def compare_name(source: Path) -> str:
+    """The row name for a cold pull by another checkout, labelled with its commit."""
     result = subprocess.run(
         ["git", "-C", str(source), "rev-parse", "--short", "HEAD"],
         capture_output=True,
@@ -117,6 +120,8 @@ def compare_name(source: Path) -> str:
 
 
 def cold_runner(ctx: Context, model: BenchModel, plane: str | None) -> Callable[[], RunResult]:
+    """A cold pull on ``plane`` that fails if the agent reports another plane."""
+
     def run() -> RunResult:
         result = agent.cold_pull(ctx, model, plane)
         reported = str(result.extra.get("plane", ""))
@@ -155,6 +160,7 @@ def scaling(
     model: Callable[[str, int, int], BenchModel],
     plane: str,
 ) -> dict[str, Any]:
+    """Cold pulls of the model at each --scale size, and a linear fit of time to bytes."""
     sized = []
     for factor in args.scale_factors:
         size = int(args.size * factor)
@@ -203,6 +209,7 @@ def hits(
     model: Callable[[str, int, int], BenchModel],
     main_model: BenchModel,
 ) -> dict[str, Any]:
+    """EnsureModel hit latency for few and many files, and for small and big models."""
     few = model("hits-4", 256 * MiB, 4)
     many = model("hits-64", 256 * MiB, 64)
     small = model("hits-small", 16 * MiB, args.shards)
@@ -238,6 +245,7 @@ def profile(
     planes: list[str],
     default_plane: str,
 ) -> dict[str, Any]:
+    """py-spy profiles of cold pulls (always, or below 0.9x the ceiling) and fallocate's cost."""
     if args.profile == "never":
         return {}
     ceiling = samples.get("ceiling")

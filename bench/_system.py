@@ -122,6 +122,7 @@ _RECLAIM_COUNTERS = (
 
 
 def reclaim_counters() -> dict[str, int]:
+    """The kernel's page-reclaim and compaction counters (/proc/vmstat), machine-wide."""
     counters: dict[str, int] = {}
     for line in Path("/proc/vmstat").read_text().splitlines():
         name, _, value = line.partition(" ")
@@ -131,11 +132,13 @@ def reclaim_counters() -> dict[str, int]:
 
 
 def reclaim_since(before: dict[str, int]) -> dict[str, int]:
+    """How much each reclaim counter grew since ``before``."""
     after = reclaim_counters()
     return {name: after[name] - before.get(name, 0) for name in after}
 
 
 def meminfo(field: str) -> int:
+    """One /proc/meminfo field in bytes (0 if absent)."""
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith(f"{field}:"):
             return int(line.split()[1]) * KiB
@@ -143,6 +146,7 @@ def meminfo(field: str) -> int:
 
 
 def descendants(pid: int) -> list[int]:
+    """Every live descendant pid of ``pid`` (children, their children, ...)."""
     found: list[int] = []
     pending = [pid]
     while pending:
@@ -163,6 +167,7 @@ def descendants(pid: int) -> list[int]:
 
 
 def proc_io(pid: int) -> dict[str, int]:
+    """The I/O counters of /proc/<pid>/io (rchar, wchar, ...)."""
     text = Path(f"/proc/{pid}/io").read_text()
     return {name: int(value) for name, value in (line.split(": ") for line in text.splitlines())}
 
@@ -182,6 +187,7 @@ def cpu_split(pid: int) -> tuple[float, float]:
 
 
 def machine() -> dict[str, Any]:
+    """The machine the run is on, for the report: CPU, memory, /dev/shm, tool versions."""
     meminfo = Path("/proc/meminfo").read_text().split()
     cpu_model = ""
     with contextlib.suppress(OSError):

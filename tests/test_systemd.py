@@ -231,6 +231,7 @@ def test_daemon_status_counts_cached_models(s3_server: S3Server, small_model: Sa
     )
 
 
+@pytest.mark.slow
 def test_sigterm_mid_pull_says_stopping_and_exits_within_the_units_stop_timeout(
     stoppable_s3: S3Server, tmp_path: Path
 ) -> None:

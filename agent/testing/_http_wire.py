@@ -79,6 +79,7 @@ def _parse_request_head(head: bytes) -> tuple[str, dict[str, str]]:
 
 
 def parse_response_head(head: bytes) -> tuple[int, dict[str, str]]:
+    """The status code and lower-cased headers of a response head."""
     lines = head.decode("latin-1").split("\r\n")
     return int(lines[0].split(" ", 2)[1]), _header_dict(lines[1:])
 
@@ -124,6 +125,7 @@ def _encode_chunk(piece: bytes) -> bytes:
 
 
 def error_response(kind: str, target: str) -> bytes:
+    """A whole S3 XML error response for a fault kind in S3_ERRORS."""
     status, reason, code, message = S3_ERRORS[kind]
     resource = urllib.parse.urlsplit(target).path
     body = (

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -22,7 +21,8 @@ from typing import Self
 
 import grpc  # type: ignore[import-untyped,unused-ignore]
 
-from ._process import Startable, log_tail, purge_tree, read_log, source_env, stop_process
+from ._home import AgentHome
+from ._process import log_tail, source_env, stop_process
 
 __all__ = ["AgentProcess", "AgentStartupError"]
 
@@ -39,17 +39,15 @@ class AgentStartupError(RuntimeError):
     """The daemon exited, or did not report SERVING, before the startup deadline."""
 
 
-class AgentProcess(Startable):
+class AgentProcess(AgentHome):
     """One ``python -m agent`` process and the directory it lives in.
 
-    Everything sits under ``root`` (made with a short name in ``parent``, /tmp
-    unless given, because an AF_UNIX path holds at most 107 bytes; or given
-    itself, and then kept by ``close()``): ``agent.sock``,
-    the ``shm`` and ``disk`` tier roots (left for the daemon to create),
-    ``agent.toml`` (written from ``config``) and ``agent.log`` (stdout and
-    stderr of every start, appended). The daemon sees ``os.environ`` without any
-    inherited ``PREWARM_*`` or ``AWS_*`` variable, then ``env`` (typically
-    ``S3Server.env()``), then the ``PREWARM_*`` paths above.
+    Everything sits under ``root``, laid out as ``AgentHome`` says (``root``
+    or a short directory made in ``parent``): ``agent.toml`` is written from
+    ``config`` and ``agent.log`` gets stdout and stderr of every start,
+    appended. The daemon sees ``os.environ`` without any inherited
+    ``PREWARM_*`` or ``AWS_*`` variable, then ``env`` (typically
+    ``S3Server.env()``), then the ``PREWARM_*`` paths of the layout.
 
     ``restart()`` keeps the directory, so the cache survives it. ``close()``
     stops the daemon and removes a directory it created.
@@ -66,15 +64,7 @@ class AgentProcess(Startable):
         startup_timeout: float = 30.0,
         stop_timeout: float = 30.0,
     ) -> None:
-        self._owns_root = root is None
-        if root is None:
-            root = Path(tempfile.mkdtemp(prefix="pw-", dir=parent or "/tmp"))
-        self.root = root
-        self.socket_path = self.root / "agent.sock"
-        self.shm_root = self.root / "shm"
-        self.disk_root = self.root / "disk"
-        self.config_path = self.root / "agent.toml"
-        self.log_path = self.root / "agent.log"
+        super().__init__(root=root, parent=parent)
         self._extra_env = dict(env or {})
         self._config = config
         self._argv = list(argv) if argv is not None else [sys.executable, "-m", "agent"]
@@ -84,11 +74,6 @@ class AgentProcess(Startable):
         self._starts = 0
 
     # -- where it is -----------------------------------------------------------------
-
-    @property
-    def target(self) -> str:
-        """The gRPC target of the daemon's socket."""
-        return f"unix:{self.socket_path}"
 
     @property
     def pid(self) -> int | None:
@@ -113,19 +98,8 @@ class AgentProcess(Startable):
         )
         env["PYTHONUNBUFFERED"] = "1"
         env.update(self._extra_env)
-        env.update(
-            {
-                "PREWARM_SOCKET_PATH": str(self.socket_path),
-                "PREWARM_TIERS__SHM_ROOT": str(self.shm_root),
-                "PREWARM_TIERS__DISK_ROOT": str(self.disk_root),
-                "PREWARM_CONFIG": str(self.config_path),
-            }
-        )
+        env.update(self.home_env())
         return env
-
-    def log_text(self) -> str:
-        """Everything the daemon wrote to stdout and stderr, across restarts."""
-        return read_log(self.log_path)
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -190,8 +164,7 @@ class AgentProcess(Startable):
             if self.running:
                 self.stop()
         finally:
-            if self._owns_root:
-                purge_tree(self.root)
+            self.remove_home()
 
     # -- internals ---------------------------------------------------------------------
 

@@ -48,6 +48,7 @@ class AsyncClient(Endpoint, ClosedOnAsyncExit):
     _stub: Any = None
 
     async def close(self) -> None:
+        """Close the connection to the agent (``with`` does it at the end of the block)."""
         channel, self._channel, self._stub = self._channel, None, None
         if channel is not None:
             await channel.close()

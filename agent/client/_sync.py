@@ -51,6 +51,7 @@ class Client(Endpoint, ClosedOnExit):
         self._stub = pb_grpc.PrewarmStub(self._channel)
 
     def close(self) -> None:
+        """Close the connection to the agent (``with`` does it at the end of the block)."""
         self._channel.close()
 
     def _run(self, call: Call[T]) -> T:

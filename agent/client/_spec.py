@@ -44,7 +44,7 @@ __all__ = [
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 P = ParamSpec("P")
-Client = TypeVar("Client")
+Owner = TypeVar("Owner")  # the client class a method is made for
 Spec = TypeVar("Spec")
 Result = TypeVar("Result")
 Method = TypeVar("Method", bound=Callable[..., Any])
@@ -116,22 +116,22 @@ class Leased:
 
 
 def method(
-    build: Callable[P, Spec], run: Callable[[Client, Spec], Result]
-) -> Callable[Concatenate[Client, P], Result]:
+    build: Callable[P, Spec], run: Callable[[Owner, Spec], Result]
+) -> Callable[Concatenate[Owner, P], Result]:
     """A client method: build the call from the arguments, then ``run`` it on the client."""
 
-    def bound(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> Result:
+    def bound(self: Owner, /, *args: P.args, **kwargs: P.kwargs) -> Result:
         return run(self, build(*args, **kwargs))
 
     return _described_as(bound, build, run)
 
 
 def coroutine_method(
-    build: Callable[P, Spec], run: Callable[[Client, Spec], Awaitable[Result]]
-) -> Callable[Concatenate[Client, P], Awaitable[Result]]:
+    build: Callable[P, Spec], run: Callable[[Owner, Spec], Awaitable[Result]]
+) -> Callable[Concatenate[Owner, P], Awaitable[Result]]:
     """``method`` for an asyncio client: a coroutine function, as ``async def`` would make."""
 
-    async def bound(self: Client, /, *args: P.args, **kwargs: P.kwargs) -> Result:
+    async def bound(self: Owner, /, *args: P.args, **kwargs: P.kwargs) -> Result:
         return await run(self, build(*args, **kwargs))
 
     return _described_as(bound, build, run)

@@ -20,6 +20,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from agent._exceptions import InvalidRequest
+from agent._vocabulary import DataPlaneName, TierName
 
 __all__ = [
     "DEFAULT_CONFIG_PATH",
@@ -39,8 +40,6 @@ __all__ = [
 
 DEFAULT_CONFIG_PATH = Path("/etc/prewarm/agent.toml")
 CONFIG_PATH_ENV = "PREWARM_CONFIG"
-
-TierName = Literal["shm", "disk"]
 
 
 class ConfigError(InvalidRequest):
@@ -80,7 +79,7 @@ class S3Settings(BaseModel):
     # `streamer` extra), "aiobotocore" (ranged GETs in the agent's event loop), or
     # "auto" (the faster one by measurement, see docs/data-planes.md; aiobotocore
     # when the streamer is not importable).
-    data_plane: Literal["auto", "streamer", "aiobotocore"] = "auto"
+    data_plane: DataPlaneName = "auto"
     # Parallel streams per pull. "auto": ceil(model bytes / 4 GB), at least 1, at most
     # the CPU count and max_concurrency (the published EKS guidance); a number pins it.
     concurrency: Annotated[int, Field(ge=1, le=512)] | Literal["auto"] = "auto"

@@ -7,7 +7,6 @@ import hashlib
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from agent._exceptions import InvalidRequest
 from agent._uri import ModelUri
@@ -16,13 +15,11 @@ __all__ = [
     "KEY_LENGTH",
     "Snapshot",
     "SourceObject",
-    "TierName",
     "check_globs",
     "select_objects",
     "snapshot_key",
 ]
 
-TierName = Literal["shm", "disk"]
 KEY_LENGTH = 32  # hex digits of sha256: 128 bits, plenty for one node's cache
 
 

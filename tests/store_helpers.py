@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agent._snapshot import TierName
+from agent._vocabulary import TierName
 from agent.store.journal import DATA_DIR
 from agent.store.store import CachedFile, CachedModel, Store, TierBudget
 

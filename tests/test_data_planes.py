@@ -20,8 +20,8 @@ import pytest
 
 from agent import SourceUnavailable
 from agent._config import Settings
+from agent._vocabulary import DataPlaneName, PullOptions
 from agent.pull.puller import Puller
-from agent.pull.tuning import DataPlaneChoice, PullOptions
 from agent.service.operations import AgentService, EnsureResult
 from agent.source.s3 import S3Source
 from agent.source.streamer_plane import streamer_unavailable
@@ -150,7 +150,7 @@ def proxy(s3_server: S3Server) -> Iterator[FaultProxy]:
 
 @pytest.mark.parametrize("plane", _plane_params())
 async def test_plane_publishes_byte_identical_files(
-    plane: DataPlaneChoice, tmp_path: Path, s3_server: S3Server, small_model: SampleModel
+    plane: DataPlaneName, tmp_path: Path, s3_server: S3Server, small_model: SampleModel
 ) -> None:
     """Each plane publishes the model byte for byte, one journal range per delivered chunk."""
     s3_server.clear_requests()
@@ -204,7 +204,7 @@ FAULTS: dict[str, Fault] = {
 @pytest.mark.parametrize("plane", _plane_params())
 @pytest.mark.parametrize("kind", list(FAULTS))
 async def test_transient_faults_are_retried_and_the_result_is_identical(
-    plane: DataPlaneChoice,
+    plane: DataPlaneName,
     kind: FaultKind,
     *,
     tmp_path: Path,
@@ -226,7 +226,7 @@ async def test_transient_faults_are_retried_and_the_result_is_identical(
 
 @pytest.mark.parametrize("plane", _plane_params())
 async def test_a_stalled_get_is_abandoned_and_retried(
-    plane: DataPlaneChoice,
+    plane: DataPlaneName,
     tmp_path: Path,
     s3_server: S3Server,
     small_model: SampleModel,
@@ -249,7 +249,7 @@ async def test_a_stalled_get_is_abandoned_and_retried(
 
 @pytest.mark.parametrize("plane", _plane_params(slow_streamer=True))
 async def test_a_persistent_fault_fails_the_pull_naming_the_object(
-    plane: DataPlaneChoice,
+    plane: DataPlaneName,
     tmp_path: Path,
     s3_server: S3Server,
     small_model: SampleModel,
@@ -273,7 +273,7 @@ async def test_a_persistent_fault_fails_the_pull_naming_the_object(
 
 @pytest.mark.parametrize("plane", _plane_params(slow_streamer=True))
 async def test_a_body_that_is_always_cut_short_is_never_published(
-    plane: DataPlaneChoice,
+    plane: DataPlaneName,
     tmp_path: Path,
     s3_server: S3Server,
     small_model: SampleModel,

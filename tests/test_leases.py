@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from agent import Conflict, InvalidRequest
-from agent.edge.lease_socket import LeaseServer
-from agent.store.leases import HELLO_LIMIT, LeaseTable, PeerCredentials
+from agent.edge.lease_socket import HELLO_LIMIT, LeaseServer
+from agent.store.leases import LeaseTable, PeerCredentials
 
 ME = PeerCredentials(pid=os.getpid(), uid=os.getuid(), gid=os.getgid())
 

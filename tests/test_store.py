@@ -10,7 +10,7 @@ import pytest
 from store_helpers import MiB, key_of, open_store, publish, stage
 
 from agent import InvalidRequest, NotFound
-from agent._snapshot import TierName
+from agent._vocabulary import TierName
 from agent.store.journal import Journal, JournalHeader
 from agent.store.store import Store
 

@@ -10,17 +10,11 @@ import pytest
 from agent import InvalidRequest
 from agent._config import S3Settings
 from agent._proto.prewarm.v1 import prewarm_pb2 as pb
+from agent._vocabulary import PullOptions
 from agent._wire import pull_options_from_proto, pull_options_to_proto
 from agent.client._convert import ensure_request
-from agent.pull.tuning import (
-    GETS_PER_STREAM,
-    STREAMER_MIN_BLOCK,
-    PullOptions,
-    auto_concurrency,
-    concurrency_ceiling,
-    streamer_environment,
-    tune,
-)
+from agent.pull.tuning import GETS_PER_STREAM, auto_concurrency, tune
+from agent.source.transfer import STREAMER_MIN_BLOCK, concurrency_ceiling, streamer_environment
 
 MiB = 1024**2
 GB = 10**9

@@ -1,7 +1,11 @@
 """The lease socket: a connection that sent a valid hello holds its lease.
 
-The protocol is described in ``agent.store.leases``; this module is its
-network side (accepting connections, reading the hello, SO_PEERCRED).
+A client connects and sends one JSON line, ``{"lease": "<id>", "name":
+"<optional client name>"}``; the agent reads the peer's pid/uid/gid with
+SO_PEERCRED and answers one JSON line, ``{"ok": true, "key": "<snapshot key>"}``
+or ``{"ok": false, "error": "<sentence>", "code": "<status name>"}`` (the same
+status name the API would give for that error). The lease lives while the
+connection stays open. What a lease means is ``agent.store.leases``.
 """
 
 from __future__ import annotations
@@ -24,9 +28,14 @@ from agent.edge.unix_socket import (
     secure_socket,
     socket_group_id,
 )
-from agent.store.leases import HELLO_LIMIT, HELLO_TIMEOUT_SECONDS, LeaseTable, PeerCredentials
+from agent.store.leases import LeaseTable, PeerCredentials
 
-__all__ = ["LeaseServer"]
+__all__ = ["HELLO_LIMIT", "HELLO_TIMEOUT_SECONDS", "LeaseServer"]
+
+# The hello is one short JSON line; anything longer is not a prewarm client.
+HELLO_LIMIT = 4096
+# A client that connects and says nothing must not pin a connection forever.
+HELLO_TIMEOUT_SECONDS = 5.0
 
 log = logging.getLogger("agent.leases")
 

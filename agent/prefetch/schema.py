@@ -30,8 +30,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from agent._exceptions import InvalidRequest
-from agent._snapshot import TierName, check_globs
+from agent._snapshot import check_globs
 from agent._uri import parse_uri
+from agent._vocabulary import TierName
 from agent.compile.keys import CompileKeyParts, normalise_parts
 
 __all__ = ["CompileSpec", "Identity", "ManifestEntry", "ManifestError", "read_manifest"]

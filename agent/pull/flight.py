@@ -7,15 +7,13 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
-from typing import Literal
 
-from agent._snapshot import Snapshot, SourceObject, TierName
+from agent._snapshot import Snapshot, SourceObject
+from agent._vocabulary import PhaseName, TierName
 from agent.obs.metrics import BYTES_PULLED
 from agent.store.store import CachedModel
 
 __all__ = ["Flight", "PhaseName", "PullProgress", "PullTimings"]
-
-PhaseName = Literal["resolve", "download", "verify", "publish", "done"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,15 +20,17 @@ from typing import Self
 
 from agent._config import ConfigError, IntegritySettings, S3Settings
 from agent._exceptions import InvalidRequest, PrewarmError, SourceUnavailable
-from agent._snapshot import Snapshot, TierName
+from agent._snapshot import Snapshot
+from agent._vocabulary import DataPlaneName, PullOptions, TierName
 from agent.check.hashes import check_object_checksum
 from agent.pull.flight import Flight
 from agent.pull.staging import StagingFiles, open_staging, verify_before_publish
-from agent.pull.tuning import DataPlaneChoice, PullOptions, Tuning, tune
+from agent.pull.tuning import tune
 from agent.source.interface import ObjectSource
 from agent.source.plane import AUTO_DATA_PLANE, DataPlane, plan_ranges
 from agent.source.ranged_plane import AiobotocorePlane
 from agent.source.streamer_plane import StreamerPlane, load_streamer, streamer_unavailable
+from agent.source.transfer import Tuning
 from agent.store.store import CachedFile, CachedModel, Store
 
 __all__ = ["Puller"]
@@ -253,10 +255,10 @@ class Puller:
         """Raise InvalidRequest if a pull with these options could not start."""
         self._plane(options.data_plane or self._settings.data_plane)
 
-    def _wants_streamer(self, choice: DataPlaneChoice) -> bool:
+    def _wants_streamer(self, choice: DataPlaneName) -> bool:
         return choice == "streamer" or (choice == "auto" and AUTO_DATA_PLANE == "streamer")
 
-    def _plane(self, choice: DataPlaneChoice) -> DataPlane:
+    def _plane(self, choice: DataPlaneName) -> DataPlane:
         if not self._wants_streamer(choice):
             return self._ranged
         if self._streamer is not None:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from agent._exceptions import IntegrityError, NoSpace
 from agent._fs import remove_tree
-from agent._snapshot import Snapshot, SourceObject, TierName
+from agent._snapshot import Snapshot, SourceObject
+from agent._vocabulary import TierName
 from agent.check.hashes import ChunkHasher, combine
 from agent.check.safetensors import read_header as read_safetensors_header
 from agent.store.journal import DATA_DIR, CompletedRange, Journal, JournalHeader

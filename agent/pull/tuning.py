@@ -19,38 +19,13 @@ import math
 import os
 
 from agent._config import S3Settings
-from agent._vocabulary import DATA_PLANE_NAMES, DataPlaneName, PullOptions
+from agent._vocabulary import PullOptions
 from agent.source.transfer import (
-    STREAMER_BLOCK,
-    STREAMER_INFLIGHT_MIB,
-    STREAMER_MIN_BLOCK,
     Tuning,
     concurrency_ceiling,
-    connection_pool_size,
-    streamer_environment,
 )
 
-__all__ = [
-    "DATA_PLANE_CHOICES",
-    "GB_PER_STREAM",
-    "GETS_PER_STREAM",
-    "STREAMER_BLOCK",
-    "STREAMER_INFLIGHT_MIB",
-    "STREAMER_MIN_BLOCK",
-    "DataPlaneChoice",
-    "PullOptions",
-    "Tuning",
-    "auto_concurrency",
-    "concurrency_ceiling",
-    "connection_pool_size",
-    "streamer_environment",
-    "tune",
-]
-
-# The request's options and the data plane names are the shared vocabulary
-# (agent._vocabulary); these names stay for the pull package's callers.
-DataPlaneChoice = DataPlaneName
-DATA_PLANE_CHOICES = DATA_PLANE_NAMES
+__all__ = ["GB_PER_STREAM", "GETS_PER_STREAM", "auto_concurrency", "tune"]
 
 # Decimal gigabytes, as in the guidance (145 GB -> 37 streams).
 GB_PER_STREAM = 4 * 10**9

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent._config import parse_size_or_percent
-from agent._snapshot import TierName
+from agent._vocabulary import TierName
 
 __all__ = ["Candidate", "TierLimits", "measure_limits", "physical_memory", "pick_victims"]
 

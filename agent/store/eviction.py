@@ -15,7 +15,8 @@ from collections.abc import Iterable, Sequence
 
 from agent._config import TierSettings
 from agent._exceptions import Conflict, NoSpace
-from agent._snapshot import Snapshot, TierName
+from agent._snapshot import Snapshot
+from agent._vocabulary import TIER_NAMES, TierName
 from agent.obs.metrics import EVICTIONS
 from agent.store.budget import Candidate, TierLimits, pick_victims
 from agent.store.leases import LeaseRecord, LeaseTable
@@ -24,8 +25,6 @@ from agent.store.store import CachedModel, Store
 __all__ = ["Evictor"]
 
 log = logging.getLogger(__name__)
-
-_TIERS: tuple[TierName, TierName] = ("shm", "disk")
 
 
 class Evictor:
@@ -87,12 +86,12 @@ class Evictor:
             )
             EVICTIONS.labels(model.tier, cause).inc()
             evicted.append(model)
-        attached = [e for t in _TIERS if (e := self._store.extra(t)) is not None]
+        attached = [e for t in TIER_NAMES if (e := self._store.extra(t)) is not None]
         for extra in dict.fromkeys(attached) if extras else ():
             await extra.evict_extra(extras, reason)
         return evicted
 
-    async def enforce_watermarks(self, tiers: Sequence[TierName] = _TIERS) -> list[CachedModel]:
+    async def enforce_watermarks(self, tiers: Sequence[TierName] = TIER_NAMES) -> list[CachedModel]:
         """Above the high watermark, evict down to the low one (what can be evicted)."""
         evicted: list[CachedModel] = []
         for tier in tiers:
@@ -105,7 +104,7 @@ class Evictor:
             )
         return evicted
 
-    async def collect_garbage(self, tiers: Sequence[TierName] = _TIERS) -> list[CachedModel]:
+    async def collect_garbage(self, tiers: Sequence[TierName] = TIER_NAMES) -> list[CachedModel]:
         """A pass by hand: evict down to the low watermark, whatever the high one says."""
         evicted: list[CachedModel] = []
         for tier in tiers:

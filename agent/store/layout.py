@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from agent._fs import fsync_dir, remove_tree, retire, write_json_atomic
-from agent._snapshot import TierName
+from agent._vocabulary import TierName
 from agent.store.records import CachedFile, CachedModel, Usage
 
 __all__ = [

@@ -36,20 +36,12 @@ from dataclasses import dataclass
 from agent._exceptions import Conflict, InvalidRequest, NotFound
 
 __all__ = [
-    "HELLO_LIMIT",
-    "HELLO_TIMEOUT_SECONDS",
     "LeaseRecord",
     "LeaseTable",
     "PeerCredentials",
 ]
 
 log = logging.getLogger("agent.leases")
-
-# The lease socket's limits (agent.edge.lease_socket). The hello is one short
-# JSON line; anything longer is not a prewarm client.
-HELLO_LIMIT = 4096
-# A client that connects and says nothing must not pin a connection forever.
-HELLO_TIMEOUT_SECONDS = 5.0
 
 
 @dataclass(frozen=True, slots=True)

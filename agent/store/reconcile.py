@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent._fs import remove_tree
-from agent._snapshot import TierName
+from agent._vocabulary import TierName
 from agent.store.journal import read_header
 from agent.store.layout import SUBDIRECTORIES, read_manifest, read_usage, trash_dir
 from agent.store.records import CachedModel, Leftover, Usage

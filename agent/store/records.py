@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from agent._snapshot import TierName
+from agent._vocabulary import TierName
 from agent.store.budget import Candidate
 
 __all__ = [

@@ -20,8 +20,9 @@ from pathlib import Path
 
 from agent._exceptions import InvalidRequest, NotFound
 from agent._fs import remove_tree, retire
-from agent._snapshot import KEY_LENGTH, TierName
+from agent._snapshot import KEY_LENGTH
 from agent._uri import parse_uri
+from agent._vocabulary import TierName
 from agent.store.budget import Candidate, TierLimits, measure_limits
 from agent.store.journal import DATA_DIR, read_header
 from agent.store.layout import (

@@ -32,6 +32,18 @@ from agent.testing import (
 MiB = 1024 * 1024
 
 
+# pyproject's timeout (60 s) is for ordinary tests; one marked slow (an install into
+# a fresh prefix, a pull through injected faults) gets this much unless it names its own.
+SLOW_TEST_TIMEOUT = 300
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Give tests marked slow the longer timeout."""
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(SLOW_TEST_TIMEOUT))
+
+
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[S3Server]:
     """One S3 server for the whole session; isolate tests by bucket, not by server."""

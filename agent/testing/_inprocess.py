@@ -40,10 +40,10 @@ import grpc  # type: ignore[import-untyped,unused-ignore]
 from agent._config import Settings, load_settings
 from agent._daemon import serve
 from agent._exceptions import PrewarmError
-from agent._fs import remove_tree
 from agent.obs.logs import JsonFormatter, RequestContextFilter
 
 from ._daemon import AgentStartupError
+from ._process import purge_tree
 
 __all__ = ["InProcessAgent"]
 
@@ -225,7 +225,7 @@ class InProcessAgent:
             self.stop()
         finally:
             if self._owns_root:
-                _purge(self.root)
+                purge_tree(self.root)
 
     def __enter__(self) -> Self:
         return self.start()
@@ -347,10 +347,3 @@ class InProcessAgent:
             updates.cancel()
             channel.close()
         raise AgentStartupError("The agent's health stream ended before it said SERVING.")
-
-
-def _purge(path: Path) -> None:
-    # The store publishes read-only directories; make them writable to empty them.
-    for directory, _, _ in os.walk(path):
-        Path(directory).chmod(0o700)
-    remove_tree(path)

@@ -226,7 +226,7 @@ def test_evict_of_a_pinned_model_needs_force(
 def test_show_lists_a_lease_held_by_this_process(
     agent_daemon: AgentProcess, small_model: SampleModel
 ) -> None:
-    """`show` and `ls` list a held lease with this process's pid and uid; it is gone once released."""
+    """`show` and `ls` list a held lease with this process's pid and uid; gone once released."""
     sock = agent_daemon.socket_path
     with Client(sock) as client, client.leased(small_model.uri, client_name="ns/pod") as handle:
         assert handle.lease is not None

@@ -65,7 +65,7 @@ def test_status_code_becomes_its_error_class_with_the_agents_message(
 
 
 def test_unmapped_status_code_is_a_plain_prewarm_error(socket_path: Path) -> None:
-    """A status code outside the error tree (INTERNAL) is a plain PrewarmError carrying the message."""
+    """A status code outside the error tree (INTERNAL) is a plain PrewarmError with the message."""
     with Client(socket_path) as client, pytest.raises(PrewarmError) as info:
         client.get("fail:INTERNAL")
     assert type(info.value) is PrewarmError
@@ -137,7 +137,7 @@ def test_unknown_tier_is_refused_before_any_call(tmp_path: Path) -> None:
 
 
 async def test_async_client_streams_progress_and_maps_errors(socket_path: Path) -> None:
-    """The async client streams progress, returns handles and maps status codes like the sync one."""
+    """The async client streams progress, returns handles, maps status codes like the sync one."""
     seen: list[Progress] = []
     handle = await aensure("s3://b/m/", socket_path=socket_path, progress=seen.append)
     assert handle.tier == "shm"

@@ -126,7 +126,7 @@ def test_object_key_that_escapes_the_model_dir_is_refused(
 def test_file_and_directory_with_the_same_name_is_refused(
     start_agent: AgentFactory, s3_server: S3Server, bucket: str
 ) -> None:
-    """Keys that make one path both a file and a directory are INVALID_ARGUMENT; nothing is cached."""
+    """Keys making one path both a file and a directory: INVALID_ARGUMENT, nothing cached."""
     client = s3_server.client()
     client.put_object(Bucket=bucket, Key="m/a", Body=b"file")
     client.put_object(Bucket=bucket, Key="m/a/b", Body=b"nested")

@@ -185,7 +185,7 @@ def test_vllm_pod_mounts_socket_and_cache_read_only_at_the_host_paths() -> None:
 
 
 def test_vllm_pod_launches_through_prewarm_exec() -> None:
-    """The vLLM pod starts through prewarm exec with a valid URI and {model} in the engine's argv."""
+    """The vLLM pod starts through prewarm exec with a valid URI and {model} in its argv."""
     (pod,) = load_yaml("k8s/vllm-pod.yaml")
     (vllm,) = pod["spec"]["containers"]
     command = vllm["command"]

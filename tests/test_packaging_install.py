@@ -63,7 +63,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
 
 @pytest.mark.slow
 def test_install_script_gives_a_working_prewarmd_in_a_fresh_prefix(installed: Installed) -> None:
-    """install.sh leaves a prewarmd of this version in the prefix and links prewarm onto the PATH."""
+    """install.sh puts this version's prewarmd in the prefix and links prewarm onto the PATH."""
     version = subprocess.run(
         [installed.prefix / "bin" / "prewarmd", "--version"],
         capture_output=True,
@@ -100,7 +100,7 @@ def test_installed_daemon_serves_and_answers_its_health_probe(
 def test_installed_unit_runs_the_prefix_and_passes_systemd_analyze_verify(
     installed: Installed,
 ) -> None:
-    """The installed unit runs the prefix's prewarmd, is enabled, and passes systemd-analyze verify."""
+    """The unit runs the prefix's prewarmd, is enabled and passes systemd-analyze verify."""
     unit = installed.root / "etc/systemd/system/prewarmd.service"
     assert f"ExecStart={installed.prefix}/bin/prewarmd --config /etc/prewarm/agent.toml" in (
         unit.read_text().splitlines()

@@ -45,7 +45,7 @@ def test_put_then_get_returns_the_same_bytes(s3_client: Any, bucket: str) -> Non
 def test_ranged_get_is_recorded_with_its_range_and_byte_count(
     s3_server: S3Server, s3_client: Any, bucket: str
 ) -> None:
-    """A ranged GET lands in the request log with its key, Range header, 206 status and bytes sent."""
+    """A ranged GET lands in the request log with key, Range header, 206 status and bytes sent."""
     s3_client.put_object(Bucket=bucket, Key="w.bin", Body=b"x" * 100_000)
 
     response = s3_client.get_object(Bucket=bucket, Key="w.bin", Range="bytes=1000-5999")
@@ -61,7 +61,7 @@ def test_ranged_get_is_recorded_with_its_range_and_byte_count(
 def test_request_log_decodes_keys_and_keeps_query_and_if_match(
     s3_server: S3Server, s3_client: Any, bucket: str
 ) -> None:
-    """The log holds keys decoded to UTF-8, the query string of a listing and the If-Match header."""
+    """The log holds keys decoded to UTF-8, a listing's query string and the If-Match header."""
     etag = s3_client.put_object(Bucket=bucket, Key="dir/ünï code.bin", Body=b"1")["ETag"]
     s3_client.get_object(Bucket=bucket, Key="dir/ünï code.bin", IfMatch=etag)["Body"].read()
     s3_client.list_objects_v2(Bucket=bucket, Prefix="dir/")

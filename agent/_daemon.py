@@ -35,11 +35,17 @@ log = logging.getLogger("agent.daemon")
 
 
 async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
-    """Run the agent until ``stop`` is set (or SIGTERM/SIGINT arrives)."""
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+    """Run the agent until ``stop`` is set.
+
+    Without ``stop``, SIGTERM and SIGINT stop it (the daemon's own loop, on the
+    main thread). A caller that passes ``stop`` owns stopping, so ``serve`` can
+    run on a loop in any thread (``agent.testing.InProcessAgent``).
+    """
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
     socket_path = settings.socket_path
     tiers = settings.tiers
     notifier = SystemdNotifier.from_environment()

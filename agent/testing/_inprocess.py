@@ -8,9 +8,9 @@ calls it ready when the gRPC health service on its socket says SERVING.
 
 What differs from ``AgentProcess``, and why tests about these keep a subprocess:
 
-- No signals: they go to the main thread, so the loop ignores
-  ``add_signal_handler`` and ``stop()`` sets serve()'s stop event instead of
-  sending SIGTERM. There is no ``kill()``: a crash cannot be faked in-process.
+- No signals: they go to the main thread, so ``serve()`` is given a stop
+  event (and then installs no signal handlers) and ``stop()`` sets it instead
+  of sending SIGTERM. There is no ``kill()``: a crash cannot be faked in-process.
 - Process-global state is shared: the metrics registry (a second agent would
   register its gauges twice, and counters add up across agents), logging, and
   ``os.environ``. So only one in-process agent runs at a time
@@ -29,11 +29,11 @@ import logging
 import os
 import tempfile
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
-from typing import ClassVar, Self, TypeVarTuple, Unpack
+from typing import ClassVar, Self
 
 import grpc  # type: ignore[import-untyped,unused-ignore]
 
@@ -55,18 +55,6 @@ _CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 20),
     ("grpc.max_reconnect_backoff_ms", 250),
 ]
-
-
-_Args = TypeVarTuple("_Args")
-
-
-class _ThreadLoop(asyncio.SelectorEventLoop):
-    """An event loop for a non-main thread: signal handlers are not its to install."""
-
-    def add_signal_handler(
-        self, sig: int, callback: Callable[[Unpack[_Args]], object], *args: *_Args
-    ) -> None:
-        del sig, callback, args  # stop() does what SIGTERM/SIGINT would
 
 
 class InProcessAgent:
@@ -242,7 +230,7 @@ class InProcessAgent:
 
     def _run(self, settings: Settings) -> None:
         try:
-            with asyncio.Runner(loop_factory=_ThreadLoop) as runner:
+            with asyncio.Runner() as runner:
                 runner.run(self._serve(settings))
             self._returncode = 0
         except PrewarmError as exc:

@@ -93,6 +93,7 @@ class EnsureModelRequest(_message.Message):
     PIN_FIELD_NUMBER: _builtins.int
     STRICT_TIER_FIELD_NUMBER: _builtins.int
     PULL_OPTIONS_FIELD_NUMBER: _builtins.int
+    CACHED_ONLY_FIELD_NUMBER: _builtins.int
     uri: _builtins.str
     """s3://bucket/prefix ; the prefix is treated as a directory."""
     tier: Global___Tier.ValueType
@@ -109,6 +110,11 @@ class EnsureModelRequest(_message.Message):
     """Pin the snapshot (never evicted by pressure) once it is cached."""
     strict_tier: _builtins.bool
     """When true, do not fall back to the other tier if the hinted one is full."""
+    cached_only: _builtins.bool
+    """Answer from this node's cache with no S3 call at all: the newest cached
+    snapshot of this URI with the same include/exclude, whatever S3 holds now
+    (it may be stale). NOT_FOUND when none is cached; nothing is pulled.
+    """
     @_builtins.property
     def include(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Glob patterns on paths relative to the prefix. Empty include means "all"."""
@@ -132,10 +138,11 @@ class EnsureModelRequest(_message.Message):
         pin: _builtins.bool = ...,
         strict_tier: _builtins.bool = ...,
         pull_options: Global___PullOptions | None = ...,
+        cached_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["pull_options", b"pull_options"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_name", b"client_name", "exclude", b"exclude", "include", b"include", "lease", b"lease", "lease_ttl_seconds", b"lease_ttl_seconds", "pin", b"pin", "pull_options", b"pull_options", "strict_tier", b"strict_tier", "tier", b"tier", "uri", b"uri"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_only", b"cached_only", "client_name", b"client_name", "exclude", b"exclude", "include", b"include", "lease", b"lease", "lease_ttl_seconds", b"lease_ttl_seconds", "pin", b"pin", "pull_options", b"pull_options", "strict_tier", b"strict_tier", "tier", b"tier", "uri", b"uri"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -297,8 +304,9 @@ class ModelHandle(_message.Message):
     """True when the snapshot was already cached and no byte moved."""
     total_bytes: _builtins.int
     resolved_offline: _builtins.bool
-    """True when S3 could not be reached and the newest cached snapshot of the
-    URI was served without checking that it is still current.
+    """True when the newest cached snapshot of the URI was served without
+    checking that it is still current: S3 could not be reached, or the
+    request asked for cached_only.
     """
     resumed_bytes: _builtins.int
     """Bytes that a resumed pull did not have to fetch again."""

@@ -12,18 +12,20 @@ from pydantic import (
     BeforeValidator,
     ByteSize,
     Field,
-    PlainSerializer,
     TypeAdapter,
     ValidationError,
     model_validator,
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from agent._config_access import AccessLimits, AccessSettings, FileMode, TenantSocketSettings
 from agent._exceptions import InvalidRequest
 from agent._vocabulary import DataPlaneName, TierName
 
 __all__ = [
     "DEFAULT_CONFIG_PATH",
+    "AccessLimits",
+    "AccessSettings",
     "CompileCacheSettings",
     "ConfigError",
     "IntegritySettings",
@@ -32,6 +34,7 @@ __all__ = [
     "MetricsSettings",
     "S3Settings",
     "Settings",
+    "TenantSocketSettings",
     "TierSettings",
     "load_settings",
     "parse_size_or_percent",
@@ -46,24 +49,11 @@ class ConfigError(InvalidRequest):
     """The configuration file or a PREWARM_* variable is invalid."""
 
 
-def _parse_mode(value: object) -> object:
-    if isinstance(value, str):
-        return int(value, 8)
-    return value
-
-
 def _empty_to_none(value: object) -> object:
     return None if value == "" else value
 
 
 OptionalText = Annotated[str | None, BeforeValidator(_empty_to_none)]
-
-FileMode = Annotated[
-    int,
-    BeforeValidator(_parse_mode),
-    Field(ge=0, le=0o777),
-    PlainSerializer(lambda mode: f"{mode:04o}", return_type=str),
-]
 
 
 class S3Settings(BaseModel):
@@ -251,6 +241,7 @@ class Settings(BaseSettings):
     metrics: MetricsSettings = MetricsSettings()
     manifests: ManifestSettings = ManifestSettings()
     s3: S3Settings = S3Settings()
+    access: AccessSettings = AccessSettings()
 
     @property
     def lease_socket_path(self) -> Path:
@@ -307,18 +298,29 @@ def load_settings(config_path: Path | None = None) -> Settings:
 
 def render_toml(settings: Settings) -> str:
     """The effective settings as a TOML document that load_settings accepts."""
-    data = settings.model_dump(mode="json")
     lines: list[str] = []
-    tables: list[tuple[str, dict[str, Any]]] = []
-    for name, value in data.items():
-        if isinstance(value, dict):
-            tables.append((name, value))
-        else:
-            lines.append(_toml_line(name, value))
-    for table, values in tables:
-        lines.append(f"\n[{table}]")
-        lines.extend(_toml_line(name, value) for name, value in values.items())
-    return "\n".join(lines) + "\n"
+    _toml_table(lines, "", settings.model_dump(mode="json"))
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def _toml_table(lines: list[str], name: str, values: dict[str, Any]) -> None:
+    """Scalars first, then sub-tables, then arrays of tables (TOML's required order)."""
+    tables = {k: v for k, v in values.items() if isinstance(v, dict)}
+    arrays = {
+        k: v for k, v in values.items() if isinstance(v, list) and v and isinstance(v[0], dict)
+    }
+    lines.extend(
+        _toml_line(key, value)
+        for key, value in values.items()
+        if key not in tables and key not in arrays
+    )
+    for key, table in tables.items():
+        lines.append(f"\n[{name}{key}]")
+        _toml_table(lines, f"{name}{key}.", table)
+    for key, items in arrays.items():
+        for item in items:
+            lines.append(f"\n[[{name}{key}]]")
+            _toml_table(lines, f"{name}{key}.", item)
 
 
 def _toml_line(name: str, value: object) -> str:
@@ -328,6 +330,8 @@ def _toml_line(name: str, value: object) -> str:
 
 
 def _toml_value(value: object) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float):

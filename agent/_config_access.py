@@ -1,0 +1,98 @@
+"""The [access] section of the settings: source allowlist, tenant sockets, limits.
+
+Kept apart from agent._config only for size; agent._config re-exports it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import BaseModel, BeforeValidator, ByteSize, Field, PlainSerializer, model_validator
+
+__all__ = ["AccessLimits", "AccessSettings", "FileMode", "SourcePatterns", "TenantSocketSettings"]
+
+
+def _parse_mode(value: object) -> object:
+    if isinstance(value, str):
+        return int(value, 8)
+    return value
+
+
+FileMode = Annotated[
+    int,
+    BeforeValidator(_parse_mode),
+    Field(ge=0, le=0o777),
+    PlainSerializer(lambda mode: f"{mode:04o}", return_type=str),
+]
+
+
+def _check_source_patterns(value: object) -> object:
+    if isinstance(value, list):
+        for pattern in value:
+            if not isinstance(pattern, str) or not pattern.startswith("s3://"):
+                raise ValueError(
+                    f"{pattern!r} is not an S3 URI pattern; write e.g. 's3://models-prod/*'"
+                )
+            if len(pattern) > 1024:
+                raise ValueError(f"the source pattern {pattern[:64]!r}... is over 1024 characters")
+    return value
+
+
+# Globs on the normalised URI (s3://bucket/prefix/); a pattern without * ? [ is a prefix.
+SourcePatterns = Annotated[list[str], BeforeValidator(_check_source_patterns)]
+
+
+class AccessLimits(BaseModel):
+    """Bounds on what one request may cost; 0 means no limit."""
+
+    model_config = {"extra": "forbid"}
+
+    # Files and bytes one snapshot may hold (checked after the listing, before any GET).
+    max_files: int = Field(default=0, ge=0)
+    max_bytes: ByteSize = Field(default=ByteSize(0), ge=0)
+    # New pulls running at once; joining a pull of the same snapshot is not a new pull.
+    max_concurrent_pulls: int = Field(default=0, ge=0)
+
+
+class TenantSocketSettings(BaseModel):
+    """One tenant's socket: whoever can open it is that tenant."""
+
+    model_config = {"extra": "forbid"}
+
+    # Names the tenant in logs and errors.
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")]
+    path: Path
+    mode: FileMode = 0o660
+    # Group that owns the socket (name); empty keeps the daemon's group.
+    group: str = ""
+    # The sources this tenant may cache, within [access].sources when that is set.
+    sources: SourcePatterns = Field(default_factory=list)
+    limits: AccessLimits = AccessLimits()
+    # Each request must carry the pod's own AWS credentials; the agent checks with them
+    # that the pod may list and read the snapshot before it answers with a path.
+    requester_scoped: bool = False
+
+
+class AccessSettings(BaseModel):
+    """Who may cache what: source allowlist, tenant sockets, limits."""
+
+    model_config = {"extra": "forbid"}
+
+    # Allowed sources for every socket, manifests and compile caches. Empty allows any
+    # source (the old behaviour; the daemon warns at start).
+    sources: SourcePatterns = Field(default_factory=list)
+    # Largest request message the sockets accept.
+    max_request_bytes: ByteSize = Field(default=ByteSize(256 * 1024), ge=1024, le=4 * 1024**2)
+    # Limits for the whole agent (max_concurrent_pulls counts every socket's pulls).
+    limits: AccessLimits = AccessLimits()
+    # Per-tenant sockets; none: the one API socket (socket_path) serves everyone.
+    sockets: list[TenantSocketSettings] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _distinct_sockets(self) -> AccessSettings:
+        names = [s.name for s in self.sockets]
+        paths = [s.path for s in self.sockets]
+        if len(set(names)) != len(names) or len(set(paths)) != len(paths):
+            raise ValueError("each [[access.sockets]] entry needs its own name and path")
+        return self

@@ -94,6 +94,7 @@ class EnsureModelRequest(_message.Message):
     STRICT_TIER_FIELD_NUMBER: _builtins.int
     PULL_OPTIONS_FIELD_NUMBER: _builtins.int
     CACHED_ONLY_FIELD_NUMBER: _builtins.int
+    REQUESTER_CREDENTIALS_FIELD_NUMBER: _builtins.int
     uri: _builtins.str
     """s3://bucket/prefix ; the prefix is treated as a directory."""
     tier: Global___Tier.ValueType
@@ -125,6 +126,13 @@ class EnsureModelRequest(_message.Message):
     def pull_options(self) -> Global___PullOptions:
         """Overrides of the agent's data-plane settings for this pull."""
 
+    @_builtins.property
+    def requester_credentials(self) -> Global___RequesterCredentials:
+        """The calling pod's own AWS credentials, for sockets with requester-scoped
+        access: the agent lists and HEADs the snapshot with them on every request
+        and answers only if they may read it. Never logged or stored.
+        """
+
     def __init__(
         self,
         *,
@@ -139,14 +147,43 @@ class EnsureModelRequest(_message.Message):
         strict_tier: _builtins.bool = ...,
         pull_options: Global___PullOptions | None = ...,
         cached_only: _builtins.bool = ...,
+        requester_credentials: Global___RequesterCredentials | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["pull_options", b"pull_options"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pull_options", b"pull_options", "requester_credentials", b"requester_credentials"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_only", b"cached_only", "client_name", b"client_name", "exclude", b"exclude", "include", b"include", "lease", b"lease", "lease_ttl_seconds", b"lease_ttl_seconds", "pin", b"pin", "pull_options", b"pull_options", "strict_tier", b"strict_tier", "tier", b"tier", "uri", b"uri"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_only", b"cached_only", "client_name", b"client_name", "exclude", b"exclude", "include", b"include", "lease", b"lease", "lease_ttl_seconds", b"lease_ttl_seconds", "pin", b"pin", "pull_options", b"pull_options", "requester_credentials", b"requester_credentials", "strict_tier", b"strict_tier", "tier", b"tier", "uri", b"uri"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EnsureModelRequest: _TypeAlias = EnsureModelRequest  # noqa: Y015
+
+@_typing.final
+class RequesterCredentials(_message.Message):
+    """Temporary or long-term AWS credentials (botocore's standard chain in the pod)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACCESS_KEY_ID_FIELD_NUMBER: _builtins.int
+    SECRET_ACCESS_KEY_FIELD_NUMBER: _builtins.int
+    SESSION_TOKEN_FIELD_NUMBER: _builtins.int
+    access_key_id: _builtins.str
+    secret_access_key: _builtins.str
+    session_token: _builtins.str
+    """Empty for long-term keys."""
+    def __init__(
+        self,
+        *,
+        access_key_id: _builtins.str = ...,
+        secret_access_key: _builtins.str = ...,
+        session_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["access_key_id", b"access_key_id", "secret_access_key", b"secret_access_key", "session_token", b"session_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RequesterCredentials: _TypeAlias = RequesterCredentials  # noqa: Y015
 
 @_typing.final
 class PullOptions(_message.Message):

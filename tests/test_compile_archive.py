@@ -47,7 +47,7 @@ def _archive(members: list[tuple[tarfile.TarInfo, bytes]]) -> bytes:
 
 
 def test_a_packed_directory_unpacks_to_the_same_artifacts_elsewhere(tmp_path: Path) -> None:
-    """Pack then unpack keeps the artifacts (modes, symlinks) and drops locks and temporaries."""
+    """Pack then unpack keeps the artifacts (modes) and drops links, locks and temporaries."""
     source = _cache_dir(tmp_path)
     archive = tmp_path / "c.tar.zst"
     packed = pack(source, archive)
@@ -56,12 +56,11 @@ def test_a_packed_directory_unpacks_to_the_same_artifacts_elsewhere(tmp_path: Pa
     unpacked = unpack(archive, dest, expected_digest=packed.digest, max_bytes=NO_LIMIT)
     assert unpacked.digest == packed.digest == content_digest(source).digest
     assert sorted(tree_digest(dest)) == [
-        "inductor/cq/alias.so",
         "inductor/cq/kernel.so",
         "inductor/fxgraph/ab/entry",
     ]
     assert (dest / "inductor" / "cq" / "kernel.so").stat().st_mode & 0o111
-    assert (dest / "inductor" / "cq" / "alias.so").readlink() == Path("kernel.so")
+    assert not (dest / "inductor" / "cq" / "alias.so").exists()
 
 
 def test_lock_and_temporary_files_do_not_change_the_digest(tmp_path: Path) -> None:
@@ -111,15 +110,19 @@ def _member(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile
     [
         (_member("/etc/cron.d/evil"), "absolute"),
         (_member("inductor/../../evil"), "'..'"),
-        (_member("inductor/out", tarfile.SYMTYPE, "../../etc"), "links outside"),
-        (_member("inductor/abs", tarfile.SYMTYPE, "/etc/passwd"), "links outside"),
+        (_member("inductor/out", tarfile.SYMTYPE, "../../etc"), "symbolic link"),
+        (_member("inductor/abs", tarfile.SYMTYPE, "/etc/passwd"), "symbolic link"),
+        (_member("inductor/in", tarfile.SYMTYPE, "sibling"), "symbolic link"),
+        (_member("inductor/" + "n" * 256), "over 255 bytes"),
+        (_member("inductor/" + "é" * 128), "over 255 bytes"),
+        (_member("/".join(["d" * 200] * 21)), "over 4096 bytes"),
         (_member("inductor/hard", tarfile.LNKTYPE, "inductor/x"), "hard link"),
         (_member("inductor/null", tarfile.CHRTYPE), "device"),
         (_member("inductor/fifo", tarfile.FIFOTYPE), "device, FIFO"),
     ],
 )
 def test_unsafe_members_are_refused(tmp_path: Path, member: tarfile.TarInfo, why: str) -> None:
-    """Absolute paths, "..", outward or hard links and devices are refused; nothing escapes."""
+    """Absolute paths, "..", any link, over-long names and devices are refused; nothing escapes."""
     archive = tmp_path / "evil.tar.zst"
     archive.write_bytes(_archive([(member, b"x")]))
     dest = tmp_path / "dest"
@@ -132,7 +135,7 @@ def test_unsafe_members_are_refused(tmp_path: Path, member: tarfile.TarInfo, why
 
 
 def test_nothing_is_written_through_a_link_inside_the_archive(tmp_path: Path) -> None:
-    """A member under a symlink the archive itself made is refused, not written through it."""
+    """A link the archive itself makes is refused before anything can be written through it."""
     archive = tmp_path / "evil.tar.zst"
     archive.write_bytes(
         _archive(
@@ -145,8 +148,9 @@ def test_nothing_is_written_through_a_link_inside_the_archive(tmp_path: Path) ->
     )
     dest = tmp_path / "dest"
     dest.mkdir()
-    with pytest.raises(IntegrityError, match="under a link"):
+    with pytest.raises(IntegrityError, match="member 'link' is a symbolic link"):
         unpack(archive, dest, expected_digest="sha256:x", max_bytes=NO_LIMIT)
+    assert not (dest / "sub" / "file").exists()
 
 
 def test_an_archive_bigger_than_the_room_left_is_refused(tmp_path: Path) -> None:

@@ -10,21 +10,26 @@ The digest covers each kept file's relative path, kind, executable bit, size
 and sha256, in path order: it is the same for the same content wherever the
 directory lives, and it is what an uploaded archive is named and checked by.
 
-Unpacking trusts nothing in the archive. Refused, with IntegrityError: absolute
-paths, ``..`` components, links that point outside the directory (or anything
-written through a link), hard links, devices, FIFOs, more bytes than allowed,
-and content whose digest differs from the one expected (a truncated or
-corrupt archive). Everything runs in worker threads; nothing here is async.
+Archives hold regular files and directories only. Packing skips symbolic
+links (a link is no compiled artifact, and one pod's link must never reach
+every node). Unpacking trusts nothing in the archive. Refused, with
+IntegrityError naming the member: any link (symbolic or hard), absolute paths,
+``..`` components, a name component over 255 bytes or a path over 4096,
+devices, FIFOs, more bytes than allowed, and content whose digest differs from
+the one expected (a truncated or corrupt archive). A full disk while unpacking
+is NoSpace. Everything runs in worker threads; nothing here is async; an
+unpack stops at its next block once its ``cancel`` event is set.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
-import posixpath
 import re
 import stat
 import tarfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,11 +37,13 @@ from typing import IO
 
 import zstandard
 
-from agent._exceptions import IntegrityError, PrewarmError
+from agent._exceptions import IntegrityError, NoSpace, PrewarmError
+from agent.compile.frames import FrameReader
 
 __all__ = [
     "ChangedDuringPack",
     "PackResult",
+    "UnpackCancelled",
     "UnpackResult",
     "content_digest",
     "is_ignored",
@@ -48,16 +55,21 @@ __all__ = [
 DIGEST_PREFIX = "sha256:"
 _DIGEST_SALT = b"prewarm-compile-cache-v1\n"
 _COPY_BLOCK = 1024 * 1024
-# Compressed bytes fed to the decompressor at a time (see _FrameReader).
-_INPUT_BLOCK = 1024
 _ZSTD_LEVEL = 3
 _TEMPFILE_NAME = re.compile(r"^tmp[a-z0-9_]{8}$")
 _IGNORED_SUFFIXES = (".lock", ".tmp", ".temp", ".partial", ".part", ".swp", "~")
 _IGNORED_NAMES = frozenset({"__pycache__"})
+# Linux's limits (NAME_MAX, PATH_MAX): a longer member name could never be created.
+_MAX_NAME_BYTES = 255
+_MAX_PATH_BYTES = 4096
 
 
 class ChangedDuringPack(PrewarmError):
     """A file changed (or vanished) while the directory was being packed; pack again later."""
+
+
+class UnpackCancelled(PrewarmError):
+    """The caller stopped an unpack (its restore timed out or was cancelled)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +91,7 @@ class UnpackResult:
 @dataclass(frozen=True, slots=True)
 class _Entry:
     path: str  # relative, with "/" separators
-    kind: str  # "f" (regular file) or "l" (symbolic link)
+    kind: str  # "f" (regular file); the digest format leaves room for other kinds
     executable: bool
     size: int
     content: str  # sha256 of the bytes, or the link's target
@@ -108,7 +120,10 @@ def _digest_of(entries: list[_Entry]) -> str:
 
 
 def walk_artifacts(directory: Path) -> Iterator[tuple[str, os.DirEntry[str]]]:
-    """Every kept file and link under ``directory``, never following links, in path order."""
+    """Every kept regular file under ``directory``, never following links, in path order.
+
+    Symbolic links are not artifacts: they are neither packed nor counted.
+    """
     pending = [""]
     while pending:
         prefix = pending.pop()
@@ -124,16 +139,9 @@ def walk_artifacts(directory: Path) -> Iterator[tuple[str, os.DirEntry[str]]]:
                 continue
             if item.is_dir(follow_symlinks=False):
                 children.append(relative)
-            elif item.is_file(follow_symlinks=False) or item.is_symlink():
+            elif item.is_file(follow_symlinks=False):
                 yield relative, item
         pending.extend(reversed(children))
-
-
-def _link_target_inside(relative: str, target: str) -> bool:
-    if not target or target.startswith("/") or "\x00" in target:
-        return False
-    resolved = posixpath.normpath(posixpath.join(posixpath.dirname(relative), target))
-    return resolved != ".." and not resolved.startswith("../")
 
 
 class _HashingReader:
@@ -198,17 +206,8 @@ def pack(directory: Path, archive: Path) -> PackResult:
             compressor.stream_writer(raw, closefd=False) as compressed,
             tarfile.open(fileobj=compressed, mode="w|", format=tarfile.PAX_FORMAT) as tar,
         ):
-            for relative, item in walk_artifacts(directory):
-                if item.is_symlink():
-                    target = str(Path(item.path).readlink())
-                    if not _link_target_inside(relative, target):
-                        continue  # a link out of the cache is no artifact of it
-                    info = _tar_info(relative, mode=0o777)
-                    info.type, info.linkname = tarfile.SYMTYPE, target
-                    tar.addfile(info)
-                    entries.append(_Entry(relative, "l", False, 0, target))
-                else:
-                    entries.append(_pack_file(tar, directory, relative))
+            for relative, _ in walk_artifacts(directory):
+                entries.append(_pack_file(tar, directory, relative))
         raw.flush()
         os.fsync(raw.fileno())
         archive_bytes = raw.tell()
@@ -224,21 +223,17 @@ def content_digest(directory: Path) -> PackResult:
     """The digest ``pack`` would give, without writing an archive."""
     entries: list[_Entry] = []
     for relative, item in walk_artifacts(directory):
-        if item.is_symlink():
-            target = str(Path(item.path).readlink())
-            if _link_target_inside(relative, target):
-                entries.append(_Entry(relative, "l", False, 0, target))
-            continue
         hasher = hashlib.sha256()
         try:
-            with open(item.path, "rb") as handle:  # noqa: PTH123 - DirEntry path
+            fd = os.open(item.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as handle:
                 size = 0
                 while block := handle.read(_COPY_BLOCK):
                     hasher.update(block)
                     size += len(block)
                 executable = bool(os.fstat(handle.fileno()).st_mode & 0o111)
-        except FileNotFoundError as exc:
-            raise ChangedDuringPack(f"{relative} went away while hashing.") from exc
+        except OSError as exc:  # gone, or replaced by a link since the walk
+            raise ChangedDuringPack(f"{relative} went away while hashing ({exc}).") from exc
         entries.append(_Entry(relative, "f", executable, size, hasher.hexdigest()))
     return PackResult(_digest_of(entries), len(entries), sum(e.size for e in entries), 0)
 
@@ -258,37 +253,42 @@ def _safe_member_name(archive: Path, name: str) -> str:
     parts = [p for p in name.split("/") if p not in ("", ".")]
     if not parts or ".." in parts:
         raise _refuse(archive, name, "has a '..' component")
+    encoded = [os.fsencode(p) for p in parts]
+    if any(len(p) > _MAX_NAME_BYTES for p in encoded):
+        raise _refuse(archive, name[:300], f"has a name component over {_MAX_NAME_BYTES} bytes")
+    if sum(len(p) + 1 for p in encoded) > _MAX_PATH_BYTES:
+        raise _refuse(archive, name[:300], f"has a path over {_MAX_PATH_BYTES} bytes")
     return "/".join(parts)
 
 
 class _Extractor:
-    def __init__(self, archive: Path, dest: Path, max_bytes: int) -> None:
+    def __init__(
+        self, archive: Path, dest: Path, max_bytes: int, cancel: threading.Event | None
+    ) -> None:
         self.archive = archive
         self.dest = dest
         self.max_bytes = max_bytes
+        self.cancel = cancel
         self.entries: list[_Entry] = []
-        self.links: set[str] = set()
         self.written = 0
 
+    def check_cancelled(self) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            raise UnpackCancelled(f"Unpacking {self.archive.name} was stopped by its caller.")
+
     def member(self, tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:
+        self.check_cancelled()
         name = _safe_member_name(self.archive, member.name)
-        parents = name.split("/")[:-1]
-        if any("/".join(parents[: i + 1]) in self.links for i in range(len(parents))):
-            raise _refuse(self.archive, member.name, "lies under a link")
         target = self.dest / name
         if member.isdir():
             target.mkdir(parents=True, exist_ok=True)
         elif member.isreg():
             self._file(tar, member, name, target)
         elif member.issym():
-            if not _link_target_inside(name, member.linkname):
-                raise _refuse(self.archive, member.name, f"links outside ({member.linkname!r})")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.symlink_to(member.linkname)
-            self.links.add(name)
-            self.entries.append(_Entry(name, "l", False, 0, member.linkname))
+            # Nothing is ever packed as a link; one here was put in by hand.
+            raise _refuse(self.archive, member.name, "is a symbolic link (archives hold no links)")
         elif member.islnk():
-            raise _refuse(self.archive, member.name, "is a hard link")
+            raise _refuse(self.archive, member.name, "is a hard link (archives hold no links)")
         else:
             raise _refuse(self.archive, member.name, "is a device, FIFO or other special file")
 
@@ -310,66 +310,31 @@ class _Extractor:
         hasher = hashlib.sha256()
         with os.fdopen(os.open(target, flags, 0o755 if executable else 0o644), "wb") as out:
             while block := source.read(_COPY_BLOCK):
+                self.check_cancelled()
                 hasher.update(block)
                 out.write(block)
         self.entries.append(_Entry(name, "f", executable, member.size, hasher.hexdigest()))
 
 
-class _FrameReader:
-    """Decompresses one zstd frame for tarfile, refusing input that ends before the frame.
-
-    zstandard's stream reader returns a short read, not an error, when the
-    input stops mid-frame; this reader says so. Input goes in small blocks,
-    so even a pathological archive expands by a bounded amount per step.
-    """
-
-    def __init__(self, raw: IO[bytes], archive: Path) -> None:
-        self._raw = raw
-        self._archive = archive
-        self._frame = zstandard.ZstdDecompressor().decompressobj()
-        self._buffer = bytearray()
-        self._ended = False
-
-    def read(self, amount: int = -1) -> bytes:
-        while not self._ended and (amount < 0 or len(self._buffer) < amount):
-            block = self._raw.read(_INPUT_BLOCK)
-            if not block:
-                if not self._frame.eof:
-                    raise IntegrityError(
-                        f"Compile-cache archive {self._archive.name} ends mid-stream: it is "
-                        "truncated.",
-                        path=self._archive.name,
-                        check="archive",
-                    )
-                self._ended = True
-                break
-            self._buffer += self._frame.decompress(block)
-            if self._frame.eof:
-                if self._frame.unused_data or self._raw.read(1):
-                    raise IntegrityError(
-                        f"Compile-cache archive {self._archive.name} has data after its end.",
-                        path=self._archive.name,
-                        check="archive",
-                    )
-                self._ended = True
-        if amount < 0:
-            amount = len(self._buffer)
-        data = bytes(self._buffer[:amount])
-        del self._buffer[:amount]
-        return data
-
-
-def unpack(archive: Path, dest: Path, *, expected_digest: str, max_bytes: int) -> UnpackResult:
+def unpack(
+    archive: Path,
+    dest: Path,
+    *,
+    expected_digest: str,
+    max_bytes: int,
+    cancel: threading.Event | None = None,
+) -> UnpackResult:
     """Extract ``archive`` into the empty directory ``dest`` and check its digest.
 
     Raises IntegrityError (check "unsafe-archive", "archive", "digest" or
     "size") when the archive is unsafe, unreadable, truncated or not what was
-    expected; ``dest`` then holds a partial extraction for the caller to remove.
+    expected, NoSpace when the disk fills, UnpackCancelled once ``cancel`` is
+    set; ``dest`` then holds a partial extraction for the caller to remove.
     """
-    extractor = _Extractor(archive, dest, max_bytes)
+    extractor = _Extractor(archive, dest, max_bytes, cancel)
     try:
         with archive.open("rb") as raw:
-            stream = _FrameReader(raw, archive)
+            stream = FrameReader(raw, archive)
             with tarfile.open(fileobj=stream, mode="r|") as tar:  # type: ignore[call-overload]
                 for member in tar:
                     extractor.member(tar, member)
@@ -377,7 +342,9 @@ def unpack(archive: Path, dest: Path, *, expected_digest: str, max_bytes: int) -
             while stream.read(_COPY_BLOCK):
                 pass
     except FileExistsError as exc:
-        raise _refuse(archive, exc.filename or "?", "appears twice") from exc
+        raise _refuse(archive, str(exc.filename or "?"), "appears twice") from exc
+    except OSError as exc:
+        raise _unpack_os_error(archive, exc) from exc
     except (tarfile.TarError, zstandard.ZstdError, EOFError) as exc:
         raise IntegrityError(
             f"Compile-cache archive {archive.name} is corrupt or truncated ({exc}).",
@@ -393,3 +360,19 @@ def unpack(archive: Path, dest: Path, *, expected_digest: str, max_bytes: int) -
             check="digest",
         )
     return UnpackResult(digest, len(extractor.entries), sum(e.size for e in extractor.entries))
+
+
+def _unpack_os_error(archive: Path, exc: OSError) -> PrewarmError:
+    """What a failed write while unpacking means to the caller: a full disk, or a bad archive."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return NoSpace(
+            f"The disk filled while unpacking compile-cache archive {archive.name}; free space "
+            "on the disk tier (or lower its budget) and try again."
+        )
+    member = str(exc.filename or archive.name)
+    return IntegrityError(
+        f"Refused compile-cache archive {archive.name}: member {member[:300]!r} cannot be "
+        f"created ({os.strerror(exc.errno or 0)}). The archive was not extracted.",
+        path=member[:300],
+        check="unsafe-archive",
+    )

@@ -168,12 +168,14 @@ class CompileCaches:
             f"restored in {seconds:.2f} s" if fetched else f"new ({note})",
             extra={"key": key, "client": client_name, "restored": fetched is not None},
         )
-        return self._ensured(key, record, restored=fetched is not None, seconds=seconds, note=note)
+        return await self._ensured(
+            key, record, restored=fetched is not None, seconds=seconds, note=note
+        )
 
     async def _hit(self, key: str, record: CacheRecord) -> EnsuredCompileCache:
         record.last_used = time.time()
         await self._index.save(key, record, strict=False)
-        return self._ensured(key, record, restored=False, seconds=0.0, note="")
+        return await self._ensured(key, record, restored=False, seconds=0.0, note="")
 
     async def pull(self, ref: str) -> EnsuredCompileCache:
         """Restore a key from S3 now, replacing the local directory; errors are raised."""
@@ -203,7 +205,7 @@ class CompileCaches:
             seconds = time.monotonic() - started
             COMPILE_CACHE_PHASE_SECONDS.labels("restore").observe(seconds)
             record = await self._publish(key, parts, fetched)
-        return self._ensured(key, record, restored=True, seconds=seconds, note="")
+        return await self._ensured(key, record, restored=True, seconds=seconds, note="")
 
     async def push(self, ref: str) -> PushOutcome:
         """Pack and upload a key now (skipped when S3 already has the same content)."""
@@ -280,10 +282,11 @@ class CompileCaches:
                 return key  # not on this node yet; pull may bring it
             raise
 
-    def _ensured(
+    async def _ensured(
         self, key: str, record: CacheRecord, *, restored: bool, seconds: float, note: str
     ) -> EnsuredCompileCache:
         env = engine_env(record.parts.engine, self._index.directory(key), key)
+        env = await self._index.checked_env(key, env)
         info = self._index.info(key, record)
         return EnsuredCompileCache(info, env, restored, seconds, note)
 
@@ -334,5 +337,7 @@ class CompileCaches:
         log.info("evicted compile cache %s: %s", key, reason, extra={"key": key})
 
     def _room(self) -> int:
+        """Bytes a restore may add: within both the disk budget and the free space."""
         limits = self._store.limits("disk")
-        return max(0, limits.fs_free_bytes - limits.reserve_bytes)
+        within_budget = limits.budget_bytes - self._store.used_bytes("disk")
+        return max(0, min(limits.fs_free_bytes - limits.reserve_bytes, within_budget))

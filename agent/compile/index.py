@@ -19,13 +19,14 @@ import json
 import logging
 import os
 import secrets
+import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent._exceptions import InvalidRequest
+from agent._exceptions import IntegrityError, InvalidRequest
 from agent._fs import remove_tree, retire, write_json_atomic
 from agent.compile.archive import walk_artifacts
 from agent.compile.keys import (
@@ -161,6 +162,16 @@ class CacheIndex:
         await self.measure(key, record)
         self._records[key] = record
 
+    async def checked_env(self, key: str, env: dict[str, str]) -> dict[str, str]:
+        """``env`` once every directory it names is a real directory inside ``key``'s.
+
+        A pod can write into its key directory, so a link (or a file) may sit
+        where a sub-cache directory belongs; it is replaced by an empty
+        directory and logged. Raises IntegrityError if a path still resolves
+        outside the key directory.
+        """
+        return await asyncio.to_thread(_checked_env, self.directory(key), env)
+
     async def remove(self, key: str) -> None:
         """Forget ``key`` and delete its record and directory."""
         self._records.pop(key, None)
@@ -197,10 +208,55 @@ def _place(staging: Path, final: Path, engine: str) -> None:
     # mounts the directory read-only for a sub-process still find them.
     subdirs = {"torch": ("inductor", "triton"), "sglang": ("inductor", "triton", "sglang")}
     for sub in subdirs.get(engine, ("inductor", "triton", "vllm")):
-        (staging / sub).mkdir(exist_ok=True)
+        _make_real_directory(staging, sub)
     if final.exists():  # left behind without a record; never handed out, safe to replace
         remove_tree(final)
     staging.rename(final)
+
+
+def _make_real_directory(base: Path, relative: str) -> bool:
+    """Make ``base/relative`` a directory, replacing links and files on the way; True if any."""
+    replaced = False
+    current = base
+    for part in Path(relative).parts:
+        current = current / part
+        try:
+            mode = current.lstat().st_mode
+        except FileNotFoundError:
+            current.mkdir()
+            continue
+        if stat.S_ISDIR(mode):
+            continue
+        # A link (dangling or not) or a file where a directory belongs: never follow it.
+        current.unlink()
+        current.mkdir()
+        replaced = True
+    return replaced
+
+
+def _checked_env(directory: Path, env: dict[str, str]) -> dict[str, str]:
+    real_directory = os.path.realpath(directory)
+    if directory.is_symlink():
+        raise IntegrityError(
+            f"Compile-cache directory {directory} is a link; the agent hands out no path through "
+            "a link. Evict the key (`prewarm compile evict`) and ask again.",
+            path=str(directory),
+            check="link",
+        )
+    prefix = str(directory) + os.sep
+    for name, value in env.items():
+        if not value.startswith(prefix):
+            continue  # not a path (a key tag, a size)
+        if _make_real_directory(directory, value.removeprefix(prefix)):
+            log.warning("replaced a link or file at %s (%s) with an empty directory", value, name)
+        if not os.path.realpath(value).startswith(real_directory + os.sep):
+            raise IntegrityError(
+                f"{name}={value} resolves outside its compile-cache directory; refused. Evict "
+                "the key (`prewarm compile evict`) and ask again.",
+                path=value,
+                check="link",
+            )
+    return env
 
 
 def _remove(root: Path, key: str) -> None:

@@ -10,13 +10,15 @@ key's lock around both.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent._exceptions import Conflict, IntegrityError, InvalidRequest, PrewarmError
+from agent._exceptions import Conflict, IntegrityError, InvalidRequest, NoSpace, PrewarmError
 from agent.compile.archive import ChangedDuringPack, content_digest, pack, unpack
 from agent.compile.index import CacheIndex, CacheRecord
 from agent.compile.keys import (
@@ -119,18 +121,13 @@ class CompileCacheTransfer:
             pointer = await self._remote.read_pointer(key)
             if pointer is None:
                 return None
+            self._check_room(pointer)
             staging = self._index.scratch(key)
             archive = staging.with_name(f"{staging.name}.tar.zst")
             try:
                 await self._remote.download(pointer, archive)
                 await asyncio.to_thread(staging.mkdir)
-                await asyncio.to_thread(
-                    unpack,
-                    archive,
-                    staging,
-                    expected_digest=pointer.digest,
-                    max_bytes=self._room(),
-                )
+                await _unpack_cancellable(archive, staging, pointer.digest, self._room())
             except ArchiveGone:
                 await self._index.discard(staging)
                 continue  # superseded while we read the pointer: read it again
@@ -144,6 +141,17 @@ class CompileCacheTransfer:
             f"The compile-cache archive of {key} kept being replaced while it was read; "
             "another node is uploading it. Try again."
         )
+
+    def _check_room(self, pointer: Pointer) -> None:
+        """Refuse, before any download, an archive that with its content would not fit."""
+        needed = pointer.archive_bytes + pointer.content_bytes
+        room = self._room()
+        if needed > room:
+            raise NoSpace(
+                f"The compile-cache archive of {pointer.key} needs {needed} bytes on the disk "
+                f"tier (archive and content); only {room} are free within its budget and "
+                "reserve. Free space or raise tiers.disk budget; the pod starts cold meanwhile."
+            )
 
     async def upload(self, key: str, record: CacheRecord) -> PushOutcome:
         """Pack and upload ``key`` unless S3 (as far as we know) has the same content."""
@@ -181,6 +189,28 @@ class CompileCacheTransfer:
             packed.archive_bytes if outcome.uploaded else 0,
             outcome.reason,
         )
+
+
+async def _unpack_cancellable(archive: Path, dest: Path, digest: str, max_bytes: int) -> None:
+    """Unpack in a worker thread that stops when the caller is cancelled (a timed-out restore).
+
+    A thread cannot be killed: on cancellation the unpack is told to stop and
+    awaited (it stops at its next block), so nothing keeps writing into
+    ``.tmp/`` after the caller has moved on.
+    """
+    cancel = threading.Event()
+    work = asyncio.ensure_future(
+        asyncio.to_thread(
+            unpack, archive, dest, expected_digest=digest, max_bytes=max_bytes, cancel=cancel
+        )
+    )
+    try:
+        await asyncio.shield(work)
+    except asyncio.CancelledError:
+        cancel.set()
+        with contextlib.suppress(Exception):  # stopped: how it ended no longer matters
+            await asyncio.shield(work)
+        raise
 
 
 def parts_of(pointer: Pointer) -> CompileKeyParts:

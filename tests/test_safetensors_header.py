@@ -295,7 +295,7 @@ def test_overlapping_tensors_are_refused(tmp_path: Path) -> None:
     }
     path = _write(tmp_path / "x.safetensors", header, bytes(20))
     message = str(_refused(path))
-    assert "tensors 'a' (bytes 0-16) and 'b' (bytes 12-20) overlap" in message
+    assert "tensor 'b' (bytes 12-20) overlaps the end of tensor 'a' (bytes 0-16)" in message
 
 
 def test_tensor_inside_another_is_refused(tmp_path: Path) -> None:
@@ -308,15 +308,20 @@ def test_tensor_inside_another_is_refused(tmp_path: Path) -> None:
     assert "overlap" in str(_refused(path))
 
 
-def test_empty_tensors_never_overlap(tmp_path: Path) -> None:
-    """Zero-length tensors at any offset never count as overlapping."""
+def test_empty_tensors_sit_between_others_not_inside_them(tmp_path: Path) -> None:
+    """Zero-length tensors are accepted at a boundary; one inside another is an invalid offset,
+    as the library says.
+    """
     header = {
         "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
-        "e1": {"dtype": "F32", "shape": [0], "data_offsets": [8, 8]},
+        "e1": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]},
         "e2": {"dtype": "F32", "shape": [0, 3], "data_offsets": [16, 16]},
     }
     path = _write(tmp_path / "x.safetensors", header, bytes(16))
     assert set(read_header(path).tensors) == {"a", "e1", "e2"}
+    header["e1"]["data_offsets"] = [8, 8]
+    path = _write(tmp_path / "y.safetensors", header, bytes(16))
+    assert "invalid offset: tensor 'e1'" in str(_refused(path))
 
 
 def test_adjacent_tensors_do_not_overlap(tmp_path: Path) -> None:

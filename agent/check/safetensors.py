@@ -5,7 +5,12 @@ The format is an 8-byte little-endian header length N, N bytes of UTF-8 JSON
 an optional ``__metadata__`` str -> str map), then the data section. A file
 that passes ``read_header`` can be mapped tensor by tensor without reading
 outside the file or aliasing two tensors' bytes; it says nothing about the
-values themselves (that is the content hash's job).
+values themselves (that is the content hash's job). The rules are the
+safetensors library's own (0.8), so a file published here is one the library
+loads: sorted by offsets, the tensors tile the data section from its first byte
+to its last, with no gap, no overlap and nothing after the last tensor, and
+every size fits in 64 bits. (Stricter in one place: a tensor named twice is
+refused, where the library keeps one of the two silently.)
 
 Both the agent (before publishing a snapshot) and the client's
 ``load_safetensors`` use this module, so it must import nothing outside the
@@ -15,7 +20,6 @@ standard library: the client runs in pods that have no xxhash, numpy or torch.
 from __future__ import annotations
 
 import json
-import math
 import mmap
 import os
 from collections.abc import Mapping
@@ -75,6 +79,11 @@ DTYPE_BITS: Mapping[str, int] = MappingProxyType(
 
 _LENGTH_FIELD = 8
 _METADATA_KEY = "__metadata__"
+# Offsets and shapes are usize in the library; anything larger is refused there.
+_MAX_COUNT = 2**64 - 1
+# The most digits a JSON integer may have before it is even converted: 2**64 has
+# 20, and converting a 5,000-digit literal is refused by Python (and slow).
+_MAX_INT_DIGITS = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,17 +199,21 @@ def _parse(raw: bytes, size: int, path: str) -> SafetensorsHeader:
     except UnicodeDecodeError as exc:
         _fail(path, f"the header is not valid JSON: it is not UTF-8 ({exc})", exc)
     try:
-        header = json.loads(text, object_pairs_hook=_no_duplicate_keys)
-    except (json.JSONDecodeError, _DuplicateKeyError) as exc:
-        _fail(path, f"the header is not valid JSON ({exc})", exc)
+        header = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_int=_bounded_int)
+    except RecursionError as exc:
+        # Hostile headers nest arrays thousands deep; no real header nests past 3.
+        _fail(path, "the header is not a safetensors header: its JSON is nested too deep", exc)
+    except ValueError as exc:  # JSONDecodeError, a duplicate key, an oversized integer
+        _fail(path, f"the header is not valid JSON ({str(exc)[:200]})", exc)
     if not isinstance(header, dict):
         _fail(path, f"the header is a JSON {type(header).__name__}, not a JSON object")
 
     data_start = _LENGTH_FIELD + length
     data_size = size - data_start
-    metadata = _metadata(path, header.pop(_METADATA_KEY, {}))
+    # The library reads `"__metadata__": null` as no metadata.
+    metadata = _metadata(path, header.pop(_METADATA_KEY, None) or {})
     tensors = {name: _tensor(path, name, entry, data_size) for name, entry in header.items()}
-    _check_no_overlap(path, tensors)
+    _check_contiguous(path, tensors, data_size)
     return SafetensorsHeader(
         header_length=length,
         data_start=data_start,
@@ -212,6 +225,15 @@ def _parse(raw: bytes, size: int, path: str) -> SafetensorsHeader:
 
 class _DuplicateKeyError(ValueError):
     pass
+
+
+def _bounded_int(literal: str) -> int:
+    digits = len(literal.lstrip("-"))
+    if digits > _MAX_INT_DIGITS:
+        raise ValueError(
+            f"an integer of {digits} digits, more than any 64-bit size or offset can have"
+        )
+    return int(literal)
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -260,7 +282,9 @@ def _tensor(path: str, name: str, entry: object, data_size: int) -> TensorSpec:
             f"{where} has data_offsets {offsets!r}, outside the {data_size}-byte data "
             "section (the file is truncated or corrupt)",
         )
-    bits = math.prod(shape) * DTYPE_BITS[dtype]
+    bits = _bit_size(shape, DTYPE_BITS[dtype])
+    if bits is None:
+        _fail(path, f"{where} has shape {_short(shape)}, whose size does not fit in 64 bits")
     if bits % 8 or end - begin != bits // 8:
         need = f"{bits // 8}" if bits % 8 == 0 else f"{bits / 8} (not a whole number of)"
         _fail(
@@ -271,26 +295,52 @@ def _tensor(path: str, name: str, entry: object, data_size: int) -> TensorSpec:
     return TensorSpec(dtype=dtype, shape=tuple(shape), begin=begin, end=end)
 
 
-def _check_no_overlap(path: str, tensors: dict[str, TensorSpec]) -> None:
-    # Sorted by (begin, end), each tensor must start at or after the end of the
-    # one before; empty tensors occupy no bytes and overlap nothing.
+def _check_contiguous(path: str, tensors: dict[str, TensorSpec], data_size: int) -> None:
+    # The library's rule: sorted by (begin, end), each tensor begins exactly where
+    # the one before ended (the first at 0), and the last ends at the end of the
+    # data section. A gap could hide bytes no tensor accounts for; an overlap
+    # would alias two tensors; trailing bytes mean a truncated or spliced file.
+    end = 0
     previous: tuple[str, TensorSpec] | None = None
     for name, spec in sorted(tensors.items(), key=lambda item: (item[1].begin, item[1].end)):
-        if spec.begin == spec.end:
-            continue
-        if previous is not None and spec.begin < previous[1].end:
-            other, before = previous
+        if spec.begin != end:
+            if previous is None:
+                after = "the start of the data section"
+            else:
+                after = f"the end of tensor {previous[0]!r} (bytes {previous[1].begin}-{end})"
+            kind = "overlaps" if spec.begin < end else "leaves a gap after"
             _fail(
                 path,
-                f"tensors {other!r} (bytes {before.begin}-{before.end}) and {name!r} "
-                f"(bytes {spec.begin}-{spec.end}) overlap in the data section",
+                f"invalid offset: tensor {name!r} (bytes {spec.begin}-{spec.end}) {kind} "
+                f"{after}; tensors must tile the data section in order",
             )
+        end = spec.end
         previous = (name, spec)
+    if end != data_size:
+        _fail(
+            path,
+            f"the tensors end at byte {end} of the {data_size}-byte data section: "
+            f"{data_size - end} bytes after them belong to no tensor "
+            "(the file is corrupt or has data appended)",
+        )
+
+
+def _bit_size(shape: list[int], bits_per_element: int) -> int | None:
+    # Folded the library's way (checked multiplication, in order): it refuses an
+    # overflow even when a later dimension is 0, and stopping at the first
+    # overflow keeps a header of a million huge dimensions from costing seconds.
+    elements = 1
+    for dimension in shape:
+        elements *= dimension
+        if elements > _MAX_COUNT:
+            return None
+    bits = elements * bits_per_element
+    return bits if bits <= _MAX_COUNT else None
 
 
 def _is_count(value: object) -> bool:
     # bool is an int subclass; `true` is not a size.
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_COUNT
 
 
 def _short(value: object, limit: int = 80) -> str:

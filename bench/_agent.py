@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +31,12 @@ from ._system import (
     reclaim_since,
     status_fields,
 )
+from ._threads import ThreadCpu
 
 __all__ = [
-    "HitCost",
     "agent_config",
     "cold_pull",
     "concurrent_cold_pulls",
-    "hit_latency",
     "reported_plane",
     "running_agent",
     "warm_launch",
@@ -106,7 +104,7 @@ def cold_pull(
         user, system = cpu_split(agent.pid)
         baseline = status_fields(agent.pid).get("VmRSS", 0)
         reclaim = reclaim_counters()
-        with RssSampler(agent.pid) as sampler:
+        with RssSampler(agent.pid) as sampler, ThreadCpu(agent.pid) as threads:
             started = time.perf_counter()
             handle = client.ensure(model.uri, tier="shm")
             seconds = time.perf_counter() - started
@@ -126,6 +124,7 @@ def cold_pull(
                 "plane": client.status().data_plane,
                 "hit": handle.hit,
                 "rss_before_pull": baseline,
+                "cpu": threads.to_json(handle.total_bytes),
                 **sampler.to_json(),
                 **_timings(handle),
             },
@@ -164,7 +163,7 @@ def concurrent_cold_pulls(
         server_cpu = ctx.server.cpu_seconds()
         agent_cpu = cpu_seconds(agent.pid)
         own_cpu = time.process_time()
-        with RssSampler(agent.pid) as sampler:
+        with RssSampler(agent.pid) as sampler, ThreadCpu(agent.pid) as daemon_threads:
             barrier.wait()
             started = time.perf_counter()
             for thread in threads:
@@ -188,6 +187,7 @@ def concurrent_cold_pulls(
                 "hits": sum(h.hit for h in good),
                 # The clients run in this process, on the same two cores.
                 "clients_cpu": own_cpu,
+                "cpu": daemon_threads.to_json(model.total_bytes),
                 **sampler.to_json(),
             },
         )
@@ -210,32 +210,6 @@ def warm_launch(ctx: Context, agent: AgentProcess, model: BenchModel) -> RunResu
         served=child.served,
         extra={k: v for k, v in report.items() if k not in ("seconds", "bytes")},
     )
-
-
-@dataclass(frozen=True)
-class HitCost:
-    """EnsureModel on a cached model: best and median seconds, bytes from S3 per call."""
-
-    ensure_best: float
-    ensure_median: float
-    served_per_call: float
-
-
-def hit_latency(ctx: Context, agent: AgentProcess, model: BenchModel, calls: int) -> HitCost:
-    """EnsureModel on a cached model, ``calls`` times from one client."""
-    times: list[float] = []
-    with Client(agent.socket_path) as client:
-        client.ensure(model.uri)  # pulled before, or pulled now
-        served = ctx.server.bytes_sent()
-        for _ in range(calls):
-            started = time.perf_counter()
-            handle = client.ensure(model.uri)
-            times.append(time.perf_counter() - started)
-            if not handle.hit:
-                raise RuntimeError(f"EnsureModel({model.uri}) on a cached model was not a hit")
-        served_per_call = (ctx.server.bytes_sent() - served) / calls
-    times.sort()
-    return HitCost(times[0], times[len(times) // 2], served_per_call)
 
 
 def _timings(handle: ModelHandle) -> dict[str, float]:

@@ -21,18 +21,23 @@ from . import _agent as agent
 from . import _contenders as contenders
 from . import _sections as suite
 from ._contenders import Context, RunResult
+from ._hits import hits as hit_section
 from ._model import BenchModel, publish_model
-from ._report import judge_targets, markdown_extras, markdown_table, text_table
+from ._report import markdown_extras, markdown_table, text_table
 from ._s3rver import S3RVER_VERSION, S3rver
+from ._scaling import parse_sizes
+from ._scaling import scaling as scaling_section
 from ._sections import BUCKET, RESULTS
 from ._stats import Sample
 from ._system import machine
+from ._targets import judge_targets
 
 MiB = 1024**2
 GiB = 1024**3
 PLANES = ("aiobotocore", "streamer")
 # The agent as installed: its own plane choice and tuning (concurrency from model size).
 DEFAULTS = "prewarm cold (agent defaults)"
+DEFAULT_SCALING = "1GiB,2GiB,4GiB,8GiB"
 SECTIONS = ("ceiling", "s5cmd", "boto3", "streamer", "cold", "concurrent", "warm", "scale", "hits")
 
 
@@ -54,9 +59,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"comma-separated sections to run (default all: {','.join(SECTIONS)})",
     )
     parser.add_argument(
-        "--scale",
-        default="0.5,1,2",
-        help="cold-scaling model sizes as multiples of --size (default 0.5,1,2)",
+        "--scaling",
+        default=DEFAULT_SCALING,
+        metavar="SIZES",
+        help=f"model sizes for the cold-scaling section, each beside its own ceiling "
+        f"(default {DEFAULT_SCALING})",
     )
     parser.add_argument("--hit-calls", type=int, default=30, help="EnsureModel calls per hit")
     parser.add_argument(
@@ -92,7 +99,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.planes = [p.strip() for p in args.planes.split(",") if p.strip()]
     if set(args.planes) - set(PLANES):
         parser.error(f"unknown planes in {args.planes}; choose from {', '.join(PLANES)}")
-    args.scale_factors = [float(x) for x in args.scale.split(",") if x.strip()]
+    try:
+        args.sizes = parse_sizes(args.scaling)
+    except ValueError as exc:
+        parser.error(f"--scaling: {exc}")
     return args
 
 
@@ -196,10 +206,10 @@ def _run(args: argparse.Namespace, server: S3rver, scratch: Path, work: Path) ->
 
     scaling: dict[str, Any] = {}
     if "scale" in sections:
-        scaling = suite.scaling(args, ctx, model, default_plane)
+        scaling = scaling_section(args, ctx, model, default_plane)
     hits: dict[str, Any] = {}
     if "hits" in sections:
-        hits = suite.hits(args, ctx, model, main_model)
+        hits = hit_section(args, ctx, model, main_model)
 
     profile = suite.profile(
         args, ctx=ctx, samples=samples, model=main_model, planes=planes, default_plane=default_plane
@@ -230,6 +240,7 @@ def _run(args: argparse.Namespace, server: S3rver, scratch: Path, work: Path) ->
             "repeats": args.repeats,
             "clients": args.clients,
             "sections": args.sections,
+            "scaling": args.sizes,
             "streamer_env": contenders.streamer_env(args.concurrency, args.chunk),
             "agent_config": agent.agent_config(ctx, "<plane>"),
             "default_plane": default_plane,

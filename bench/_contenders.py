@@ -31,6 +31,7 @@ from agent.testing._process import purge_tree, source_env
 
 from ._model import BenchModel
 from ._s3rver import ACCESS_KEY, SECRET_KEY, S3rver
+from ._threads import ThreadCpu
 
 __all__ = [
     "Context",
@@ -92,32 +93,56 @@ class _ChildRun:
     cpu: float
     served: int
     server_cpu: float
+    threads: ThreadCpu
+
+    def cpu_report(self, nbytes: int) -> Any:
+        """CPU per GiB of the whole child (its rusage, exact) and of its busiest thread."""
+        return self.threads.to_json(nbytes, process_seconds=self.cpu)
 
 
 def run_child(
     ctx: Context, argv: Sequence[str], env: Mapping[str, str], *, timeout: float = 900.0
 ) -> _ChildRun:
-    """Run one child to completion; its CPU comes from the kernel's child accounting."""
+    """Run one child to completion.
+
+    Its CPU comes from the kernel's child accounting (exact, its own children
+    included); its threads are sampled from /proc while it runs, for the
+    busiest one.
+    """
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     served = ctx.server.bytes_sent()
     server_cpu = ctx.server.cpu_seconds()
     started = time.perf_counter()
-    result = subprocess.run(
-        list(argv), env=dict(env), capture_output=True, text=True, timeout=timeout, check=False
-    )
+    with (
+        subprocess.Popen(
+            list(argv),
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        ) as proc,
+        ThreadCpu(proc.pid) as threads,
+    ):
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
     wall = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if result.returncode != 0:
+    if proc.returncode != 0:
         raise RuntimeError(
-            f"{argv[0]} exited with {result.returncode}:\n{result.stderr[-4000:]}"
-            f"{result.stdout[-2000:]}"
+            f"{argv[0]} exited with {proc.returncode}:\n{stderr[-4000:]}{stdout[-2000:]}"
         )
     return _ChildRun(
-        stdout=result.stdout,
+        stdout=stdout,
         wall=wall,
         cpu=(after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
         served=ctx.server.bytes_sent() - served,
         server_cpu=ctx.server.cpu_seconds() - server_cpu,
+        threads=threads,
     )
 
 
@@ -214,12 +239,13 @@ def _result(child: _ChildRun, nbytes: int, **extra: Any) -> RunResult:
         client_cpu=child.cpu,
         server_cpu=child.server_cpu,
         served=child.served,
-        extra=extra,
+        extra=extra | {"cpu": child.cpu_report(nbytes)},
     )
 
 
 def _inner_result(child: _ChildRun) -> RunResult:
-    # The worker's own clock, which starts after its imports.
+    # The worker's own clock, which starts after its imports; its "cpu" is
+    # what it sampled of its own threads over that window (imports left out).
     report = json.loads(child.stdout.strip().splitlines()[-1])
     extra = {k: v for k, v in report.items() if k not in ("seconds", "bytes")}
     return RunResult(
@@ -228,5 +254,7 @@ def _inner_result(child: _ChildRun) -> RunResult:
         client_cpu=child.cpu,
         server_cpu=child.server_cpu,
         served=child.served,
-        extra=extra | {"process_wall": child.wall},
+        # The child's whole life, imports included, for comparison.
+        extra=extra
+        | {"process_wall": child.wall, "lifetime_cpu": child.cpu_report(int(report["bytes"]))},
     )

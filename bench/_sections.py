@@ -1,4 +1,6 @@
-"""The benchmark's sections beyond the side-by-side rounds, and how each run is recorded.
+"""The warm and profile sections, and how each run is recorded.
+
+Scaling is in ``_scaling``, hits in ``_hits``.
 
 Every function here takes the run's ``Context`` and returns what the report
 needs; a run that fails is recorded in its sample as an error and the suite
@@ -9,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import functools
-import math
 import os
 import subprocess
 import sys
@@ -20,12 +20,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from agent.client import Client
+
 from . import _agent as agent
 from . import _profile as profiling
 from ._contenders import Context, RunResult
 from ._model import BenchModel
 from ._s3rver import S3rver
-from ._stats import Sample, linear_fit
+from ._stats import Sample
 
 __all__ = [
     "BUCKET",
@@ -34,10 +36,8 @@ __all__ = [
     "calibrate",
     "cold_runner",
     "compare_name",
-    "hits",
     "profile",
     "say",
-    "scaling",
     "warm",
 ]
 
@@ -65,6 +65,9 @@ def _record(sample: Sample, result: RunResult) -> None:
     best = min(runs, key=lambda run: run["seconds"])
     sample.extra["client_cpu"] = best["client_cpu"]
     sample.extra["server_cpu"] = best["server_cpu"]
+    if best.get("cpu"):
+        # The best run's CPU per GiB (whole process, busiest thread), as its time.
+        sample.extra["cpu"] = best["cpu"]
     sample.extra["served_ratio"] = max(run["served"] for run in runs) / max(result.nbytes, 1)
     hwm = [run["vm_hwm"] for run in runs if "vm_hwm" in run]
     if hwm:
@@ -96,7 +99,8 @@ def warm(args: argparse.Namespace, ctx: Context, model: BenchModel) -> dict[str,
     sample = Sample("prewarm warm launch", extra={"transfer": False})
     say("warm launches (EnsureModel hit + load_safetensors + read every tensor)")
     with agent.running_agent(ctx, None) as daemon:
-        agent.hit_latency(ctx, daemon, model, calls=1)  # pulls it once
+        with Client(daemon.socket_path) as client:
+            client.ensure(model.uri)  # pulls it once
         for _ in range(args.repeats):
             attempt(sample, lambda: agent.warm_launch(ctx, daemon, model))
     paged = Sample("prewarm warm launch, every page read", extra={"transfer": False})
@@ -152,88 +156,6 @@ def calibrate(server: S3rver, client: Any, work: Path) -> dict[str, Any]:
             "it cannot count bytes served on this system"
         )
     return {"get_bytes": size, "counted": counted, "overhead": counted - size}
-
-
-def scaling(
-    args: argparse.Namespace,
-    ctx: Context,
-    model: Callable[[str, int, int], BenchModel],
-    plane: str,
-) -> dict[str, Any]:
-    """Cold pulls of the model at each --scale size, and a linear fit of time to bytes."""
-    sized = []
-    for factor in args.scale_factors:
-        size = int(args.size * factor)
-        name = "main" if math.isclose(factor, 1.0) else f"cold-{size / GiB:g}g"
-        sized.append(model(name, size, args.shards))
-    samples = {m.name: Sample(f"cold {m.total_bytes / GiB:.2f} GiB") for m in sized}
-    for round_index in range(args.repeats):
-        for m in sized:
-            say(f"scaling round {round_index + 1}/{args.repeats}: cold {m.name}")
-            attempt(samples[m.name], functools.partial(agent.cold_pull, ctx, m, plane))
-    good = [(m, samples[m.name]) for m in sized if samples[m.name].ok]
-    result: dict[str, Any] = {
-        "plane": plane,
-        "points": [
-            {
-                "model": m.name,
-                "bytes": m.total_bytes,
-                "best": s.best,
-                "median": s.median,
-                "seconds_per_gib": s.best / (m.total_bytes / GiB),
-                "vm_hwm": s.extra.get("peak_vm_hwm"),
-                "runs": s.extra.get("runs", []),
-            }
-            for m, s in good
-        ],
-        "rss": {
-            f"{m.total_bytes / GiB:.2f} GiB": int(s.extra["peak_vm_hwm"])
-            for m, s in good
-            if "peak_vm_hwm" in s.extra
-        },
-    }
-    if len(good) >= 2:
-        fit = linear_fit([m.total_bytes for m, _ in good], [s.best for _, s in good])
-        result["fit"] = {
-            "seconds_per_gib": fit.slope * GiB,
-            "intercept": fit.intercept,
-            "r_squared": fit.r_squared,
-            "max_residual": fit.max_residual,
-        }
-    return result
-
-
-def hits(
-    args: argparse.Namespace,
-    ctx: Context,
-    model: Callable[[str, int, int], BenchModel],
-    main_model: BenchModel,
-) -> dict[str, Any]:
-    """EnsureModel hit latency for few and many files, and for small and big models."""
-    few = model("hits-4", 256 * MiB, 4)
-    many = model("hits-64", 256 * MiB, 64)
-    small = model("hits-small", 16 * MiB, args.shards)
-    costs: dict[str, Any] = {}
-    say("hit latency (EnsureModel on cached models)")
-    with agent.running_agent(ctx, None) as daemon:
-        for m in (few, many, small, main_model):
-            cost = agent.hit_latency(ctx, daemon, m, calls=args.hit_calls)
-            costs[m.name] = {
-                "files": m.file_count,
-                "bytes": m.total_bytes,
-                "best": cost.ensure_best,
-                "median": cost.ensure_median,
-                "served_per_call": cost.served_per_call,
-            }
-    return {
-        "models": costs,
-        "few_files": few.file_count,
-        "many_files": many.file_count,
-        "files_ratio": costs["hits-64"]["median"] / costs["hits-4"]["median"],
-        "big_bytes": main_model.total_bytes,
-        "small_bytes": small.total_bytes,
-        "bytes_ratio": costs["main"]["median"] / costs["hits-small"]["median"],
-    }
 
 
 def profile(

@@ -5,6 +5,9 @@ process, like a pod's launch, and the clock starts after the imports (torch
 among them), so interpreter start-up is left out for every contender alike.
 
 Modes:
+Transfers also report ``cpu``: their own threads sampled over the timed
+window (``bench._threads``), so the CPU per GiB leaves the imports out too.
+
 - ``boto3``: boto3's managed download (the machinery of ``download_file``)
   with a tuned TransferConfig, every file submitted at once to one transfer
   manager so ``max_concurrency`` is the concurrency of the whole model.
@@ -20,10 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from bench._threads import ThreadCpu
 
 MiB = 1024**2
 PAGE = 4096
@@ -55,17 +61,18 @@ def _boto3(args: argparse.Namespace) -> dict[str, Any]:
         preferred_transfer_client="classic",
     )
     dest = Path(args.dest)
-    started = time.perf_counter()
-    with create_transfer_manager(client, config) as manager:
-        futures = [
-            manager.download(args.bucket, key, str(dest / key.rsplit("/", 1)[-1]))
-            for key in args.keys
-        ]
-        for future in futures:
-            future.result()
-    seconds = time.perf_counter() - started
+    with ThreadCpu(os.getpid()) as threads:
+        started = time.perf_counter()
+        with create_transfer_manager(client, config) as manager:
+            futures = [
+                manager.download(args.bucket, key, str(dest / key.rsplit("/", 1)[-1]))
+                for key in args.keys
+            ]
+            for future in futures:
+                future.result()
+        seconds = time.perf_counter() - started
     nbytes = sum(path.stat().st_size for path in dest.iterdir())
-    return {"seconds": seconds, "bytes": nbytes}
+    return {"seconds": seconds, "bytes": nbytes, "cpu": threads.to_json(nbytes)}
 
 
 def _streamer(args: argparse.Namespace) -> dict[str, Any]:
@@ -76,16 +83,18 @@ def _streamer(args: argparse.Namespace) -> dict[str, Any]:
     urls = [f"s3://{args.bucket}/{key}" for key in args.keys]
     nbytes = 0
     tensors = 0
-    started = time.perf_counter()
-    with SafetensorsStreamer() as streamer:
-        streamer.stream_files(urls)
-        for _name, tensor in streamer.get_tensors():
-            # The tensors are already in memory; count them, as a loader would
-            # before handing them on.
-            nbytes += tensor.numel() * tensor.element_size()
-            tensors += 1
-    seconds = time.perf_counter() - started
-    return {"seconds": seconds, "bytes": nbytes, "tensors": tensors}
+    with ThreadCpu(os.getpid()) as threads:
+        started = time.perf_counter()
+        with SafetensorsStreamer() as streamer:
+            streamer.stream_files(urls)
+            for _name, tensor in streamer.get_tensors():
+                # The tensors are already in memory; count them, as a loader would
+                # before handing them on.
+                nbytes += tensor.numel() * tensor.element_size()
+                tensors += 1
+        seconds = time.perf_counter() - started
+    cpu = threads.to_json(nbytes)
+    return {"seconds": seconds, "bytes": nbytes, "tensors": tensors, "cpu": cpu}
 
 
 def _warm(args: argparse.Namespace) -> dict[str, Any]:

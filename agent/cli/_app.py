@@ -35,7 +35,7 @@ from agent.client import Progress as PullProgress
 
 from . import _render as render
 from ._compile import compile_app
-from ._exec import exec_command
+from ._exec import CachedOnlyOption, exec_command
 from ._health import health_command
 
 __all__ = ["app"]
@@ -208,6 +208,7 @@ def pull(
             help="Bytes per ranged GET and journal entry, e.g. 64MiB [default: the agent's].",
         ),
     ] = None,
+    cached_only: CachedOnlyOption = False,
     socket: SocketOption = None,
     json_out: JsonOption = False,
 ) -> None:
@@ -227,6 +228,7 @@ def pull(
             "data_plane": data_plane,
             "concurrency": concurrency,
             "chunk_size": chunk_size,
+            "cached_only": cached_only,
         }
         if json_out:
             handle = client.ensure(uri, **request)  # type: ignore[arg-type]

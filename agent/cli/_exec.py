@@ -15,6 +15,10 @@
 With ``--fallback``, an agent that cannot be reached is not fatal: the command
 runs with ``{model}`` replaced by the original URI (engines such as vLLM can
 stream from S3 themselves), after a warning on stderr. Without it, exit 3.
+
+With ``--cached-only`` (or ``PREWARM_CACHED_ONLY=1``) the agent makes no S3
+call: the newest cached snapshot is used even if S3 has changed since, and a
+model not cached on this node fails (NOT_FOUND) instead of being pulled.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ from agent.client._compile import key_parts as key_parts_from
 
 from . import _render as render
 
-__all__ = ["exec_command"]
+__all__ = ["CachedOnlyOption", "exec_command"]
 
 # The same statuses as every other prewarm command (see _app).
 EXIT_ERROR = 1
@@ -67,6 +71,18 @@ EXIT_CANNOT_RUN = 126
 
 PLACEHOLDER = "{model}"
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+# Shared with `prewarm pull`; the env var lets a pod spec turn it on without new args.
+CachedOnlyOption = Annotated[
+    bool,
+    typer.Option(
+        "--cached-only",
+        envvar="PREWARM_CACHED_ONLY",
+        help="Answer from this node's cache with no S3 call: the newest cached snapshot, "
+        "possibly stale; fail (NOT_FOUND) if none is cached.",
+    ),
+]
 
 
 class _Tier(StrEnum):
@@ -113,6 +129,7 @@ def exec_command(
             "(with a warning) instead of failing with exit 3.",
         ),
     ] = False,
+    cached_only: CachedOnlyOption = False,
     name: Annotated[
         str | None,
         typer.Option(
@@ -157,6 +174,7 @@ def exec_command(
                         exclude=exclude or (),
                         client_name=client_name,
                         progress=show,
+                        cached_only=cached_only,
                     )
                 )
         except AgentUnavailable as exc:

@@ -128,6 +128,7 @@ def ensure_request(
     data_plane: str | None = None,
     concurrency: int | None = None,
     chunk_size: int | None = None,
+    cached_only: bool = False,
 ) -> pb.EnsureModelRequest:
     if lease_ttl is not None and not lease:
         raise InvalidRequest("lease_ttl only applies to a lease; pass lease=True with it.")
@@ -146,6 +147,7 @@ def ensure_request(
         pin=pin,
         strict_tier=strict_tier,
         pull_options=pull_options_to_proto(options),
+        cached_only=cached_only,
     )
 
 

@@ -79,6 +79,7 @@ def ensure(
     data_plane: DataPlaneName | None = None,
     concurrency: int | None = None,
     chunk_size: int | None = None,
+    cached_only: bool = False,
 ) -> Streamed[ModelHandle]:
     """Make sure ``uri`` is cached on this node, pulling it if needed, and return it.
 
@@ -92,6 +93,11 @@ def ensure(
     "aiobotocore"), ``concurrency`` (streams) and ``chunk_size`` (bytes)
     override the agent's settings for a pull this call starts (None: the
     agent's); a call that joins a pull in progress gets its settings.
+
+    ``cached_only=True`` makes the agent answer from this node's cache with no
+    S3 call at all: the newest cached snapshot of ``uri`` with the same
+    include/exclude, even if S3 has changed since (``handle.resolved_offline``
+    is then True), or ``NotFound`` when none is cached; nothing is pulled.
     """
     request = convert.ensure_request(
         uri,
@@ -106,6 +112,7 @@ def ensure(
         data_plane=data_plane,
         concurrency=concurrency,
         chunk_size=chunk_size,
+        cached_only=cached_only,
     )
     return Streamed("EnsureModel", request, _EnsureReader(uri, progress))
 
@@ -121,6 +128,7 @@ def leased(
     lease_ttl: float | None = None,
     pin: bool = False,
     strict_tier: bool = False,
+    cached_only: bool = False,
 ) -> Leased:
     """``ensure(uri, lease=True)``, with the lease held for the life of the block::
 
@@ -129,7 +137,7 @@ def leased(
 
     (``async with`` on ``AsyncClient``.) The snapshot is not evicted while
     the block runs; the lease ends when it exits, or when this process dies,
-    whichever comes first.
+    whichever comes first. ``cached_only`` is ``ensure``'s.
     """
     call = ensure(
         uri,
@@ -142,6 +150,7 @@ def leased(
         lease_ttl=lease_ttl,
         pin=pin,
         strict_tier=strict_tier,
+        cached_only=cached_only,
     )
     return Leased(call, client_name)
 

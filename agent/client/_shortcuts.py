@@ -26,6 +26,7 @@ def ensure(
     exclude: Iterable[str] = (),
     client_name: str = "",
     progress: Callable[[Progress], None] | None = None,
+    cached_only: bool = False,
 ) -> ModelHandle:
     """Open a client, ensure ``uri`` is cached, close the client; see ``Client.ensure``."""
     with Client(socket_path, timeout=timeout) as client:
@@ -36,6 +37,7 @@ def ensure(
             exclude=exclude,
             client_name=client_name,
             progress=progress,
+            cached_only=cached_only,
         )
 
 
@@ -48,6 +50,7 @@ async def aensure(
     exclude: Iterable[str] = (),
     client_name: str = "",
     progress: Callable[[Progress], None] | None = None,
+    cached_only: bool = False,
 ) -> ModelHandle:
     """Open an async client, ensure ``uri`` is cached, close the client.
 
@@ -61,6 +64,7 @@ async def aensure(
             exclude=exclude,
             client_name=client_name,
             progress=progress,
+            cached_only=cached_only,
         )
 
 

@@ -101,8 +101,8 @@ class ModelHandle:
     files: tuple[FileEntry, ...]
     total_bytes: int
     timings: PhaseTimings
-    # True when S3 was unreachable and the newest cached snapshot was served
-    # without checking that it is still current.
+    # True when the newest cached snapshot was served without checking that it
+    # is still current: S3 was unreachable, or the call asked for cached_only.
     resolved_offline: bool
     # Set when ensure() asked for a lease.
     lease: LeaseGrant | None = None

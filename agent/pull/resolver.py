@@ -1,15 +1,67 @@
-"""Resolution: a URI and its filters, listed now, become a Snapshot with a content key."""
+"""Resolution: a URI and its filters, listed now, become a Snapshot with a content key.
+
+When S3 cannot answer, or the caller asked for no S3 call at all, the newest
+cached snapshot of the same URI and filters stands in for it, unchecked.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from agent._exceptions import InvalidRequest, NotFound
+from agent._exceptions import InvalidRequest, NotFound, SourceUnavailable
 from agent._snapshot import Snapshot, SourceObject, select_objects, snapshot_key
 from agent._uri import ModelUri, safe_relative_path
 from agent.source.interface import ObjectSource
+from agent.store.store import CachedModel, Store
 
-__all__ = ["resolve"]
+__all__ = ["Unchecked", "resolve", "resolve_or_fall_back"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Unchecked:
+    """A cached snapshot served without asking S3 whether it is still current."""
+
+    model: CachedModel
+
+
+async def resolve_or_fall_back(
+    source: ObjectSource,
+    store: Store,
+    uri: ModelUri,
+    include: tuple[str, ...],
+    exclude: tuple[str, ...],
+    *,
+    fallback: bool,
+    offline_after: float,
+    cached_only: bool,
+) -> Snapshot | Unchecked:
+    """The snapshot S3 lists now, or the newest cached one when S3 is not asked or cannot answer.
+
+    ``cached_only`` makes no S3 call: the newest cached snapshot, else NotFound.
+    With ``fallback`` and a cached snapshot, a listing that fails is answered
+    from the cache: at once when no connection can be made (the source does not
+    retry that), after ``offline_after`` seconds when S3 is slow to answer.
+    """
+    newest = store.newest_for(str(uri), include, exclude)
+    if cached_only:
+        if newest is None:
+            raise _not_cached(uri, include, exclude)
+        log.info("serving cached %s (%s) without asking S3 (cached_only)", uri, newest.key)
+        return Unchecked(newest)
+    if newest is None or not fallback:
+        return await resolve(source, uri, include, exclude)
+    try:
+        async with asyncio.timeout(offline_after):
+            return await resolve(source, uri, include, exclude)
+    except (SourceUnavailable, TimeoutError) as exc:
+        why = str(exc) or f"no answer to the listing within {offline_after:g} s"
+        log.warning("S3 unreachable (%s); serving cached %s (%s) unchecked", why, uri, newest.key)
+        return Unchecked(newest)
 
 
 async def resolve(
@@ -62,3 +114,13 @@ def _check_no_clashes(uri: ModelUri, objects: Sequence[SourceObject]) -> None:
                     f"Under {uri}, {parent!r} is both a file and the directory of "
                     f"{obj.relative_path!r}; a local directory cannot hold both. Exclude one."
                 )
+
+
+def _not_cached(uri: ModelUri, include: tuple[str, ...], exclude: tuple[str, ...]) -> NotFound:
+    filters = f" with include {list(include)} / exclude {list(exclude)}"
+    return NotFound(
+        f"No snapshot of {uri}{filters if include or exclude else ''} is cached on this "
+        "node, and cached_only forbids asking S3. Ask without cached_only (drop "
+        "--cached-only / PREWARM_CACHED_ONLY) to pull it, or prefetch it on the node "
+        "with a models.d manifest."
+    )

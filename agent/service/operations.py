@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent._config import Settings
-from agent._exceptions import Conflict, NotFound, SourceUnavailable
+from agent._exceptions import Conflict, NotFound
 from agent._snapshot import check_globs
 from agent._uri import parse_uri
 from agent._version import __version__
@@ -20,7 +20,8 @@ from agent.obs.logs import bind_request
 from agent.obs.metrics import CACHE_LOOKUPS, EVICTIONS, PHASE_SECONDS
 from agent.pull.flight import Flight, PullProgress
 from agent.pull.puller import Puller
-from agent.pull.resolver import resolve
+from agent.pull.resolver import Unchecked, resolve_or_fall_back
+from agent.service import access
 from agent.source.interface import ObjectSource
 from agent.store.eviction import Evictor
 from agent.store.leases import LeaseRecord, LeaseTable
@@ -129,32 +130,38 @@ class AgentService:
         pin: bool = False,
         strict_tier: bool = False,
         options: PullOptions | None = None,
+        cached_only: bool = False,
+        requester: str = "",
     ) -> AsyncIterator[PullProgress | EnsureResult]:
-        """Progress events, then exactly one EnsureResult (or an exception)."""
+        """Progress events, then exactly one EnsureResult (or an exception).
+
+        ``cached_only`` answers from the cache without any S3 call: the newest
+        cached snapshot of the URI and filters, or NotFound. ``requester`` names
+        who asks (the API socket), for the per-peer lease cap.
+        """
         started = time.monotonic()
         uri = parse_uri(raw_uri)
+        access.check_source(uri)  # before any S3 call, cached_only included
         includes = check_globs(include, what="Include")
         excludes = check_globs(exclude, what="Exclude")
         if options is not None:
             self._puller.check(options)
-        fallback = (
-            self._store.newest_for(str(uri), includes, excludes)
-            if self._settings.offline_fallback
-            else None
+        found = await resolve_or_fall_back(
+            self._source,
+            self._store,
+            uri,
+            includes,
+            excludes,
+            fallback=self._settings.offline_fallback,
+            offline_after=self._settings.offline_after_seconds,
+            cached_only=cached_only,
         )
-        try:
-            # With a cached snapshot to fall back on, a pod should not sit through
-            # botocore's whole retry schedule against an unreachable endpoint.
-            async with asyncio.timeout(self._settings.offline_after_seconds if fallback else None):
-                snapshot = await resolve(self._source, uri, includes, excludes)
-        except (SourceUnavailable, TimeoutError):
-            if fallback is None:
-                raise
-            bind_request(key=fallback.key)
-            log.warning("S3 unreachable; serving cached %s (%s) unchecked", uri, fallback.key)
+        if isinstance(found, Unchecked):
+            access.check_unchecked()
+            bind_request(key=found.model.key)
             elapsed = time.monotonic() - started
             yield await self._answer(
-                fallback,
+                found.model,
                 hit=True,
                 offline=True,
                 timings=RequestTimings(resolve=elapsed, total=elapsed),
@@ -162,73 +169,84 @@ class AgentService:
                 lease_ttl=lease_ttl,
                 client_name=client_name,
                 pin=pin,
+                requester=requester,
             )
             return
+        snapshot = found
+        await access.check_snapshot(self._source, snapshot)  # the pod's own access, limits
         resolved = time.monotonic()
         bind_request(key=snapshot.key)
-        cached = self._store.get(snapshot.key)
-        if cached is not None:
+        if lease:
+            self._leases.check_room(requester)  # before any pull, not after it
+        # The claim keeps this snapshot from eviction from before a pull publishes it
+        # until this request has its lease and its handle has been sent.
+        with self._leases.claim(snapshot.key):
+            cached = self._store.get(snapshot.key)
+            if cached is not None:
+                yield await self._answer(
+                    cached,
+                    hit=True,
+                    offline=False,
+                    timings=RequestTimings(
+                        resolve=resolved - started, total=time.monotonic() - started
+                    ),
+                    lease=lease,
+                    lease_ttl=lease_ttl,
+                    client_name=client_name,
+                    pin=pin,
+                    requester=requester,
+                )
+                return
+            stale: list[Path] = []
+            async with self._evictor.lock:
+                flight = self._puller.flight_for(snapshot.key)
+                started_it = flight is None
+                if flight is None:
+                    access.start_pull(snapshot.key, [f.key for f in self._puller.flights()])
+                    placed = await self._evictor.make_room(
+                        snapshot, tier or self.default_tier, strict=strict_tier
+                    )
+                    stale = self._store.discard_leftovers_of(str(snapshot.uri), keep=snapshot.key)
+                    flight, _ = self._puller.join(snapshot, placed, options)
+            await self._store.purge(stale)  # outside the lock: deleting can take a while
+            log.info(
+                "%s pull of %s (%s) on %s for %s",
+                "starting" if started_it else "joining",
+                uri,
+                snapshot.key,
+                flight.tier,
+                client_name or "anonymous",
+                extra={"uri": str(uri), "key": snapshot.key, "client": client_name},
+            )
+            joined = time.monotonic()
+            async for progress in flight.watch():
+                yield progress
+            model = await flight.result()
+            if started_it:
+                async with self._evictor.lock:
+                    await self._evictor.enforce_watermarks([model.tier])
+            done = time.monotonic()
+            pulled = flight.timings
+            waited = 0.0 if started_it else max(0.0, (done - joined) - _pull_seconds(flight))
             yield await self._answer(
-                cached,
-                hit=True,
+                model,
+                hit=False,
                 offline=False,
                 timings=RequestTimings(
-                    resolve=resolved - started, total=time.monotonic() - started
+                    resolve=resolved - started,
+                    wait=waited,
+                    download=pulled.download,
+                    verify=pulled.verify,
+                    publish=pulled.publish,
+                    total=done - started,
                 ),
                 lease=lease,
                 lease_ttl=lease_ttl,
                 client_name=client_name,
                 pin=pin,
+                requester=requester,
+                resumed_bytes=flight.resumed_bytes,
             )
-            return
-        stale: list[Path] = []
-        async with self._evictor.lock:
-            flight = self._puller.flight_for(snapshot.key)
-            started_it = flight is None
-            if flight is None:
-                placed, victims = self._evictor.place(
-                    snapshot, tier or self.default_tier, strict=strict_tier
-                )
-                await self._evictor.evict(victims, f"making room for {snapshot.uri}")
-                stale = self._store.discard_leftovers_of(str(snapshot.uri), keep=snapshot.key)
-                flight, _ = self._puller.join(snapshot, placed, options)
-        await self._store.purge(stale)  # outside the lock: deleting can take a while
-        log.info(
-            "%s pull of %s (%s) on %s for %s",
-            "starting" if started_it else "joining",
-            uri,
-            snapshot.key,
-            flight.tier,
-            client_name or "anonymous",
-            extra={"uri": str(uri), "key": snapshot.key, "client": client_name},
-        )
-        joined = time.monotonic()
-        async for progress in flight.watch():
-            yield progress
-        model = await flight.result()
-        if started_it:
-            await self._evictor.enforce_watermarks([model.tier])
-        done = time.monotonic()
-        pulled = flight.timings
-        waited = 0.0 if started_it else max(0.0, (done - joined) - _pull_seconds(flight))
-        yield await self._answer(
-            model,
-            hit=False,
-            offline=False,
-            timings=RequestTimings(
-                resolve=resolved - started,
-                wait=waited,
-                download=pulled.download,
-                verify=pulled.verify,
-                publish=pulled.publish,
-                total=done - started,
-            ),
-            lease=lease,
-            lease_ttl=lease_ttl,
-            client_name=client_name,
-            pin=pin,
-            resumed_bytes=flight.resumed_bytes,
-        )
 
     async def _answer(
         self,
@@ -241,9 +259,20 @@ class AgentService:
         lease_ttl: float | None,
         client_name: str,
         pin: bool,
+        requester: str = "",
         resumed_bytes: int = 0,
     ) -> EnsureResult:
-        granted = self._leases.grant(model.key, client_name, lease_ttl) if lease else None
+        if self._store.get(model.key) is None:
+            # Only a forced or a verify eviction can get here (claims stop pressure):
+            # never hand out a path that is gone.
+            raise Conflict(
+                f"{model.uri} ({model.key}) was evicted before it could be handed out; ask again."
+            )
+        granted = (
+            self._leases.grant(model.key, client_name, lease_ttl, grantee=requester)
+            if lease
+            else None
+        )
         if pin:
             await self._store.set_pinned(model.key, True)
         if hit:
@@ -278,7 +307,7 @@ class AgentService:
             leased_per_tier=per_tier,
             pulls=tuple(self._puller.flights()),
             model_count=len(self._store.models()),
-            lease_count=len(self._leases.active()),
+            lease_count=self._leases.count(),
             uptime_seconds=time.monotonic() - self._started,
             data_plane=self._puller.data_plane,
             default_tier=self.default_tier,
@@ -299,8 +328,7 @@ class AgentService:
             evicted = [await self._store.evict(model.key) for model in targets]
         for model in evicted:
             EVICTIONS.labels(model.tier, "manual").inc()
-            for lease in self._leases.for_key(model.key):
-                self._leases.release(lease.id)  # nothing left to protect
+            self._leases.end_all_for(model.key)  # nothing left to protect
         return EvictResult(tuple(evicted), sum(m.total_bytes for m in evicted))
 
     async def collect_garbage(self, tier: TierName | None = None) -> EvictResult:

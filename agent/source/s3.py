@@ -7,6 +7,7 @@ into the prewarm error tree with ``raise ... from exc``.
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import TracebackType
@@ -31,7 +32,7 @@ from agent.source.interface import (
 )
 from agent.source.transfer import connection_pool_size
 
-__all__ = ["S3Source"]
+__all__ = ["S3Source", "SourceUnreachable"]
 
 _DENIED_CODES = frozenset(
     {
@@ -51,15 +52,28 @@ _MISSING_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
 _LOST_RACE_CODES = frozenset({"PreconditionFailed", "412", "ConditionalRequestConflict", "409"})
 
 
+class SourceUnreachable(SourceUnavailable):
+    """No connection to S3 at all (refused, no route, DNS, TLS, connect timeout).
+
+    Unlike a slow or failing answer this is known at once, so a listing that
+    meets it is not retried: a cached snapshot can be served immediately.
+    """
+
+
 class S3Source:
     """ObjectSource over aiobotocore, one pooled client for the agent's lifetime."""
 
     name = "aiobotocore"
 
-    def __init__(self, settings: S3Settings) -> None:
+    def __init__(self, settings: S3Settings, *, credentials: dict[str, str] | None = None) -> None:
         self._settings = settings
+        # Static keys for this source only (a requester's); None: the standard AWS chain.
+        self._credentials = dict(credentials or {})
         self._stack = AsyncExitStack()
         self._client: Any = None
+        # Makes one attempt only; lists first, so a refused connection is known
+        # after one try instead of after botocore's whole retry schedule.
+        self._one_try_client: Any = None
 
     async def __aenter__(self) -> Self:
         settings = self._settings
@@ -70,13 +84,19 @@ class S3Source:
             retries={"max_attempts": settings.max_attempts, "mode": "standard"},
             s3={"addressing_style": settings.addressing_style},
         )
-        kwargs: dict[str, Any] = {"config": config}
+        kwargs: dict[str, Any] = {}
         if settings.endpoint_url:
             kwargs["endpoint_url"] = settings.endpoint_url
         if settings.region:
             kwargs["region_name"] = settings.region
+        kwargs |= self._credentials
+        session = get_session()
         self._client = await self._stack.enter_async_context(
-            get_session().create_client("s3", **kwargs)
+            session.create_client("s3", config=config, **kwargs)
+        )
+        one_try = config.merge(AioConfig(retries={"total_max_attempts": 1, "mode": "standard"}))
+        self._one_try_client = await self._stack.enter_async_context(
+            session.create_client("s3", config=one_try, **kwargs)
         )
         return self
 
@@ -92,13 +112,36 @@ class S3Source:
     def s3_settings(self) -> S3Settings:
         return self._settings
 
+    def with_credentials(
+        self, access_key_id: str, secret_access_key: str, session_token: str
+    ) -> S3Source:
+        """A source like this one that signs with the given keys (enter it before use)."""
+        keys = {"aws_access_key_id": access_key_id, "aws_secret_access_key": secret_access_key}
+        if session_token:
+            keys["aws_session_token"] = session_token
+        return S3Source(self._settings, credentials=keys)
+
     @property
     def endpoint(self) -> str:
         return str(self._client.meta.endpoint_url) if self._client else "(not started)"
 
     async def list_objects(self, uri: ModelUri) -> list[ListedObject]:
+        """The objects under the prefix; SourceUnreachable at once when S3 cannot be reached.
+
+        The first try makes one attempt: a connection that cannot be made is
+        reported without retries. Any other failure (throttling, 5xx, a reset)
+        is tried again with botocore's full retry schedule.
+        """
+        try:
+            return await self._list(self._one_try_client, uri)
+        except SourceUnreachable:
+            raise
+        except SourceUnavailable:
+            return await self._list(self._client, uri)
+
+    async def _list(self, client: Any, uri: ModelUri) -> list[ListedObject]:
         listed: list[ListedObject] = []
-        paginator = self._client.get_paginator("list_objects_v2")
+        paginator = client.get_paginator("list_objects_v2")
         try:
             async for page in paginator.paginate(Bucket=uri.bucket, Prefix=uri.prefix):
                 listed.extend(
@@ -245,12 +288,14 @@ class S3Source:
                 f"No usable AWS credentials for {doing}. Give the agent a role or set "
                 "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)."
             )
-        if isinstance(
-            exc,
-            boto.EndpointConnectionError | boto.ConnectTimeoutError | boto.ConnectionClosedError,
-        ):
-            return SourceUnavailable(
+        if _is_unreachable(exc):
+            return SourceUnreachable(
                 f"Cannot reach S3 at {self.endpoint} while {doing}: {exc}. "
+                "Check the node's network, DNS and AWS_ENDPOINT_URL."
+            )
+        if isinstance(exc, boto.ConnectionClosedError):
+            return SourceUnavailable(
+                f"S3 at {self.endpoint} closed the connection while {doing}: {exc}. "
                 "Check the network and AWS_ENDPOINT_URL."
             )
         if isinstance(
@@ -268,6 +313,22 @@ class S3Source:
         if isinstance(exc, boto.BotoCoreError):
             return SourceUnavailable(f"S3 client error while {doing}: {exc}.")
         return exc
+
+
+def _is_unreachable(exc: BaseException) -> bool:
+    """True when no connection was made: refused, no route, DNS, TLS handshake, connect timeout.
+
+    botocore's ConnectionError covers its endpoint, connect-timeout, proxy and
+    TLS errors; aiobotocore wraps aiohttp's connector errors into them, and the
+    raw aiohttp/socket forms are checked too in case one comes through unwrapped.
+    """
+    return isinstance(
+        exc,
+        boto.ConnectionError
+        | aiohttp.ClientConnectorError
+        | socket.gaierror
+        | ConnectionRefusedError,
+    )
 
 
 def _error_code(exc: BaseException) -> str:

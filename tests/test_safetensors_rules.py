@@ -28,8 +28,7 @@ def _ours(blob: bytes) -> str | None:
     try:
         parse_header(blob, len(blob), path="x.safetensors")
     except IntegrityError as exc:
-        assert exc.check == CHECK
-        return str(exc)
+        return str(exc) if exc.check == CHECK else f"wrong check {exc.check!r}: {exc}"
     return None
 
 

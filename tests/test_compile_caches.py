@@ -22,7 +22,7 @@ from agent._config import CompileCacheSettings, Settings, TierSettings
 from agent._exceptions import Conflict, IntegrityError, InvalidRequest, NotFound
 from agent.compile.archive import content_digest
 from agent.compile.cache import CompileCaches
-from agent.compile.keys import CompileKeyParts, compile_key
+from agent.compile.keys import CompileKeyParts, compile_key, sub_cache_dirs
 from agent.testing import MemorySource
 
 BUCKET = "caches"
@@ -79,7 +79,8 @@ async def test_a_new_key_gets_an_empty_directory_laid_out_for_its_engine(
         again = await caches.ensure(PARTS, client_name="pod-2")
     root = tmp_path / "disk" / "compile"
     assert first.info.path == root / KEY
-    assert sorted(p.name for p in first.info.path.iterdir()) == ["inductor", "triton"]
+    assert sorted(p.name for p in first.info.path.iterdir()) == list(sub_cache_dirs("torch"))
+    assert {"inductor", "triton", "flashinfer", "deep_gemm", "cuda"} <= set(sub_cache_dirs("torch"))
     assert (root / ".meta" / f"{KEY}.json").is_file()
     assert (first.restored, first.restore_note) == (
         False,

@@ -14,7 +14,7 @@ import io
 import json
 import os
 import tarfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
 import pytest
@@ -99,6 +99,10 @@ def _outside_paths(env: dict[str, str], directory: Path) -> list[str]:
         if value.startswith(str(directory))
         and (Path(value).is_symlink() or not os.path.realpath(value).startswith(real))
     ]
+
+
+def _not_directories(paths: Iterable[str]) -> list[str]:
+    return [path for path in paths if not Path(path).is_dir()]
 
 
 def test_pack_never_packs_links_inward_or_outward(tmp_path: Path) -> None:
@@ -206,3 +210,28 @@ async def test_a_timed_out_restore_stops_its_extraction_and_leaves_nothing_in_tm
     # Wait for every worker thread the restore started: a stray extraction would finish here.
     await asyncio.get_running_loop().shutdown_default_executor()
     assert not _scratch(tmp_path)
+
+
+@pytest.mark.parametrize("engine", ["torch", "vllm", "sglang"])
+async def test_every_cache_variable_points_at_a_real_directory_inside_the_key(
+    tmp_path: Path, source: MemorySource, engine: str
+) -> None:
+    """Inductor, Triton, extensions, FlashInfer, DeepGEMM, CUDA and engine roots: all inside."""
+    parts = CompileKeyParts(engine=engine, torch_version="2.13.0", model_key="every-variable")
+    async with node(tmp_path, source) as caches:
+        handed = await caches.ensure(parts, skip_restore=True)
+    expected = {
+        "TORCHINDUCTOR_CACHE_DIR",
+        "TRITON_CACHE_DIR",
+        "TORCH_EXTENSIONS_DIR",
+        "FLASHINFER_WORKSPACE_BASE",
+        "DG_JIT_CACHE_DIR",
+        "CUDA_CACHE_PATH",
+    }
+    expected |= {"vllm": {"VLLM_CACHE_ROOT"}, "sglang": {"SGLANG_CACHE_DIR"}}.get(engine, set())
+    assert expected <= set(handed.env)
+    paths = {name: value for name, value in handed.env.items() if value.startswith("/")}
+    assert expected <= set(paths)
+    assert _outside_paths(handed.env, handed.info.path) == []
+    assert _not_directories(paths.values()) == []
+    assert int(handed.env["CUDA_CACHE_MAXSIZE"]) >= 256 * 1024 * 1024

@@ -35,6 +35,7 @@ from agent.compile.keys import (
     normalise_parts,
     parts_from_dict,
     parts_to_dict,
+    sub_cache_dirs,
 )
 
 __all__ = ["CacheIndex", "CacheRecord", "CompileCacheInfo", "has_artifacts"]
@@ -206,8 +207,7 @@ def _place(staging: Path, final: Path, engine: str) -> None:
     staging.mkdir(parents=True, exist_ok=True)
     # The engines create these themselves; creating them here lets a pod that
     # mounts the directory read-only for a sub-process still find them.
-    subdirs = {"torch": ("inductor", "triton"), "sglang": ("inductor", "triton", "sglang")}
-    for sub in subdirs.get(engine, ("inductor", "triton", "vllm")):
+    for sub in sub_cache_dirs(engine):
         _make_real_directory(staging, sub)
     if final.exists():  # left behind without a record; never handed out, safe to replace
         remove_tree(final)

@@ -33,6 +33,7 @@ __all__ = [
     "normalise_parts",
     "parts_from_dict",
     "parts_to_dict",
+    "sub_cache_dirs",
 ]
 
 EngineName = Literal["torch", "vllm", "sglang"]
@@ -163,23 +164,50 @@ def compile_key(parts: CompileKeyParts) -> str:
     return hashlib.sha256(encoded.encode()).hexdigest()[:KEY_LENGTH]
 
 
-def engine_env(engine: str, directory: Path, key: str) -> dict[str, str]:
-    """The environment variables that point an engine's compile caches into ``directory``.
+# Every JIT cache an engine (or a kernel library it loads) writes, as the variable that
+# moves it and the sub-directory of the key directory it moves to. Names and defaults
+# come from each project's source; see docs/compile-cache.md for the files.
+_COMMON_DIRS: Mapping[str, str] = {
+    "TORCHINDUCTOR_CACHE_DIR": "inductor",
+    "TRITON_CACHE_DIR": "triton",
+    "TORCH_EXTENSIONS_DIR": "torch_extensions",
+    "FLASHINFER_WORKSPACE_BASE": "flashinfer",
+    "DG_JIT_CACHE_DIR": "deep_gemm",
+    # DeepGEMM's Python JIT before its C++ rewrite read this name instead.
+    "DG_CACHE_DIR": "deep_gemm",
+    "CUDA_CACHE_PATH": "cuda",
+}
+_ENGINE_DIRS: Mapping[str, Mapping[str, str]] = {
+    "torch": {},
+    "vllm": {"VLLM_CACHE_ROOT": "vllm"},
+    # SGLang points DeepGEMM at SGLANG_DG_CACHE_DIR itself, whatever DG_JIT_CACHE_DIR says.
+    "sglang": {"SGLANG_CACHE_DIR": "sglang", "SGLANG_DG_CACHE_DIR": "deep_gemm"},
+}
+# The driver's PTX JIT cache evicts beyond 256 MiB by default (CUDA programming guide,
+# "CUDA Environment Variables"); 1 GiB keeps a large engine's kernels, under the 4 GiB cap.
+CUDA_CACHE_MAXSIZE = str(1024**3)
 
-    Sources (see docs/compile-cache.md): torch reads TORCHINDUCTOR_CACHE_DIR
-    and TRITON_CACHE_DIR; SGLang keeps its own kernel caches under
-    SGLANG_CACHE_DIR; vLLM keeps everything under VLLM_CACHE_ROOT and points
-    inductor (and, on some paths, Triton) at a directory of its own inside it.
-    TORCH_COMPILE_CACHE_KEY_TAG goes into every torch.compile cache key, so
-    artifacts made for this key never mix with others in a shared remote cache.
+
+def sub_cache_dirs(engine: str) -> tuple[str, ...]:
+    """The sub-directories of a key directory that ``engine``'s variables point at."""
+    names = {**_COMMON_DIRS, **_ENGINE_DIRS.get(engine, {})}.values()
+    return tuple(sorted(set(names)))
+
+
+def engine_env(engine: str, directory: Path, key: str) -> dict[str, str]:
+    """The environment variables that point every JIT cache of ``engine`` into ``directory``.
+
+    Inductor, Triton, torch C++ extensions, FlashInfer's JIT workspace,
+    DeepGEMM's JIT cache and the CUDA driver's ComputeCache for every engine;
+    vLLM's root (its torch.compile and AOT-compile caches live under it) or
+    SGLang's. TORCH_COMPILE_CACHE_KEY_TAG goes into every torch.compile cache
+    key, so artifacts made for this key never mix with others in a shared
+    remote cache.
     """
     env = {
-        "TORCHINDUCTOR_CACHE_DIR": str(directory / "inductor"),
-        "TRITON_CACHE_DIR": str(directory / "triton"),
-        "TORCH_COMPILE_CACHE_KEY_TAG": f"prewarm-{key[:16]}",
+        name: str(directory / sub)
+        for name, sub in {**_COMMON_DIRS, **_ENGINE_DIRS.get(engine, {})}.items()
     }
-    if engine == "sglang":
-        env["SGLANG_CACHE_DIR"] = str(directory / "sglang")
-    elif engine == "vllm":
-        env["VLLM_CACHE_ROOT"] = str(directory / "vllm")
+    env["CUDA_CACHE_MAXSIZE"] = CUDA_CACHE_MAXSIZE
+    env["TORCH_COMPILE_CACHE_KEY_TAG"] = f"prewarm-{key[:16]}"
     return env

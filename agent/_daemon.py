@@ -17,13 +17,14 @@ from agent._version import __version__
 from agent.compile.cache import CompileCaches
 from agent.compile.keys import CompileKeyParts
 from agent.edge.lease_socket import LeaseServer
-from agent.edge.server import ApiServer
+from agent.edge.server import ApiServer, TenantSocket
 from agent.obs.logs import configure_logging
 from agent.obs.metrics import REGISTRY, StateCollector, StateReading, TierReading
 from agent.obs.metrics_server import serve_metrics
 from agent.obs.sdnotify import SystemdNotifier
 from agent.prefetch.manifests import CompileCacheHook, CompileSpec, ManifestWatcher
 from agent.pull.puller import Puller
+from agent.service import access as access_rules
 from agent.service.operations import AgentService
 from agent.source.s3 import S3Source
 from agent.store.leases import LeaseTable
@@ -48,6 +49,10 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
             loop.add_signal_handler(signum, stop.set)
     socket_path = settings.socket_path
     tiers = settings.tiers
+    _check_access(settings)
+    node, tenants = access_rules.tenants_from_settings(settings)
+    # The daemon's own callers (manifests) are the node: its sources, its limits.
+    access_rules.bind_requester(access_rules.Requester(node))
     notifier = SystemdNotifier.from_environment()
     notifier.status(f"Reconciling the cache in {tiers.shm_root} and {tiers.disk_root}")
     store = Store(
@@ -58,9 +63,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
         },
     )
     await store.open()
-    api = ApiServer(
-        socket_path, settings.socket_mode, settings.socket_group, settings.shutdown_grace_seconds
-    )
+    api = _api_server(settings, node, tenants)
     api.claim()
     leases = LeaseTable(settings.leases.default_ttl_seconds, settings.leases.max_ttl_seconds)
 
@@ -102,6 +105,50 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
             # rather than make the drain wait out its grace period.
             compile_caches.locks.close()
     log.info("stopped")
+
+
+def _check_access(settings: Settings) -> None:
+    """Refuse tenant sockets that clash with the agent's own; warn while any source goes."""
+    access = settings.access
+    own = {settings.socket_path, settings.lease_socket_path}
+    for entry in access.sockets:
+        if entry.path in own:
+            raise ConfigError(
+                f"[[access.sockets]] {entry.name!r} uses {entry.path}, which is the agent's own "
+                "API or lease socket. Give the tenant a path of its own."
+            )
+    if not access.sources:
+        log.warning(
+            "[access] sources is empty: any S3 source may be cached (the behaviour before "
+            'access controls). Set e.g. sources = ["s3://models-prod/*"] to allow only yours.'
+        )
+    compile_uri = settings.compile_cache.uri
+    if compile_uri and access.sources:
+        node, _ = access_rules.tenants_from_settings(settings)
+        with access_rules.requester_bound(access_rules.Requester(node)):
+            try:
+                access_rules.check_source(compile_uri)
+            except PrewarmError as exc:
+                raise ConfigError(f"compile_cache.uri: {exc}") from exc
+
+
+def _api_server(
+    settings: Settings, node: access_rules.Tenant, tenants: dict[str, access_rules.Tenant]
+) -> ApiServer:
+    """The API socket for the node's own callers, and one socket per tenant."""
+    return ApiServer(
+        settings.socket_path,
+        settings.socket_mode,
+        settings.socket_group,
+        settings.shutdown_grace_seconds,
+        node_tenant=node,
+        tenant_sockets=[
+            TenantSocket(entry.path, entry.mode, entry.group, tenants[entry.name])
+            for entry in settings.access.sockets
+        ],
+        max_request_bytes=int(settings.access.max_request_bytes),
+        compile_cache_uri=settings.compile_cache.uri,
+    )
 
 
 def _describe(store: Store, puller: Puller, socket_path: Path) -> str:

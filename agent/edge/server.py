@@ -1,4 +1,4 @@
-"""The gRPC server on the API socket: servicers, health, reflection, the interceptor.
+"""The gRPC servers on the API socket and the tenants' sockets: servicers, health, interceptors.
 
 The daemon claims the socket path early (``ApiServer.claim``, before anything
 that could touch the cache), then serves inside ``ApiServer.serving`` once the
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -21,6 +22,7 @@ from agent._proto.prewarm.v1 import prewarm_pb2, prewarm_pb2_grpc
 from agent.compile.cache import CompileCaches
 from agent.edge.interceptor import RequestObserver
 from agent.edge.servicer import PrewarmServicer
+from agent.edge.tenancy import TenantBinder
 from agent.edge.unix_socket import (
     clear_stale_socket,
     owner_only_umask,
@@ -28,54 +30,107 @@ from agent.edge.unix_socket import (
     secure_socket,
     socket_group_id,
 )
+from agent.service.access import Tenant
 from agent.service.operations import AgentService
 
-__all__ = ["SERVICE_NAME", "ApiServer"]
+__all__ = ["SERVICE_NAME", "ApiServer", "TenantSocket"]
 
 log = logging.getLogger("agent.daemon")
 
 SERVICE_NAME = prewarm_pb2.DESCRIPTOR.services_by_name["Prewarm"].full_name
 
 
+@dataclass(frozen=True, slots=True)
+class TenantSocket:
+    """One tenant's socket file: where it is, who may open it, and whose it is."""
+
+    path: Path
+    mode: int
+    group: str
+    # None on the API socket of an agent built without access rules (in-process tests).
+    tenant: Tenant | None
+
+
 class ApiServer:
-    """The Prewarm service, health and reflection on one Unix socket.
+    """The Prewarm service, health and reflection on the API socket and each tenant's socket.
 
     ``mode`` and ``group`` (a group name; empty keeps the daemon's) secure the
-    socket file; ``grace_seconds`` is how long calls in progress may take to
-    end once the server stops.
+    API socket file; ``grace_seconds`` is how long calls in progress may take to
+    end once the server stops. ``node_tenant`` binds the node's access rules to
+    the API socket's requests; each of ``tenant_sockets`` gets a server of its
+    own, so every request's tenant is the socket it arrived on.
     """
 
-    def __init__(self, socket_path: Path, mode: int, group: str, grace_seconds: float) -> None:
+    def __init__(
+        self,
+        socket_path: Path,
+        mode: int,
+        group: str,
+        grace_seconds: float,
+        *,
+        node_tenant: Tenant | None = None,
+        tenant_sockets: Sequence[TenantSocket] = (),
+        max_request_bytes: int = 4 * 1024**2,
+        compile_cache_uri: str | None = None,
+    ) -> None:
         self._path = Path(socket_path)
         self._mode = mode
         self._group = group
         self._grace_seconds = grace_seconds
-        self._health: health.aio.HealthServicer | None = None
+        self._node_tenant = node_tenant
+        self._tenant_sockets = tuple(tenant_sockets)
+        self._max_request_bytes = max_request_bytes
+        self._compile_cache_uri = compile_cache_uri
+        self._health: list[health.aio.HealthServicer] = []
 
     @property
     def socket_path(self) -> Path:
         return self._path
 
     def claim(self) -> None:
-        """Check the group and the path now: refuse a live socket before any work starts.
+        """Check the groups and the paths now: refuse a live socket before any work starts.
 
         A second daemon on the same socket must fail before it resumes pulls
         or touches the cache the first one serves.
         """
-        socket_group_id(self._group)
-        clear_stale_socket(self._path, "the API")
+        for socket in self._sockets():
+            socket_group_id(socket.group)
+            clear_stale_socket(socket.path, "the API")
 
     @contextlib.asynccontextmanager
     async def serving(
         self, service: AgentService, compile_caches: CompileCaches | None = None
     ) -> AsyncIterator[None]:
-        """Serve until the block ends; then stop within the grace period and remove the socket."""
-        gid = socket_group_id(self._group)
-        clear_stale_socket(self._path, "the API")
-        server = grpc.aio.server(interceptors=[RequestObserver(SERVICE_NAME)])
-        servicer = PrewarmServicer(
-            service, socket_path=str(self._path), compile_caches=compile_caches
+        """Serve until the block ends; then stop within the grace period and remove the sockets."""
+        async with contextlib.AsyncExitStack() as stack:
+            for socket in self._sockets():
+                await stack.enter_async_context(self._serving_one(socket, service, compile_caches))
+            yield
+
+    async def drain(self) -> None:
+        """Health answers NOT_SERVING from now on; calls in progress go on."""
+        for servicer in self._health:
+            await servicer.enter_graceful_shutdown()
+
+    def _sockets(self) -> list[TenantSocket]:
+        own = TenantSocket(self._path, self._mode, self._group, self._node_tenant)
+        return [own, *self._tenant_sockets]
+
+    @contextlib.asynccontextmanager
+    async def _serving_one(
+        self, socket: TenantSocket, service: AgentService, compile_caches: CompileCaches | None
+    ) -> AsyncIterator[None]:
+        path, tenant = socket.path, socket.tenant
+        gid = socket_group_id(socket.group)
+        clear_stale_socket(path, "the API")
+        interceptors: list[grpc.aio.ServerInterceptor] = [RequestObserver(SERVICE_NAME)]
+        if tenant is not None:
+            interceptors.append(TenantBinder(SERVICE_NAME, tenant, self._compile_cache_uri))
+        server = grpc.aio.server(
+            interceptors=interceptors,
+            options=[("grpc.max_receive_message_length", self._max_request_bytes)],
         )
+        servicer = PrewarmServicer(service, socket_path=str(path), compile_caches=compile_caches)
         prewarm_pb2_grpc.add_PrewarmServicer_to_server(servicer, server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -85,20 +140,16 @@ class ApiServer:
         inode: int | None = None
         try:
             with owner_only_umask():
-                server.add_insecure_port(f"unix:{self._path}")  # binds the socket now
-            inode = self._path.stat().st_ino
+                server.add_insecure_port(f"unix:{path}")  # binds the socket now
+            inode = socket.path.stat().st_ino
             await server.start()
-            secure_socket(self._path, self._mode, gid)
+            secure_socket(path, socket.mode, gid)
             for name in ("", SERVICE_NAME):
                 await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-            self._health = health_servicer
+            self._health.append(health_servicer)
             yield
         finally:
-            self._health = None
+            if health_servicer in self._health:
+                self._health.remove(health_servicer)
             await server.stop(self._grace_seconds)
-            remove_own_socket(self._path, inode)
-
-    async def drain(self) -> None:
-        """Health answers NOT_SERVING from now on; calls in progress go on."""
-        if self._health is not None:
-            await self._health.enter_graceful_shutdown()
+            remove_own_socket(path, inode)

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
@@ -47,6 +47,9 @@ CONTROL_PATH = "/_prewarm/requests"
 ACCESS_KEY = "testing"
 SECRET_KEY = "testing"
 REGION = "us-east-1"
+
+# Anonymous requests a test may make to set up buckets, objects and users.
+_IAM_SETUP_REQUESTS = 300
 
 _HANDSHAKE = re.compile(rb"\A([^\n]*)\n")
 
@@ -131,10 +134,15 @@ class S3Server(Startable):
         port: int = 0,
         startup_timeout: float = 60.0,
         env: Mapping[str, str] | None = None,
+        iam: bool = False,
     ) -> None:
-        # env: extra variables for the server process, e.g. moto's
-        # INITIAL_NO_AUTH_ACTION_COUNT to make it check credentials.
+        # env: extra variables for the server process.
         self._extra_env = dict(env or {})
+        # iam: moto checks every request's signature and IAM policy once the set-up
+        # allowance is spent (see enforce_iam); until then requests are anonymous.
+        if iam:
+            self._extra_env["INITIAL_NO_AUTH_ACTION_COUNT"] = str(_IAM_SETUP_REQUESTS)
+        self._iam = iam
         self._host = host
         self._port = port
         self._startup_timeout = startup_timeout
@@ -214,6 +222,50 @@ class S3Server(Startable):
         """A boto3 S3 client for this server; ``config`` adds botocore Config options."""
         options: dict[str, Any] = {"retries": {"max_attempts": 2, "mode": "standard"}}
         return self.endpoint.client(**(options | config))
+
+    # -- IAM (servers started with iam=True) -----------------------------------------
+
+    def create_user(self, name: str, buckets: Sequence[str]) -> LoopbackEndpoint:
+        """An IAM user allowed every S3 action on ``buckets`` only ("*": all); its endpoint.
+
+        Call before ``enforce_iam``: creating users is part of the set-up allowance.
+        """
+        if not self._iam:
+            raise S3ServerError("create_user needs S3Server(iam=True).")
+        resources = [arn for b in buckets for arn in (f"arn:aws:s3:::{b}", f"arn:aws:s3:::{b}/*")]
+        policy = {
+            "Version": "2012-10-17",
+            "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": resources}],
+        }
+        iam = self._iam_client()
+        iam.create_user(UserName=name)
+        iam.put_user_policy(UserName=name, PolicyName="s3", PolicyDocument=json.dumps(policy))
+        key = iam.create_access_key(UserName=name)["AccessKey"]
+        return LoopbackEndpoint(self.endpoint_url, key["AccessKeyId"], key["SecretAccessKey"])
+
+    def enforce_iam(self) -> None:
+        """Spend what is left of the set-up allowance: from now on every request is checked.
+
+        moto counts anonymous requests; the shared test keys belong to no IAM
+        user, so the first request they get refused marks the end of it.
+        """
+        import botocore.exceptions
+
+        client = self.client(retries={"max_attempts": 1, "mode": "standard"})
+        for _ in range(_IAM_SETUP_REQUESTS + 1):
+            try:
+                client.list_buckets()
+            except botocore.exceptions.ClientError:
+                return
+        raise S3ServerError("moto kept answering anonymous requests: is iam=True in effect?")
+
+    def _iam_client(self) -> Any:
+        import boto3.session
+
+        session = boto3.session.Session(
+            aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY, region_name=REGION
+        )
+        return session.client("iam", endpoint_url=self.endpoint_url)
 
     # -- the request log -------------------------------------------------------------
 

@@ -1,0 +1,280 @@
+"""Who may cache what: the source allowlist, requester-scoped checks and request limits.
+
+The edge binds a ``Requester`` (the tenant of the socket a request came in on,
+and the pod's own credentials if it sent them) to the request's context; the
+service's entry points call the functions here, which read it. A request with
+no requester bound (in-process callers, tests) is not restricted.
+
+Requester-scoped access: with the pod's credentials the agent lists the prefix
+(ListObjectsV2) and HEADs every file of the snapshot at the ETag the agent's
+own listing pinned. S3 authorises HEAD with s3:GetObject,
+so this proves the pod may read each object, not only the first one, whatever
+per-key policy the bucket has; a hit or a pull then gives it nothing it could
+not have downloaded itself. This runs on every request, hit or miss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import fnmatch
+import logging
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from agent._config import AccessLimits, Settings
+from agent._exceptions import AccessDenied, NoSpace, SourceUnavailable
+from agent._snapshot import Snapshot
+from agent._uri import ModelUri, parse_uri
+from agent.source.interface import ObjectSource
+
+__all__ = [
+    "NODE_TENANT",
+    "LimitExceeded",
+    "PullGate",
+    "Requester",
+    "RequesterKeys",
+    "Tenant",
+    "bind_requester",
+    "check_snapshot",
+    "check_source",
+    "check_unchecked",
+    "current_requester",
+    "requester_bound",
+    "start_pull",
+    "tenants_from_settings",
+]
+
+log = logging.getLogger(__name__)
+
+NODE_TENANT = "node"
+# HEADs in flight at once while checking a requester's access to one snapshot.
+_HEAD_CONCURRENCY = 16
+_ECHO_LIMIT = 200
+
+
+class LimitExceeded(NoSpace):
+    """A request would go past one of the configured [access] limits."""
+
+
+class PullGate:
+    """Counts the pulls each tenant started, against its limit and the node's."""
+
+    def __init__(self, node_limit: int) -> None:
+        self._node_limit = node_limit
+        self._started: dict[str, set[str]] = {}
+
+    def admit(self, tenant: Tenant, key: str, in_flight: Collection[str]) -> None:
+        """Count a new pull of ``key`` for ``tenant``; LimitExceeded at once when full.
+
+        ``in_flight`` are the keys being pulled now: pulls that ended drop out
+        of every tenant's count here, so there is nothing to release.
+        """
+        running = set(in_flight)
+        for keys in self._started.values():
+            keys.intersection_update(running)
+        if self._node_limit and len(running) >= self._node_limit:
+            raise LimitExceeded(
+                f"{len(running)} pulls are running on this node, the most [access.limits] "
+                f"max_concurrent_pulls allows ({self._node_limit}). Retry when one ends."
+            )
+        mine = self._started.setdefault(tenant.name, set())
+        limit = tenant.limits.max_concurrent_pulls
+        if limit and len(mine) >= limit:
+            raise LimitExceeded(
+                f"Socket {tenant.name!r} has {len(mine)} pulls running, the most its "
+                f"max_concurrent_pulls allows ({limit}). Retry when one ends."
+            )
+        mine.add(key)
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """The callers of one socket: what they may cache and how much."""
+
+    name: str
+    # Globs on the normalised URI; empty allows any. Both lists must allow a source.
+    sources: tuple[str, ...]
+    node_sources: tuple[str, ...]
+    limits: AccessLimits
+    node_limits: AccessLimits
+    gate: PullGate = field(compare=False)
+    requester_scoped: bool = False
+
+    def allows(self, uri: ModelUri) -> bool:
+        return _matches(self.node_sources, uri) and _matches(self.sources, uri)
+
+    def check_snapshot(self, snapshot: Snapshot) -> None:
+        """LimitExceeded when the snapshot has more files or bytes than a limit allows."""
+        for limits, where in ((self.node_limits, "[access.limits]"), (self.limits, self.name)):
+            files, size = len(snapshot.objects), snapshot.total_bytes
+            if limits.max_files and files > limits.max_files:
+                raise LimitExceeded(
+                    f"{_echo(snapshot.uri)} has {files} files; max_files of {where} is "
+                    f"{limits.max_files}. Narrow it with include/exclude or raise the limit."
+                )
+            if limits.max_bytes and size > limits.max_bytes:
+                raise LimitExceeded(
+                    f"{_echo(snapshot.uri)} holds {size} bytes; max_bytes of {where} is "
+                    f"{int(limits.max_bytes)}. Narrow it with include/exclude or raise the limit."
+                )
+
+
+@dataclass(frozen=True, slots=True)
+class RequesterKeys:
+    """A pod's AWS credentials: used for its own checks, never logged or kept."""
+
+    access_key_id: str
+    secret_access_key: str = field(repr=False)
+    session_token: str = field(default="", repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Requester:
+    tenant: Tenant
+    keys: RequesterKeys | None = None
+
+
+@runtime_checkable
+class CredentialScopedSource(Protocol):
+    """A source that can sign with someone else's keys (S3Source)."""
+
+    def with_credentials(
+        self, access_key_id: str, secret_access_key: str, session_token: str
+    ) -> contextlib.AbstractAsyncContextManager[ObjectSource]: ...
+
+
+_REQUESTER: contextvars.ContextVar[Requester | None] = contextvars.ContextVar(
+    "prewarm_requester", default=None
+)
+
+
+def tenants_from_settings(settings: Settings) -> tuple[Tenant, dict[str, Tenant]]:
+    """The node's own tenant (API socket, manifests) and one per [[access.sockets]] entry."""
+    access = settings.access
+    gate = PullGate(access.limits.max_concurrent_pulls)
+    node_sources = tuple(access.sources)
+
+    def tenant(name: str, sources: Sequence[str], limits: AccessLimits, scoped: bool) -> Tenant:
+        return Tenant(name, tuple(sources), node_sources, limits, access.limits, gate, scoped)
+
+    node = tenant(NODE_TENANT, (), AccessLimits(), False)
+    sockets = {
+        s.name: tenant(s.name, s.sources, s.limits, s.requester_scoped) for s in access.sockets
+    }
+    return node, sockets
+
+
+def bind_requester(requester: Requester) -> contextvars.Token[Requester | None]:
+    """Bind for the rest of this context (a request, or the daemon's own tasks)."""
+    return _REQUESTER.set(requester)
+
+
+def current_requester() -> Requester | None:
+    return _REQUESTER.get()
+
+
+def check_source(uri: ModelUri | str) -> None:
+    """AccessDenied when the current tenant may not cache ``uri``; no S3 call is made."""
+    requester = _REQUESTER.get()
+    if requester is None:
+        return
+    parsed = parse_uri(uri) if isinstance(uri, str) else uri
+    tenant = requester.tenant
+    if not tenant.allows(parsed):
+        allowed = tenant.sources or tenant.node_sources
+        raise AccessDenied(
+            f"{_echo(parsed)} is not among the sources socket {tenant.name!r} may cache "
+            f"({', '.join(allowed)}). Ask the node's admin to allow it in [access] sources."
+        )
+
+
+def check_unchecked() -> None:
+    """Before a cached copy is served without S3 (offline): refused where access is checked."""
+    requester = _REQUESTER.get()
+    if requester is not None and (requester.keys or requester.tenant.requester_scoped):
+        raise SourceUnavailable(
+            "S3 cannot be reached to check this pod's access, and a requester-scoped "
+            "request is never answered unchecked. Retry when S3 answers."
+        )
+
+
+async def check_snapshot(source: ObjectSource, snapshot: Snapshot) -> None:
+    """After the listing, before any answer: the requester's own access, then the limits."""
+    requester = _REQUESTER.get()
+    if requester is None:
+        return
+    keys = requester.keys
+    if keys is None and requester.tenant.requester_scoped:
+        raise AccessDenied(
+            f"Socket {requester.tenant.name!r} is requester-scoped: send the pod's AWS "
+            "credentials with the request (ensure(..., as_requester=True))."
+        )
+    if keys is not None:
+        await _check_reads(source, keys, snapshot)
+    requester.tenant.check_snapshot(snapshot)
+
+
+def start_pull(key: str, in_flight: Collection[str]) -> None:
+    """Admit a new pull of ``key`` for the current tenant (LimitExceeded when full)."""
+    requester = _REQUESTER.get()
+    if requester is not None:
+        requester.tenant.gate.admit(requester.tenant, key, in_flight)
+
+
+async def _check_reads(source: ObjectSource, keys: RequesterKeys, snapshot: Snapshot) -> None:
+    if not isinstance(source, CredentialScopedSource):
+        raise AccessDenied(
+            f"This agent's source ({source.name}) cannot check a requester's credentials."
+        )
+    uri = snapshot.uri
+    async with source.with_credentials(
+        keys.access_key_id, keys.secret_access_key, keys.session_token
+    ) as scoped:
+        await scoped.list_objects(uri)
+        limit = asyncio.Semaphore(_HEAD_CONCURRENCY)
+
+        async def head(key: str, etag: str) -> None:
+            async with limit:
+                # With the ETag: SourceChanged when the object went away or was replaced.
+                await scoped.head_object(uri.bucket, key, etag=etag)
+
+        heads = [asyncio.create_task(head(o.key, o.etag)) for o in snapshot.objects]
+        try:
+            await asyncio.gather(*heads)
+        finally:
+            for task in heads:
+                task.cancel()
+            await asyncio.gather(*heads, return_exceptions=True)
+
+
+def _matches(patterns: Sequence[str], uri: ModelUri) -> bool:
+    if not patterns:
+        return True
+    text = str(uri)
+    return any(_pattern_matches(pattern, text) for pattern in patterns)
+
+
+def _pattern_matches(pattern: str, uri: str) -> bool:
+    if any(c in pattern for c in "*?["):
+        return fnmatch.fnmatchcase(uri, pattern)
+    # A plain prefix names a directory: it and everything below it.
+    directory = pattern.rstrip("/") + "/"
+    return uri.startswith(directory) or uri == pattern
+
+
+def _echo(value: object) -> str:
+    text = str(value)
+    return text if len(text) <= _ECHO_LIMIT else text[:_ECHO_LIMIT] + "..."
+
+
+@contextlib.contextmanager
+def requester_bound(requester: Requester) -> Iterator[None]:
+    """Bind ``requester`` for the block (in-process tests, the daemon's own callers)."""
+    token = _REQUESTER.set(requester)
+    try:
+        yield
+    finally:
+        _REQUESTER.reset(token)

@@ -23,6 +23,7 @@ from agent._exceptions import PrewarmError
 from agent._proto.prewarm.v1 import prewarm_pb2 as pb
 from agent._proto.prewarm.v1 import prewarm_pb2_grpc as pb_grpc
 from agent.client import (
+    AccessDenied,
     AgentUnavailable,
     AsyncClient,
     AsyncLeaseHold,
@@ -96,14 +97,14 @@ class _LeasingAgent(pb_grpc.PrewarmServicer):
         try:
             return _lease(self.table.renew(request.id, request.ttl_seconds))
         except PrewarmError as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            await context.abort(grpc.StatusCode[exc.status], str(exc))
             raise
 
     async def ReleaseLease(self, request: pb.ReleaseLeaseRequest, context: Any) -> Any:
         try:
             self.table.release(request.id)
         except PrewarmError as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            await context.abort(grpc.StatusCode[exc.status], str(exc))
         return pb.ReleaseLeaseResponse()
 
 
@@ -229,7 +230,8 @@ async def test_leased_releases_the_lease_when_the_hold_cannot_open(agent: Agent)
 
 
 async def test_hold_ends_the_lease_when_closed(agent: Agent) -> None:
-    """A LeaseHold is held inside its with block and closing it ends the lease on the agent."""
+    """A LeaseHold is held inside its with block, and the lease has ended on the agent by the
+    time closing it returns."""
     record = agent.table.grant(KEY, ttl=60)
     grant = _grant(record, agent)
 
@@ -238,8 +240,7 @@ async def test_hold_ends_the_lease_when_closed(agent: Agent) -> None:
             return held.held
 
     assert await _in_thread(hold)
-    async with asyncio.timeout(10):
-        await agent.table.wait_released(record.id)
+    assert agent.table.active() == []
 
 
 async def test_async_hold_reports_who_holds_it(agent: Agent) -> None:
@@ -252,8 +253,7 @@ async def test_async_hold_reports_who_holds_it(agent: Agent) -> None:
         assert held.holder.pid == os.getpid()
         assert held.client_name == "worker"
     assert not hold.held
-    async with asyncio.timeout(10):
-        await agent.table.wait_released(record.id)
+    assert agent.table.active() == []  # closing waited for the agent to end it
 
 
 async def test_hold_of_an_unknown_lease_is_not_found(agent: Agent) -> None:
@@ -287,8 +287,8 @@ async def test_hold_without_a_lease_socket_is_agent_unavailable(tmp_path: Path) 
 
 
 async def test_renewed_lease_can_still_be_held(agent: Agent) -> None:
-    """A renewed lease gets a later expiry, has none while held open, and once the hold closes
-    releasing it is NotFound.
+    """A renewed lease gets a later expiry; held open it has none and renewing or releasing it
+    by id is AccessDenied; once the hold closes releasing it is NotFound.
     """
     async with AsyncClient(agent.socket_path) as client:
         handle = await client.ensure("s3://b/m/", lease=True, lease_ttl=5)
@@ -298,9 +298,13 @@ async def test_renewed_lease_can_still_be_held(agent: Agent) -> None:
         assert handle.lease.expires is not None
         assert renewed.expires > handle.lease.expires
         async with AsyncLeaseHold(handle.lease, socket_path=agent.lease_socket):
-            held = await client.renew_lease(handle.lease.id)
-            assert held.expires is None  # held open: no expiry
-        await agent.table.wait_released(handle.lease.id)
+            assert agent.table.get(handle.lease.id).expires is None  # held open: no expiry
+            with pytest.raises(AccessDenied, match="held open"):
+                await client.renew_lease(handle.lease.id)
+            with pytest.raises(AccessDenied, match="held open"):
+                await client.release_lease(handle.lease.id)
+            assert agent.table.get(handle.lease.id).held
+        # Closing the hold waited for the agent: the lease is gone already.
         with pytest.raises(NotFound):
             await client.release_lease(handle.lease.id)
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from agent import Conflict, InvalidRequest, NotFound
+from agent import AccessDenied, Conflict, InvalidRequest, NotFound
 from agent.store.leases import LeaseTable, PeerCredentials
 
 ME = PeerCredentials(pid=os.getpid(), uid=os.getuid(), gid=os.getgid())
@@ -124,7 +124,7 @@ def test_unknown_id_is_not_found(table: LeaseTable) -> None:
 
 
 def test_held_lease_never_expires(table: LeaseTable, clock: FakeClock) -> None:
-    """A held lease has no expiry, takes the holder's name and is unchanged by renew."""
+    """A held lease has no expiry, takes the holder's name, and cannot be renewed by id."""
     record = table.grant("k1", "granted-name", ttl=10)
     held = table.hold(record.id, ME, "holder-name")
     assert held.held
@@ -133,7 +133,9 @@ def test_held_lease_never_expires(table: LeaseTable, clock: FakeClock) -> None:
     assert held.client_name == "holder-name"
     clock.now += 10_000
     assert table.for_key("k1") == [held]
-    assert table.renew(record.id) == held
+    with pytest.raises(AccessDenied, match="cannot be renewed"):
+        table.renew(record.id)
+    assert table.for_key("k1") == [held]
 
 
 def test_hold_without_a_name_keeps_the_granted_name(table: LeaseTable) -> None:
@@ -150,12 +152,17 @@ def test_expired_lease_cannot_be_held(table: LeaseTable, clock: FakeClock) -> No
         table.hold(record.id, ME)
 
 
-def test_second_holder_is_a_conflict(table: LeaseTable) -> None:
-    """One connection holds a lease; a second holder is a Conflict naming the first pid."""
+def test_second_holder_is_refused(table: LeaseTable) -> None:
+    """A held lease binds its process: another process is AccessDenied without learning the
+    holder; a second connection of the holding process is a Conflict."""
     record = table.grant("k1")
     table.hold(record.id, ME)
-    with pytest.raises(Conflict, match=f"pid {ME.pid}"):
+    with pytest.raises(AccessDenied) as denied:
         table.hold(record.id, PeerCredentials(1, 2, 3))
+    assert str(ME.pid) not in str(denied.value)
+    with pytest.raises(Conflict, match="another connection of this process"):
+        table.hold(record.id, ME)
+    assert table.get(record.id).holder == ME
 
 
 def test_unhold_ends_the_lease(table: LeaseTable) -> None:
@@ -196,11 +203,11 @@ async def test_wait_released_returns_when_a_timed_lease_expires() -> None:
 
 
 async def test_wait_released_returns_on_release(table: LeaseTable) -> None:
-    """wait_released blocks while the lease lives and returns when it is released."""
+    """wait_released blocks while the lease lives and returns when its connection ends it."""
     record = table.grant("k1")
     table.hold(record.id, ME)
     async with asyncio.timeout(5), asyncio.TaskGroup() as tasks:
         waiter = tasks.create_task(table.wait_released(record.id))
         await asyncio.sleep(0)  # let it start waiting
         assert not waiter.done()
-        table.release(record.id)
+        table.unhold(record.id)

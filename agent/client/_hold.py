@@ -7,6 +7,11 @@ From then on the lease lives exactly as long as the connection: when this
 process closes it, exits or is killed, the kernel closes the socket and the
 agent ends the lease at once. Nothing is sent after the hello, so holding
 costs no thread and no timer: the open socket is the whole mechanism.
+
+``close()`` half-closes the connection and waits (up to the timeout) for the
+agent to close its end, which it does once the lease has ended: when close
+returns, the lease is over on the agent too, and a ReleaseLease after it is
+NotFound rather than refused (the API cannot release a lease while it is held).
 """
 
 from __future__ import annotations
@@ -142,10 +147,12 @@ class LeaseHold(_Hold[socket.socket], ClosedOnExit):
     process dies, whichever comes first). ``socket_path`` overrides the path
     the agent named (``Client.leased`` finds it next to the API socket);
     ``timeout`` bounds the connect and the reply. An unknown or expired lease
-    raises ``NotFound``, one already held elsewhere ``Conflict``.
+    raises ``NotFound``; one another process holds ``AccessDenied``, one another
+    connection of this process holds ``Conflict``.
 
-    A child made by ``fork()`` without ``exec`` shares the open connection, so
-    the lease then lasts until both processes have closed it or exited.
+    A child made by ``fork()`` without ``exec`` shares the open connection: the
+    lease lasts while either process has it open, until ``close()`` here ends
+    it for both (a child that outlives the block should hold its own lease).
     """
 
     def __enter__(self) -> Self:
@@ -172,13 +179,22 @@ class LeaseHold(_Hold[socket.socket], ClosedOnExit):
         self._connection = sock
 
     def close(self) -> None:
-        """End the lease (the agent sees the connection close). Safe to call twice."""
+        """End the lease and wait for the agent to confirm it. Safe to call twice."""
         sock, self._connection = self._connection, None
-        if sock is not None:
+        if sock is None:
+            return
+        try:
+            sock.shutdown(socket.SHUT_WR)
+            sock.settimeout(self._timeout)
+            while sock.recv(_LINE_LIMIT):
+                pass  # the agent closes its end once the lease has ended
+        except OSError:
+            pass  # the agent is gone or slow: closing below ends the lease all the same
+        finally:
             sock.close()
 
 
-class AsyncLeaseHold(_Hold[asyncio.StreamWriter], ClosedOnAsyncExit):
+class AsyncLeaseHold(_Hold[tuple[asyncio.StreamReader, asyncio.StreamWriter]], ClosedOnAsyncExit):
     """``LeaseHold`` for asyncio code: ``async with AsyncLeaseHold(lease): ...``."""
 
     async def __aenter__(self) -> Self:
@@ -205,12 +221,22 @@ class AsyncLeaseHold(_Hold[asyncio.StreamWriter], ClosedOnAsyncExit):
                 # this path free of awaits that a cancellation could cut.
                 writer.close()
             raise
-        self._connection = writer
+        self._connection = (reader, writer)
 
     async def close(self) -> None:
-        """End the lease (the agent sees the connection close). Safe to call twice."""
-        writer, self._connection = self._connection, None
-        if writer is not None:
+        """End the lease and wait for the agent to confirm it. Safe to call twice."""
+        connection, self._connection = self._connection, None
+        if connection is None:
+            return
+        reader, writer = connection
+        try:
+            writer.write_eof()
+            async with asyncio.timeout(self._timeout):
+                while await reader.read(_LINE_LIMIT):
+                    pass  # the agent closes its end once the lease has ended
+        except (OSError, TimeoutError):
+            pass  # the agent is gone or slow: closing below ends the lease all the same
+        finally:
             writer.close()
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()

@@ -1,8 +1,12 @@
 """Placement and eviction: which tier a pull goes to, and what leaves to make room.
 
 Snapshots are evicted least recently used first. Never evicted by pressure:
-snapshots with a live lease, pinned snapshots, and pulls in progress (which
-are not published yet, so they are never candidates). The store's extras
+snapshots with a live lease or a request's claim, pinned snapshots, and pulls
+in progress (which are not published yet, so they are never candidates).
+Victims are chosen from a snapshot of the table, and removing one awaits, so
+protection is checked again right before each victim leaves: a lease granted
+meanwhile (a hit on a victim) keeps its snapshot, and ``make_room`` chooses
+again for the bytes it did not free. The store's extras
 (compile caches on the disk tier) go last: only when evicting every evictable
 snapshot would not free enough, least recently used first.
 """
@@ -26,6 +30,10 @@ __all__ = ["Evictor"]
 
 log = logging.getLogger(__name__)
 
+# Rounds of choosing victims for one placement; each round after the first
+# happens only when a victim became protected while the previous one ran.
+_PLACEMENT_ROUNDS = 4
+
 
 class Evictor:
     def __init__(self, store: Store, leases: LeaseTable, settings: TierSettings) -> None:
@@ -37,7 +45,7 @@ class Evictor:
         self.lock = asyncio.Lock()
 
     def protected_keys(self) -> set[str]:
-        return self._leases.leased_keys()
+        return self._leases.protected_keys()
 
     def place(
         self, snapshot: Snapshot, hint: TierName, *, strict: bool
@@ -65,16 +73,36 @@ class Evictor:
                 return tier, victims
         raise NoSpace(self._no_space_message(snapshot, order))
 
+    async def make_room(self, snapshot: Snapshot, hint: TierName, *, strict: bool) -> TierName:
+        """``place`` the snapshot and evict its victims; the caller holds ``lock``.
+
+        A victim that became protected while earlier ones were removed is
+        kept, and the room is measured and chosen again.
+        """
+        for _ in range(_PLACEMENT_ROUNDS):
+            tier, victims = self.place(snapshot, hint, strict=strict)
+            await self.evict(victims, f"making room for {snapshot.uri}")
+            if all(self._store.get(v.key) is None for v in victims):
+                return tier
+        # Still short after several rounds: the pull goes ahead, and the watermark
+        # pass after it evicts what has become evictable by then.
+        return tier
+
     async def evict(
         self, victims: Iterable[Candidate], reason: str, *, cause: str = "pressure"
     ) -> list[CachedModel]:
-        """Evict ``victims``; ``reason`` is logged, ``cause`` is the metric's label."""
+        """Evict the ``victims`` still unprotected; ``reason`` is logged, ``cause`` labels."""
         evicted: list[CachedModel] = []
         extras: list[str] = []
         for victim in victims:
             if self._store.get(victim.key) is None:
                 extras.append(victim.key)  # a compile cache (or a snapshot gone meanwhile)
                 continue
+            if self._now_protected(victim.key):
+                log.info("kept %s: leased or pinned since it was chosen", victim.key)
+                continue
+            # No await between this check and the store dropping the key from
+            # its index, so no grant can slip in between.
             model = await self._store.evict(victim.key)
             log.info(
                 "evicted %s (%s, %d bytes): %s",
@@ -143,6 +171,10 @@ class Evictor:
         if victims is None:  # not enough to reach the target: evict what may go
             victims = self._evictable(tier)
         return await self.evict(victims, reason, cause=cause)
+
+    def _now_protected(self, key: str) -> bool:
+        usage = self._store.usage(key)
+        return self._leases.is_protected(key) or (usage is not None and usage.pinned)
 
     def _candidates(self, tier: TierName) -> list[Candidate]:
         return self._store.candidates(tier, self.protected_keys())

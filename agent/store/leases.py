@@ -9,16 +9,25 @@ of two ways:
   (SO_PEERCRED: grpc.aio gives no peer credentials on a Unix socket, so this
   socket is how the agent learns who uses a model) and answers one JSON line
   saying whether the connection now holds the lease. The lease lives while
-  that connection stays open and ends the moment it closes, whether the
-  client exited cleanly, was killed, or its pod went away.
+  that connection stays open and ends the moment it closes (clean exit, kill,
+  or the pod going away).
 - **timed**: a client that cannot keep a connection renews it (RenewLease)
   before it expires, and may release it (ReleaseLease) early.
 
-Expiry is evaluated lazily against the clock whenever the table is queried, so
-no timer task is needed; expired records are dropped when seen.
+A lease id is a capability, returned only to the requester of EnsureModel and
+never listed. The first process to hold a lease binds it: another process's
+hello for it is AccessDenied, and nobody can renew or release it over the API
+while it is held. A grantee (the API socket a request came in on) may have
+``max_per_peer`` live leases, a uid may hold that many open; more is NoSpace.
 
-This module is the table only: it raises the agent's own errors, and the
-socket and the API decide how to answer them.
+A *claim* protects a snapshot key from eviction while a request is in
+progress, from before its pull publishes to the grant of its lease. Claims and
+leases change only on the event loop, and the evictor checks protection right
+before it removes each victim, so choosing victims and granting never interleave.
+
+Expiry is evaluated lazily (a heap of expiries) whenever the table is queried,
+so no timer task is needed.
+The table raises the agent's own errors; the socket and the API answer them.
 """
 
 from __future__ import annotations
@@ -26,20 +35,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import heapq
 import logging
 import math
 import secrets
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
-from agent._exceptions import Conflict, InvalidRequest, NotFound
+from agent._exceptions import AccessDenied, Conflict, InvalidRequest, NoSpace, NotFound
 
 __all__ = [
+    "MAX_LEASES_PER_PEER",
     "LeaseRecord",
     "LeaseTable",
     "PeerCredentials",
 ]
+
+# Live leases one grantee may have, and leases one uid may hold open: far more
+# than a node's pods need, few enough that listing them stays cheap.
+MAX_LEASES_PER_PEER = 256
+# Enough of an unknown lease id to recognise it in an error, never a whole hostile line.
+_ECHOED_ID = 48
+_Item = TypeVar("_Item")
 
 log = logging.getLogger("agent.leases")
 
@@ -67,15 +87,18 @@ class LeaseRecord:
     # Who holds the lease connection; None while nobody does.
     holder: PeerCredentials | None = None
     held: bool = False
+    # Who asked for it: the API socket the EnsureModel came in on ("" in-process).
+    grantee: str = ""
 
 
 class LeaseTable:
-    """Every live lease of the agent, by id.
+    """Every live lease of the agent, by id, and the claims of requests in progress.
 
     ``default_ttl`` is used when a caller gives no TTL (None or 0); a TTL above
     ``max_ttl`` is clamped to ``max_ttl`` (not refused: a client asking for
-    "as long as possible" gets the longest allowed). ``clock`` returns seconds
-    since the epoch; tests inject a fake one.
+    "as long as possible" gets the longest allowed). ``max_per_peer`` caps the
+    live leases per grantee and the leases held open per uid. ``clock``
+    returns seconds since the epoch; tests inject a fake one.
 
     Records are frozen snapshots: a change replaces the record, so what a
     caller got from ``active()`` never changes under it.
@@ -86,16 +109,30 @@ class LeaseTable:
         default_ttl: float,
         max_ttl: float,
         clock: Callable[[], float] = time.time,
+        *,
+        max_per_peer: int = MAX_LEASES_PER_PEER,
     ) -> None:
         if not 0 < default_ttl <= max_ttl:
             raise InvalidRequest(
                 f"Lease TTLs must satisfy 0 < default ({default_ttl}) <= max ({max_ttl}); "
                 "fix the lease settings."
             )
+        if max_per_peer < 1:
+            raise InvalidRequest(
+                f"max_per_peer must be at least 1, not {max_per_peer}; fix the lease settings."
+            )
         self._default_ttl = default_ttl
         self._max_ttl = max_ttl
+        self._max_per_peer = max_per_peer
         self._clock = clock
         self._records: dict[str, LeaseRecord] = {}
+        # Indexes kept with _records, so no query walks every lease.
+        self._by_key: dict[str, set[str]] = {}
+        self._per_grantee: Counter[str] = Counter()
+        self._held_per_uid: Counter[int] = Counter()
+        # (expiry, id) of timed leases; an entry whose record changed since is skipped.
+        self._expiries: list[tuple[float, str]] = []
+        self._claims: Counter[str] = Counter()
         # Replaced on every change: waiters take the current event, check
         # their condition, then wait on it (no lock, no lost wake-ups, since
         # everything runs on one event loop).
@@ -109,22 +146,37 @@ class LeaseTable:
     def max_ttl(self) -> float:
         return self._max_ttl
 
-    def grant(self, key: str, client_name: str = "", ttl: float | None = None) -> LeaseRecord:
+    def check_room(self, grantee: str) -> None:
+        """NoSpace when ``grantee`` already has as many live leases as it may."""
+        self._purge()
+        count = self._per_grantee[grantee]
+        if count >= self._max_per_peer:
+            raise NoSpace(
+                f"This client already has {count} live leases, the most one client may have "
+                f"({self._max_per_peer}); release leases it no longer uses (close their "
+                "lease connections or call ReleaseLease) before asking for more."
+            )
+
+    def grant(
+        self, key: str, client_name: str = "", ttl: float | None = None, *, grantee: str = ""
+    ) -> LeaseRecord:
         """A new lease on snapshot ``key`` for ``ttl`` seconds (None or 0: the default).
 
         A TTL above ``max_ttl`` is clamped to it; a negative one is InvalidRequest.
+        NoSpace when ``grantee`` is at its cap.
         """
         seconds = self._ttl(ttl)
+        self.check_room(grantee)
         now = self._clock()
         record = LeaseRecord(
-            id=secrets.token_urlsafe(16),
+            id=secrets.token_urlsafe(24),
             key=key,
             client_name=client_name,
             acquired=now,
             expires=now + seconds,
+            grantee=grantee,
         )
-        self._records[record.id] = record
-        self._notify()
+        self._add(record)
         log.info(
             "lease granted",
             extra={"lease": record.id, "key": key, "client": client_name, "ttl": seconds},
@@ -134,39 +186,51 @@ class LeaseTable:
     def renew(self, lease_id: str, ttl: float | None = None) -> LeaseRecord:
         """Push the expiry of a lease to ``ttl`` seconds from now (None or 0: the default).
 
-        TTLs are clamped as in ``grant``. A lease held open by a connection has
-        no expiry and is returned unchanged: it lives as long as the connection.
+        TTLs are clamped as in ``grant``. A lease held open by a connection
+        belongs to that connection: renewing it is AccessDenied.
         """
         seconds = self._ttl(ttl)
         record = self._get(lease_id)
-        if record.held:
-            return record
+        _refuse_if_held(record, "renewed")
         record = dataclasses.replace(record, expires=self._clock() + seconds)
-        self._records[lease_id] = record
-        self._notify()
+        self._replace(record)
         return record
 
     def release(self, lease_id: str) -> LeaseRecord:
-        """End a lease now and return it as it was."""
+        """End a timed lease now and return it as it was; a held one is AccessDenied."""
         record = self._get(lease_id)
-        del self._records[lease_id]
-        self._notify()
+        _refuse_if_held(record, "released")
+        self._remove(lease_id)
         log.info("lease released", extra={"lease": lease_id, "key": record.key})
         return record
 
-    def hold(self, lease_id: str, creds: PeerCredentials, client_name: str = "") -> LeaseRecord:
-        """Mark a lease as held open by the process ``creds``; it no longer expires.
+    def end_all_for(self, key: str) -> list[LeaseRecord]:
+        """End every lease on ``key``, held or not: the snapshot itself is gone."""
+        return [r for i in list(self._by_key.get(key, ())) if (r := self._remove(i)) is not None]
 
-        ``client_name``, when given, replaces the name the lease was granted
-        with. A lease that another connection already holds is a Conflict.
+    def hold(self, lease_id: str, creds: PeerCredentials, client_name: str = "") -> LeaseRecord:
+        """Bind a lease to the process ``creds`` (one connection); it no longer expires.
+
+        ``client_name``, when given, replaces the granted one. Held by another
+        process: AccessDenied (the holder is not named); by another connection
+        of this process: Conflict; the uid at its cap: NoSpace.
         """
         record = self._get(lease_id)
-        if record.held:
-            holder = record.holder
+        if record.held and record.holder is not None:
+            if record.holder.pid != creds.pid or record.holder.uid != creds.uid:
+                raise AccessDenied(
+                    "This lease is held by another process; a lease belongs to the process "
+                    "that held it first, for as long as its connection stays open."
+                )
             raise Conflict(
-                f"Lease {lease_id} is already held by another connection"
-                + (f" (pid {holder.pid})" if holder else "")
-                + "; a lease is held by one connection at a time."
+                f"Lease {_echo(lease_id)} is already held by another connection of this "
+                f"process (pid {creds.pid}); a lease is held by one connection at a time."
+            )
+        if self._held_per_uid[creds.uid] >= self._max_per_peer:
+            raise NoSpace(
+                f"uid {creds.uid} already holds {self._held_per_uid[creds.uid]} leases open, the "
+                f"most one user may ({self._max_per_peer}); close lease connections it no "
+                "longer needs."
             )
         record = dataclasses.replace(
             record,
@@ -175,20 +239,15 @@ class LeaseTable:
             holder=creds,
             held=True,
         )
-        self._records[lease_id] = record
-        self._notify()
+        self._replace(record)
         return record
 
     def unhold(self, lease_id: str) -> LeaseRecord | None:
         """The holding connection closed: the lease ends now.
 
-        Returns the record that ended, or None when it had already gone (e.g.
-        released over the API while the connection was still open).
+        Returns the record that ended, or None if it had gone (its snapshot evicted by force).
         """
-        record = self._records.pop(lease_id, None)
-        if record is not None:
-            self._notify()
-        return record
+        return self._remove(lease_id)
 
     def get(self, lease_id: str) -> LeaseRecord:
         """One live lease; NotFound if it does not exist or has expired."""
@@ -199,13 +258,38 @@ class LeaseTable:
         self._purge()
         return sorted(self._records.values(), key=lambda r: (r.acquired, r.id))
 
+    def count(self) -> int:
+        """How many leases are live."""
+        self._purge()
+        return len(self._records)
+
     def for_key(self, key: str) -> list[LeaseRecord]:
         """The live leases on one snapshot, oldest first."""
-        return [r for r in self.active() if r.key == key]
+        self._purge()
+        records = (self._records[i] for i in self._by_key.get(key, ()))
+        return sorted(records, key=lambda r: (r.acquired, r.id))
 
     def leased_keys(self) -> set[str]:
-        """Snapshot keys that at least one live lease protects from eviction."""
-        return {r.key for r in self.active()}
+        """Snapshot keys that at least one live lease is on."""
+        self._purge()
+        return set(self._by_key)
+
+    def protected_keys(self) -> set[str]:
+        """Keys eviction must leave alone: leased, or claimed by a request in progress."""
+        return self.leased_keys() | self._claims.keys()
+
+    def is_protected(self, key: str) -> bool:
+        """Whether ``key`` is leased or claimed right now."""
+        return key in self.protected_keys()
+
+    @contextlib.contextmanager
+    def claim(self, key: str) -> Iterator[None]:
+        """Protect ``key`` from eviction while the block runs (a request's provisional lease)."""
+        self._claims[key] += 1
+        try:
+            yield
+        finally:
+            _decrement(self._claims, key)
 
     async def wait_released(self, lease_id: str) -> None:
         """Return once ``lease_id`` is gone: released, its connection closed, or expired."""
@@ -239,24 +323,78 @@ class LeaseTable:
         record = self._records.get(lease_id)
         if record is None:
             raise NotFound(
-                f"Lease {lease_id!r} does not exist or has expired; ask for a new one with "
+                f"Lease {_echo(lease_id)} does not exist or has expired; ask for a new one with "
                 "EnsureModel(lease=true), and renew it before it expires or hold it open on "
                 "the lease socket."
             )
         return record
 
+    def _add(self, record: LeaseRecord) -> None:
+        self._records[record.id] = record
+        self._by_key.setdefault(record.key, set()).add(record.id)
+        self._per_grantee[record.grantee] += 1
+        self._index_expiry(record)
+        self._notify()
+
+    def _replace(self, record: LeaseRecord) -> None:
+        old = self._records[record.id]
+        if old.holder is None and record.holder is not None:
+            self._held_per_uid[record.holder.uid] += 1
+        self._records[record.id] = record
+        self._index_expiry(record)
+        self._notify()
+
+    def _remove(self, lease_id: str) -> LeaseRecord | None:
+        record = self._records.pop(lease_id, None)
+        if record is None:
+            return None
+        ids = self._by_key[record.key]
+        ids.discard(lease_id)
+        if not ids:
+            del self._by_key[record.key]
+        _decrement(self._per_grantee, record.grantee)
+        if record.holder is not None:
+            _decrement(self._held_per_uid, record.holder.uid)
+        self._notify()
+        return record
+
+    def _index_expiry(self, record: LeaseRecord) -> None:
+        if record.expires is not None:
+            heapq.heappush(self._expiries, (record.expires, record.id))
+
     def _purge(self) -> None:
         now = self._clock()
-        expired = [r for r in self._records.values() if r.expires is not None and r.expires <= now]
-        for record in expired:
-            del self._records[record.id]
+        while self._expiries and self._expiries[0][0] <= now:
+            expires, lease_id = heapq.heappop(self._expiries)
+            record = self._records.get(lease_id)
+            if record is None or record.expires != expires:
+                continue  # ended, renewed or held since this entry was pushed
+            self._remove(lease_id)
             log.info(
                 "lease expired",
                 extra={"lease": record.id, "key": record.key, "client": record.client_name},
             )
-        if expired:
-            self._notify()
 
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+
+
+def _refuse_if_held(record: LeaseRecord, what: str) -> None:
+    if record.held:
+        raise AccessDenied(
+            f"This lease is held open on the lease socket, so it cannot be {what} over the "
+            "API: it lives exactly as long as its holder's connection, and ends when that "
+            "connection closes."
+        )
+
+
+def _decrement(counter: Counter[_Item], item: _Item) -> None:
+    counter[item] -= 1
+    if counter[item] <= 0:
+        del counter[item]
+
+
+def _echo(lease_id: str) -> str:
+    shown = lease_id[:_ECHOED_ID]
+    return repr(shown) + ("..." if len(lease_id) > _ECHOED_ID else "")

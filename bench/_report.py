@@ -177,7 +177,7 @@ def _scaling_lines(scaling: dict[str, Any]) -> list[str]:
         return []
     rows: list[tuple[str, ...]] = []
     for p in scaling["points"]:
-        size = f"{p['size'] / GiB:g} GiB"
+        size = f"{p['size'] / GiB:g} GiB" if p["size"] >= GiB else f"{p['size'] / MiB:g} MiB"
         if "best" not in p:
             rows.append((size, *["-"] * 6, f"not measured: {p.get('error', '?')}"[:80]))
             continue

@@ -301,6 +301,8 @@ def _hit_target(mode: Mapping[str, Any] | None, name: str, limit: float) -> Targ
         f"median {mode['agent_median'] * 1000:.1f} ms agent-side (best "
         f"{mode['agent_best'] * 1000:.1f}, first {mode['agent_first'] * 1000:.1f}; client "
         f"median {mode['client_median'] * 1000:.1f} ms)",
-        mode["agent_median"] <= limit,
-        f"{mode['calls']} calls; judged on the median of the agent's own timing",
+        # "No S3 call" also means no byte from S3: the agent must not list behind the option.
+        mode["agent_median"] <= limit and (name != NO_S3 or mode["served_per_call"] == 0),
+        f"{mode['calls']} calls; judged on the median of the agent's own timing; "
+        f"{mode['served_per_call']:.0f} bytes from S3 per call",
     )

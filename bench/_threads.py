@@ -10,8 +10,11 @@ measured work runs, and at the end: a thread that starts after the start counts
 from zero, a thread that ends before the end counts up to its last sample.
 What the samples cannot see (a thread's last few ms before it exited) is
 reported as ``unattributed``: the process total (which the kernel keeps for
-exited threads too) minus the sum over threads. Polling /proc is fine here:
-this is the benchmark, not the agent.
+exited threads too, in 10 ms ticks) minus the sum over threads (each from
+``schedstat``, in ns, where the kernel has it). A sampler watching its own
+process (a ``bench._worker`` timing itself) leaves its own thread out and names
+threads by their Python names too. Polling /proc is fine here: this is the
+benchmark, not the agent.
 """
 
 from __future__ import annotations
@@ -36,11 +39,15 @@ class ThreadUse:
     tid: int
     comm: str
     seconds: float
+    # The Python thread's name, when the sampler runs in the same process.
+    name: str = ""
 
     @property
     def label(self) -> str:
-        """The thread's name as the kernel knows it (its comm), and whether it is the main one."""
-        return f"{self.comm} (main thread)" if self.tid == self.pid else f"{self.comm} ({self.tid})"
+        """The kernel's name for the thread (its comm), and the Python name or the tid."""
+        if self.tid == self.pid:
+            return f"{self.comm} (main thread)"
+        return f"{self.comm} ({self.name or self.tid})"
 
 
 def _stat_fields(path: Path) -> tuple[str, list[str]] | None:
@@ -54,19 +61,23 @@ def _stat_fields(path: Path) -> tuple[str, list[str]] | None:
 
 
 def read_tasks(pid: int) -> dict[int, tuple[str, float]]:
-    """Every live thread of ``pid``: tid -> (comm, user + system CPU seconds)."""
+    """Every live thread of ``pid``: tid -> (comm, CPU seconds on the CPU so far)."""
     tasks: dict[int, tuple[str, float]] = {}
     for tid in _listdir_ints(f"/proc/{pid}/task"):
         parsed = _stat_fields(Path(f"/proc/{pid}/task/{tid}/stat"))
-        if parsed is None:
-            continue
-        comm, fields = parsed
-        # fields[11], fields[12]: utime, stime (the 14th and 15th of the whole line).
-        tasks[tid] = (comm, (int(fields[11]) + int(fields[12])) / _TICKS)
+        seconds = _thread_seconds(pid, tid)
+        if parsed is not None and seconds is not None:
+            tasks[tid] = (parsed[0], seconds)
     return tasks
 
 
 def _thread_seconds(pid: int, tid: int) -> float | None:
+    # schedstat's first field is the thread's time on a CPU in ns: exact, where
+    # stat's utime + stime count 10 ms ticks, too coarse for short-lived threads.
+    try:
+        return int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0]) / 1e9
+    except (OSError, IndexError, ValueError):
+        pass  # a kernel without schedstats: fall back to the ticks
     parsed = _stat_fields(Path(f"/proc/{pid}/task/{tid}/stat"))
     return None if parsed is None else (int(parsed[1][11]) + int(parsed[1][12])) / _TICKS
 
@@ -130,6 +141,7 @@ class ThreadCpu:
         # (pid, tid) -> comm, CPU seconds at the start (0 for threads born later), latest
         self._first: dict[tuple[int, int], float] = {}
         self._last: dict[tuple[int, int], tuple[str, float]] = {}
+        self._names: dict[int, str] = {}
         self._process_first: dict[int, float] = {}
         self._process_last: dict[int, float] = {}
         self._alive: set[int] = set()
@@ -165,6 +177,10 @@ class ThreadCpu:
 
     def _sample(self) -> None:
         alive: set[int] = set()
+        if self._pid == os.getpid():
+            names = {t.native_id: t.name for t in threading.enumerate() if t.native_id}
+            with self._lock:
+                self._names.update(names)
         for pid in self._pids():
             tasks = read_tasks(pid)
             total = process_cpu(pid)
@@ -187,7 +203,13 @@ class ThreadCpu:
         """Every thread seen, busiest first."""
         with self._lock:
             uses = [
-                ThreadUse(pid, tid, comm, max(0.0, seconds - self._first.get((pid, tid), 0.0)))
+                ThreadUse(
+                    pid,
+                    tid,
+                    comm,
+                    max(0.0, seconds - self._first.get((pid, tid), 0.0)),
+                    self._names.get(tid, "") if pid == os.getpid() else "",
+                )
                 for (pid, tid), (comm, seconds) in self._last.items()
             ]
         return sorted(uses, key=lambda use: use.seconds, reverse=True)

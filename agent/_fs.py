@@ -1,5 +1,10 @@
 """Filesystem steps the store, the compile cache and the manifests share.
 
+The agent runs as root over directories other users can see, so a name inside
+a tier root is opened without following symlinks: ``open_beneath`` walks a
+relative path one component at a time through directory descriptors with
+``O_NOFOLLOW``, and ``remove_tree`` unlinks a link instead of entering it.
+
 Blocking: call them from worker threads (``asyncio.to_thread``), never on the
 event loop, except for the O(1) ``retire`` rename.
 """
@@ -7,23 +12,93 @@ event loop, except for the O(1) ``retire`` rename.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
 import shutil
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["fsync_dir", "remove_tree", "retire", "write_json_atomic"]
+__all__ = [
+    "fsync_dir",
+    "open_beneath",
+    "open_dir",
+    "read_bytes_nofollow",
+    "remove_tree",
+    "retire",
+    "write_json_atomic",
+]
+
+_DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_dir(path: str | os.PathLike[str], *, dir_fd: int | None = None) -> int:
+    """A descriptor of a directory; OSError (ELOOP or ENOTDIR) if ``path`` is a symlink."""
+    return os.open(path, _DIRECTORY_FLAGS, dir_fd=dir_fd)
+
+
+def open_beneath(
+    dir_fd: int, relative: str, flags: int, mode: int = 0o644, *, make_parents: bool = False
+) -> int:
+    """Open ``relative`` under the directory ``dir_fd`` without following any symlink.
+
+    Every component is opened from its parent's descriptor with ``O_NOFOLLOW``,
+    so a link anywhere on the path fails with ELOOP or ENOTDIR instead of
+    leading outside. ``make_parents`` creates missing directories (0755).
+    """
+    *parents, leaf = relative.split("/")
+    current = os.dup(dir_fd)
+    try:
+        for name in parents:
+            if make_parents:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, 0o755, dir_fd=current)
+            child = open_dir(name, dir_fd=current)
+            os.close(current)
+            current = child
+        return os.open(leaf, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=current)
+    finally:
+        os.close(current)
+
+
+def read_bytes_nofollow(path: Path, *, limit: int = 1 << 20) -> bytes:
+    """A small regular file's bytes; OSError if it is a link, not regular, or over ``limit``."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        if info.st_size > limit:
+            raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
+        chunks: list[bytes] = []
+        while chunk := os.read(fd, limit + 1):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def remove_tree(path: Path) -> None:
-    """Delete a directory tree or a file; a symlink is unlinked, never followed."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
+    """Delete a directory tree or a file; a symlink is unlinked, never followed.
+
+    Directories the store made read-only (0555) are made writable first, so
+    this works for an agent that does not run as root too.
+    """
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(info.st_mode):
         path.unlink(missing_ok=True)
+        return
+    with contextlib.suppress(OSError):
+        for _, _, _, fd in os.fwalk(path, follow_symlinks=False):
+            os.fchmod(fd, 0o700)
+    # rmtree works through directory descriptors and never enters a link.
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def retire(path: Path, trash: Path) -> Path:
@@ -41,7 +116,7 @@ def retire(path: Path, trash: Path) -> Path:
 
 def fsync_dir(path: Path) -> None:
     """Make a rename or a new entry in ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    fd = open_dir(path)
     try:
         os.fsync(fd)
     finally:
@@ -56,10 +131,11 @@ def write_json_atomic(path: Path, document: Mapping[str, Any], *, durable: bool 
     """
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:
-        with tmp.open("w") as fh:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        with os.fdopen(os.open(tmp, flags, 0o644), "w") as fh:
             json.dump(document, fh, separators=(",", ":"))
+            fh.flush()
             if durable:
-                fh.flush()
                 os.fsync(fh.fileno())
         tmp.replace(path)
     finally:

@@ -12,6 +12,7 @@ from store_helpers import MiB, key_of, open_store, publish, stage
 from agent import InvalidRequest, NotFound
 from agent._vocabulary import TierName
 from agent.store.journal import Journal, JournalHeader
+from agent.store.roots import journal_key
 from agent.store.store import Store
 
 
@@ -24,7 +25,7 @@ def _journal(store: Store, key: str, *, tier: TierName = "shm", named: str = "")
     staging = store.staging_path(tier, named or key)
     staging.mkdir(parents=True)
     header = JournalHeader(key, "s3://bucket/m/", MiB, (("weights.bin", 3 * MiB, '"e"'),))
-    Journal.create(staging, header).close()
+    Journal.create(staging, header, journal_key(store.roots()[tier])).close()
     return staging
 
 

@@ -29,12 +29,12 @@ import os
 import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal, Protocol
 
 import xxhash
 
 from agent._exceptions import IntegrityError
+from agent._fs import open_beneath, open_dir
 
 __all__ = [
     "ALGORITHM",
@@ -176,28 +176,30 @@ def hash_file(
     was slower, 7.5 GB/s, paying a page fault per 4 KiB. The reads and xxh3
     release the GIL: two threads hashing at once reached 18 GB/s together.
     """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return _hash_fd(fd, chunk_size, read_block=read_block, name=os.fspath(path))
+    finally:
+        os.close(fd)
+
+
+def _hash_fd(fd: int, chunk_size: int, *, read_block: int, name: str) -> FileDigest:
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, not {chunk_size}")
     buffer = bytearray(min(read_block, chunk_size))
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        size = os.fstat(fd).st_size
-        # A hint for the disk tier; tmpfs ignores it.
-        os.posix_fadvise(fd, 0, size, os.POSIX_FADV_SEQUENTIAL)
-        digests: list[bytes] = []
-        for start in range(0, size, chunk_size):
-            hasher = ChunkHasher()
-            try:
-                hasher.update_from_fd(fd, start, min(chunk_size, size - start), buffer)
-            except EOFError as exc:
-                raise IntegrityError(
-                    f"{os.fspath(path)} shrank while it was being hashed ({exc}).",
-                    path=os.fspath(path),
-                    check="size",
-                ) from exc
-            digests.append(hasher.digest())
-    finally:
-        os.close(fd)
+    size = os.fstat(fd).st_size
+    # A hint for the disk tier; tmpfs ignores it.
+    os.posix_fadvise(fd, 0, size, os.POSIX_FADV_SEQUENTIAL)
+    digests: list[bytes] = []
+    for start in range(0, size, chunk_size):
+        hasher = ChunkHasher()
+        try:
+            hasher.update_from_fd(fd, start, min(chunk_size, size - start), buffer)
+        except EOFError as exc:
+            raise IntegrityError(
+                f"{name} shrank while it was being hashed ({exc}).", path=name, check="size"
+            ) from exc
+        digests.append(hasher.digest())
     return FileDigest(combine(digests), tuple(digests))
 
 
@@ -221,44 +223,56 @@ def verify_files(
     """Check files against (relative path, size, hex digest); report every failure.
 
     Sizes are checked first, so a truncated file costs a ``stat``, not a read.
-    Blocking; run it in a thread. Paths come from the agent's own manifest and
-    are not re-validated against traversal here.
+    Only bytes count: each file is re-hashed, never taken from a journal, and
+    reached without following a symlink. Blocking; run it in a thread.
     """
-    root = Path(directory)
     problems: list[FileProblem] = []
-    for relative, size, digest in expected:
-        path = root / relative
-        try:
-            info = path.stat()
-        except FileNotFoundError:
-            problems.append(FileProblem(relative, "missing", "the file is gone."))
-            continue
-        if not stat.S_ISREG(info.st_mode):
-            problems.append(FileProblem(relative, "missing", "the path is not a regular file."))
-            continue
-        if info.st_size != size:
-            problems.append(
-                FileProblem(relative, "size", f"the file has {info.st_size} bytes, not {size}.")
-            )
-            continue
-        try:
-            actual = hash_file(path, chunk_size).digest
-        except FileNotFoundError:
-            problems.append(FileProblem(relative, "missing", "the file vanished during the check."))
-            continue
-        except IntegrityError as exc:
-            problems.append(FileProblem(relative, "size", str(exc)))
-            continue
-        if actual != digest:
-            problems.append(
-                FileProblem(
-                    relative,
-                    "hash",
-                    f"the content hash is {actual}, the manifest recorded {digest}; "
-                    "the file changed after it was written.",
-                )
-            )
+    try:
+        root = open_dir(directory)
+    except OSError as exc:
+        gone = f"the snapshot directory cannot be opened as one ({exc.strerror})."
+        return [FileProblem(relative, "missing", gone) for relative, _, _ in expected]
+    try:
+        for relative, size, digest in expected:
+            problem = _check_file(root, relative, size, digest, chunk_size)
+            if problem is not None:
+                problems.append(problem)
+    finally:
+        os.close(root)
     return problems
+
+
+def _check_file(
+    root: int, relative: str, size: int, digest: str, chunk_size: int
+) -> FileProblem | None:
+    # Opened component by component without following links: a symlink in the
+    # snapshot is a problem to report, never a path to hash (or to trust).
+    try:
+        fd = open_beneath(root, relative, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return FileProblem(relative, "missing", "the file is gone.")
+    except OSError:
+        return FileProblem(relative, "missing", "the path is a link or not a regular file.")
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return FileProblem(relative, "missing", "the path is not a regular file.")
+        if info.st_size != size:
+            return FileProblem(relative, "size", f"the file has {info.st_size} bytes, not {size}.")
+        try:
+            actual = _hash_fd(fd, chunk_size, read_block=READ_BLOCK, name=relative).digest
+        except IntegrityError as exc:
+            return FileProblem(relative, "size", str(exc))
+    finally:
+        os.close(fd)
+    if actual != digest:
+        return FileProblem(
+            relative,
+            "hash",
+            f"the content hash is {actual}, the manifest recorded {digest}; "
+            "the file changed after it was written.",
+        )
+    return None
 
 
 class ObjectChecksum(Protocol):

@@ -12,6 +12,11 @@ object (path, size, ETag); a journal whose header differs from the snapshot
 being pulled is not resumed. The snapshot key already covers the ETags, so a
 changed object never resumes into stale bytes.
 
+Every line ends with an HMAC-SHA256 under the tier root's ``journal.key``
+(``agent.store.roots``): the header's over its JSON, each range's over the
+header's MAC and its own JSON. A journal the agent did not write (planted
+with digests that match planted data) fails the check and is not resumed.
+
 Layout of a staging directory::
 
     staging/<key>/journal    header line, then one line per completed range
@@ -20,13 +25,15 @@ Layout of a staging directory::
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from agent._snapshot import Snapshot
 
@@ -36,7 +43,8 @@ log = logging.getLogger(__name__)
 
 JOURNAL_NAME = "journal"
 DATA_DIR = "data"
-FORMAT = 1
+FORMAT = 2
+_HEADER_CONTEXT = b"prewarm journal header\0"
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,11 +96,11 @@ class CompletedRange:
     digest: bytes
 
 
-def read_header(staging: Path) -> JournalHeader | None:
-    """The header of a staging directory's journal; None if it has no usable one."""
+def read_header(staging: Path, secret: bytes) -> JournalHeader | None:
+    """The header of a staging directory's journal; None if it has no usable, signed one."""
     try:
-        with (staging / JOURNAL_NAME).open("rb") as fh:
-            return JournalHeader.from_json(json.loads(fh.readline()))
+        with _open_journal(staging) as fh:
+            return _verified_header(fh.readline(), secret)[0]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -100,33 +108,44 @@ def read_header(staging: Path) -> JournalHeader | None:
 class Journal:
     """Append-only record of completed ranges; one ``write`` per line (O_APPEND)."""
 
-    def __init__(self, fd: int, header: JournalHeader) -> None:
+    def __init__(self, fd: int, header: JournalHeader, secret: bytes, header_mac: bytes) -> None:
         self._fd = fd
         self.header = header
+        self._secret = secret
+        self._header_mac = header_mac
 
     @classmethod
-    def create(cls, staging: Path, header: JournalHeader) -> Journal:
+    def create(cls, staging: Path, header: JournalHeader, secret: bytes) -> Journal:
         path = staging / JOURNAL_NAME
-        fd = os.open(
-            path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o644
-        )
-        os.write(fd, _line(header.to_json()))
-        return cls(fd, header)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(path, flags, 0o644)
+        payload = _payload(header.to_json())
+        mac = _sign(secret, _HEADER_CONTEXT, payload)
+        os.write(fd, payload + b" " + mac + b"\n")
+        return cls(fd, header, secret, mac)
 
     @classmethod
-    def resume(cls, staging: Path, header: JournalHeader) -> tuple[Journal, list[CompletedRange]]:
-        """Open an existing journal for appending, with the ranges it lists.
+    def resume(
+        cls, staging: Path, header: JournalHeader, secret: bytes
+    ) -> tuple[Journal, list[CompletedRange]]:
+        """Open an existing journal for appending, with the signed ranges it lists.
 
-        Raises ValueError if its header is not ``header`` (a different
-        snapshot, chunk size or object list): the caller starts clean.
+        Raises ValueError if its header is unsigned or not ``header`` (a
+        different snapshot, chunk size or object list): the caller starts clean.
         """
-        path = staging / JOURNAL_NAME
-        completed = list(_read_entries(path, header))
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-        return cls(fd, header), completed
+        with _open_journal(staging) as fh:
+            found, header_mac = _verified_header(fh.readline(), secret)
+            if found != header:
+                raise ValueError("journal belongs to another snapshot or chunk size")
+            completed = list(_read_entries(fh, header, secret, header_mac, staging))
+        flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(staging / JOURNAL_NAME, flags)
+        return cls(fd, header, secret, header_mac), completed
 
     def record(self, path: str, offset: int, length: int, digest: bytes) -> None:
-        os.write(self._fd, _line({"p": path, "o": offset, "n": length, "h": digest.hex()}))
+        payload = _payload({"p": path, "o": offset, "n": length, "h": digest.hex()})
+        mac = _sign(self._secret, self._header_mac, payload)
+        os.write(self._fd, payload + b" " + mac + b"\n")
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -134,30 +153,49 @@ class Journal:
             self._fd = -1
 
 
-def _line(document: dict[str, Any]) -> bytes:
-    return json.dumps(document, separators=(",", ":")).encode() + b"\n"
+def _payload(document: dict[str, Any]) -> bytes:
+    return json.dumps(document, separators=(",", ":")).encode()
 
 
-def _read_entries(path: Path, expected: JournalHeader) -> Iterator[CompletedRange]:
+def _sign(secret: bytes, context: bytes, payload: bytes) -> bytes:
+    return hmac.new(secret, context + payload, hashlib.sha256).hexdigest().encode()
+
+
+def _split(raw: bytes, secret: bytes, context: bytes) -> bytes:
+    """The JSON of a signed line; ValueError if its MAC does not verify."""
+    payload, _, mac = raw.rstrip(b"\n").rpartition(b" ")
+    if not hmac.compare_digest(mac, _sign(secret, context, payload)):
+        raise ValueError("the line is not signed by this agent")
+    return payload
+
+
+def _verified_header(raw: bytes, secret: bytes) -> tuple[JournalHeader, bytes]:
+    payload = _split(raw, secret, _HEADER_CONTEXT)
+    return JournalHeader.from_json(json.loads(payload)), _sign(secret, _HEADER_CONTEXT, payload)
+
+
+def _open_journal(staging: Path) -> BinaryIO:
+    return os.fdopen(os.open(staging / JOURNAL_NAME, os.O_RDONLY | os.O_NOFOLLOW), "rb")
+
+
+def _read_entries(
+    lines: Iterable[bytes], expected: JournalHeader, secret: bytes, header_mac: bytes, where: Path
+) -> Iterator[CompletedRange]:
     sizes = {p: size for p, size, _ in expected.objects}
-    with path.open("rb") as fh:
-        found = JournalHeader.from_json(json.loads(fh.readline()))
-        if found != expected:
-            raise ValueError("journal belongs to another snapshot or chunk size")
-        for raw in fh:
-            if not raw.endswith(b"\n"):
-                break  # the last line was cut short by the crash: that range is not done
-            try:
-                entry = json.loads(raw)
-                completed = CompletedRange(
-                    str(entry["p"]), int(entry["o"]), int(entry["n"]), bytes.fromhex(entry["h"])
-                )
-            except (ValueError, KeyError, TypeError):
-                log.warning("ignoring a malformed journal line in %s", path)
-                continue
-            size = sizes.get(completed.path)
-            aligned = completed.offset % expected.chunk_size == 0
-            if size is None or not aligned or completed.offset + completed.length > size:
-                log.warning("ignoring a journal line outside the snapshot in %s", path)
-                continue
-            yield completed
+    for raw in lines:
+        if not raw.endswith(b"\n"):
+            break  # the last line was cut short by the crash: that range is not done
+        try:
+            entry = json.loads(_split(raw, secret, header_mac))
+            completed = CompletedRange(
+                str(entry["p"]), int(entry["o"]), int(entry["n"]), bytes.fromhex(entry["h"])
+            )
+        except (ValueError, KeyError, TypeError):
+            log.warning("ignoring a malformed or unsigned journal line in %s", where)
+            continue
+        size = sizes.get(completed.path)
+        aligned = completed.offset % expected.chunk_size == 0
+        if size is None or not aligned or completed.offset + completed.length > size:
+            log.warning("ignoring a journal line outside the snapshot in %s", where)
+            continue
+        yield completed

@@ -7,17 +7,35 @@ Layout of each tier root::
     usage/<key>.json        last use and hit count (best effort, rewritten on use)
     staging/<key>/          pulls in progress or interrupted (see journal); never visible
     trash/                  evicted snapshots and dropped pulls on their way out
+    journal.key             the key staging journals are signed with (agent.store.roots)
+
+Published files are 0444 and published directories 0555: a snapshot never
+changes once its manifest exists, and nothing in it may be a link.
 
 Everything here is blocking file I/O: the store runs it in worker threads.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
+import signal
+import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from agent._fs import fsync_dir, remove_tree, retire, write_json_atomic
+from agent._exceptions import IntegrityError, NoSpace, PrewarmError
+from agent._fs import (
+    fsync_dir,
+    open_dir,
+    read_bytes_nofollow,
+    remove_tree,
+    retire,
+    write_json_atomic,
+)
 from agent._vocabulary import TierName
 from agent.store.records import CachedFile, CachedModel, Usage
 
@@ -28,6 +46,7 @@ __all__ = [
     "publish_files",
     "read_manifest",
     "read_usage",
+    "return_to_staging",
     "snapshot_dir",
     "staging_dir",
     "trash_dir",
@@ -37,6 +56,10 @@ __all__ = [
 ]
 
 MANIFEST_FORMAT = 1
+# Test-only: the one crash point a test can ask for, to kill the agent between
+# the rename of a snapshot into place and its manifest (reconcile must resume it).
+CRASH_POINT_VARIABLE = "PREWARM_TEST_CRASH_AT"
+_FILE_MODE, _DIRECTORY_MODE = 0o444, 0o555
 SUBDIRECTORIES = ("snapshots", "manifests", "usage", "staging", "trash")
 
 
@@ -61,13 +84,41 @@ def trash_dir(root: Path) -> Path:
 
 
 def publish_files(staged_data: Path, root: Path, model: CachedModel) -> None:
-    """Rename the staged files into ``snapshots/``, then write the manifest that publishes them."""
+    """Seal the staged files, rename them into ``snapshots/``, then write the manifest.
+
+    Raises IntegrityError if staging holds anything but the snapshot's regular
+    files (a symlink, a device, an extra file), and NoSpace when the disk is
+    full at the manifest; either way nothing is left in ``snapshots/``.
+    """
     final = snapshot_dir(root, model.key)
-    if final.exists():  # a leftover without a manifest; never served, safe to replace
-        remove_tree(final)
+    _seal(staged_data, {f.path for f in model.files}, model.key)
+    if os.path.lexists(final):  # a leftover without a manifest; never served, safe to replace
+        _withdraw(root, key=model.key)
     staged_data.rename(final)
-    fsync_dir(final.parent)
-    write_json_atomic(manifest_path(root, model.key), _manifest_document(model), durable=True)
+    if os.environ.get(CRASH_POINT_VARIABLE) == "publish-renamed":
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        _chmod_dir(final, _DIRECTORY_MODE)
+        fsync_dir(final.parent)
+        write_json_atomic(manifest_path(root, model.key), _manifest_document(model), durable=True)
+    except OSError as exc:
+        unpublish(root, model.key)
+        raise _manifest_error(exc, root, model) from exc
+
+
+def return_to_staging(root: Path, key: str, staged_data: Path) -> None:
+    """Move a snapshot that never got its manifest back to ``staging/<key>/data``.
+
+    Its files become writable again so the pull that resumes it can reopen them.
+    """
+    final = snapshot_dir(root, key)
+    _chmod_dir(final, 0o755)
+    final.rename(staged_data)
+    for path, is_dir in _walk(staged_data):
+        if is_dir:
+            _chmod_dir(path, 0o755)
+        else:
+            _chmod_file(path, 0o644)  # a link is left alone: the resuming pull refuses it
 
 
 def unpublish(root: Path, key: str) -> None:
@@ -78,7 +129,98 @@ def unpublish(root: Path, key: str) -> None:
     """
     manifest_path(root, key).unlink(missing_ok=True)
     usage_path(root, key).unlink(missing_ok=True)
-    remove_tree(retire(snapshot_dir(root, key), trash_dir(root)))
+    _withdraw(root, key=key)
+
+
+def _withdraw(root: Path, *, key: str) -> None:
+    final = snapshot_dir(root, key)
+    # Moving a directory rewrites its "..", so it must be writable (for a non-root agent).
+    # A planted link fails here; retire then moves the link, never what it points to.
+    with contextlib.suppress(OSError):
+        _chmod_dir(final, 0o755)
+    remove_tree(retire(final, trash_dir(root)))
+
+
+def _seal(data: Path, expected: set[str], key: str) -> None:
+    """Check every entry of a staged snapshot with lstat and make it read-only."""
+    try:
+        _chmod_dir(data, 0o755)
+    except OSError as exc:
+        raise IntegrityError(
+            f"Staging of {key} is not a directory of the agent's; not publishing it.",
+            check="file-type",
+        ) from exc
+    found: set[str] = set()
+    for path, is_dir in _walk(data):
+        relative = path.relative_to(data).as_posix()
+        if is_dir:
+            continue
+        try:
+            info = _chmod_file(path, _FILE_MODE)
+        except OSError:  # ELOOP: a symlink
+            info = None
+        if info is None or info.st_nlink != 1 or relative not in expected:
+            raise IntegrityError(
+                f"Staging of {key} holds {relative!r}, which is not one of the snapshot's own "
+                "regular files (a link, a device or an extra file); not publishing it.",
+                path=relative,
+                check="file-type",
+            )
+        found.add(relative)
+    if found != expected:
+        missing = sorted(expected - found)[:5]
+        raise IntegrityError(
+            f"Staging of {key} lacks {missing}; not publishing it.", check="complete"
+        )
+    for path, is_dir in reversed(list(_walk(data))):
+        if is_dir and path != data:  # data itself after its rename, which needs it writable
+            _chmod_dir(path, _DIRECTORY_MODE)
+
+
+def _walk(top: Path) -> Iterator[tuple[Path, bool]]:
+    """Every entry under ``top`` (``top`` first), parents before children, links not entered."""
+    yield top, True
+    with os.scandir(top) as entries:
+        children = list(entries)
+    for entry in children:
+        if entry.is_dir(follow_symlinks=False):
+            yield from _walk(Path(entry.path))
+        else:
+            yield Path(entry.path), False
+
+
+def _chmod_dir(path: Path, mode: int) -> None:
+    fd = open_dir(path)  # a link in its place fails here instead of being followed
+    try:
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def _chmod_file(path: Path, mode: int) -> os.stat_result | None:
+    """Change a regular file's mode without following a link; None if it is not regular."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return None
+        os.fchmod(fd, mode)
+        return info
+    finally:
+        os.close(fd)
+
+
+def _manifest_error(exc: OSError, root: Path, model: CachedModel) -> PrewarmError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return NoSpace(
+            f"The tier at {root} ran out of space while writing the manifest of {model.uri}; "
+            "the snapshot was not published. Evict models (`prewarm ls`, `prewarm evict`) "
+            "or request the other tier."
+        )
+    return PrewarmError(
+        f"Could not write the manifest of {model.uri} under {root} ({exc.strerror}); "
+        "the snapshot was not published. Check the tier's filesystem and the agent's log."
+    )
 
 
 def write_usage(root: Path, key: str, usage: Usage, *, durable: bool) -> None:
@@ -101,7 +243,7 @@ def read_usage(root: Path, key: str, created: float) -> Usage:
 
 def read_manifest(path: Path, *, tier: TierName, root: Path) -> CachedModel:
     """The snapshot a manifest describes; raises OSError, ValueError, KeyError or TypeError."""
-    document = json.loads(path.read_text())
+    document = json.loads(read_bytes_nofollow(path))
     if document.get("format") != MANIFEST_FORMAT:
         raise ValueError(f"unknown manifest format {document.get('format')!r}")
     key = str(document["key"])

@@ -34,6 +34,7 @@ from agent.store.layout import (
     write_usage,
 )
 from agent.store.reconcile import scan_tiers
+from agent.store.roots import journal_key
 from agent.store.records import (
     CachedFile,
     CachedModel,
@@ -300,7 +301,7 @@ class Store:
         """Drop resumable pulls of other snapshots of a URI: they can never resume now."""
         doomed: list[Path] = []
         for leftover in list(self._leftovers.values()):
-            header = read_header(leftover.path)
+            header = read_header(leftover.path, journal_key(self._roots[leftover.tier]))
             if leftover.key != keep and (header is None or header.uri == uri):
                 doomed += self.discard_leftover(leftover.key)
         return doomed

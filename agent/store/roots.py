@@ -1,0 +1,160 @@
+"""Tier roots the agent can trust: made by it, owned by it, written only by it.
+
+The agent runs as root and ``/dev/shm`` is writable by every local user, so a
+root that someone else created (or a directory in it, or a symlink standing in
+for one) could make the agent delete, overwrite or publish files of that
+user's choosing. At start-up each root and every directory at its top level
+is checked: it must be a real directory (not a symlink), owned by the agent's
+uid and writable by nobody else. Its ancestors must not let another user swap
+it (owned by root or the agent; a group/world-writable one only if sticky,
+like ``/dev/shm`` and ``/tmp``). Anything else stops the agent with
+``UnsafeTierRoot`` saying what to fix; nothing is repaired silently.
+
+Each root also holds ``journal.key``: 32 random bytes (mode 0600) with which
+the agent signs its staging journals, so a pull resumes only bytes this agent
+wrote (see ``agent.store.journal``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import stat
+from collections.abc import Iterable
+from pathlib import Path
+
+from agent._exceptions import PrewarmError
+from agent._fs import open_dir
+
+__all__ = ["JOURNAL_KEY_NAME", "UnsafeTierRoot", "journal_key", "prepare_root"]
+
+log = logging.getLogger(__name__)
+
+JOURNAL_KEY_NAME = "journal.key"
+_KEY_BYTES = 32
+_WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
+
+
+class UnsafeTierRoot(PrewarmError):
+    """A tier root, or a directory in it, could be written by someone other than the agent."""
+
+
+def prepare_root(root: Path, subdirectories: Iterable[str]) -> None:
+    """Create ``root`` and its ``subdirectories`` (0755), then check that the agent alone owns them.
+
+    Raises UnsafeTierRoot naming the path and what to do when a root, one of
+    its top-level directories or an ancestor is not safe.
+    """
+    root = Path.cwd() / root  # an absolute root stays as it is
+    _check_ancestors(root.parent)
+    root.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):  # a dangling link too: refused below
+        root.mkdir(mode=0o755)
+    try:
+        fd = open_dir(root)
+    except OSError as exc:
+        raise _refusal(root, "is a symlink or not a directory") from exc
+    try:
+        _check_owned(fd, root)
+        for name in subdirectories:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(name, 0o755, dir_fd=fd)
+        for entry in os.scandir(fd):
+            if entry.is_symlink():
+                raise _refusal(root / entry.name, "is a symlink")
+            if entry.is_dir(follow_symlinks=False):
+                child = open_dir(entry.name, dir_fd=fd)
+                try:
+                    _check_owned(child, root / entry.name)
+                finally:
+                    os.close(child)
+    finally:
+        os.close(fd)
+    journal_key(root)
+
+
+def journal_key(root: Path) -> bytes:
+    """The root's journal signing key, created (0600, random) on first use.
+
+    A key file that is a link, not the agent's, readable by others or of the
+    wrong size is replaced: journals signed with it are then not resumed,
+    which costs a download, never a wrong byte.
+    """
+    path = root / JOURNAL_KEY_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return _create_key(path)
+    except OSError as exc:
+        log.warning("replacing %s: %s", path, exc)
+        path.unlink(missing_ok=True)
+        return _create_key(path)
+    try:
+        info = os.fstat(fd)
+        key = os.read(fd, _KEY_BYTES + 1)
+    finally:
+        os.close(fd)
+    trusted = (
+        stat.S_ISREG(info.st_mode)
+        and info.st_uid == os.geteuid()
+        and not info.st_mode & 0o077
+        and len(key) == _KEY_BYTES
+    )
+    if trusted:
+        return key
+    log.warning("replacing %s: not a private %d-byte file of the agent", path, _KEY_BYTES)
+    path.unlink(missing_ok=True)
+    return _create_key(path)
+
+
+def _create_key(path: Path) -> bytes:
+    # Written aside and linked into place: a reader never sees half a key, and
+    # of two agents racing, both end up with the one that was linked first.
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o600)
+    try:
+        os.write(fd, secrets.token_bytes(_KEY_BYTES))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return journal_key(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path.read_bytes()
+
+
+def _check_owned(fd: int, path: Path) -> None:
+    info = os.fstat(fd)
+    if info.st_uid != os.geteuid():
+        raise _refusal(path, f"is owned by uid {info.st_uid}, not the agent's uid {os.geteuid()}")
+    if info.st_mode & _WRITABLE_BY_OTHERS:
+        mode = stat.S_IMODE(info.st_mode)
+        raise _refusal(path, f"is writable by group or others (mode {mode:o})")
+
+
+def _check_ancestors(parent: Path) -> None:
+    """No one but root and the agent may rename or replace what leads to the root."""
+    existing = Path(os.path.realpath(parent))
+    while not existing.exists():
+        existing = existing.parent
+    for ancestor in (existing, *existing.parents):
+        info = ancestor.stat()
+        if info.st_uid not in (0, os.geteuid()):
+            raise _refusal(ancestor, f"is above a tier root and owned by uid {info.st_uid}")
+        if info.st_mode & _WRITABLE_BY_OTHERS and not info.st_mode & stat.S_ISVTX:
+            raise _refusal(ancestor, "is above a tier root, writable by others and not sticky")
+
+
+def _refusal(path: Path, problem: str) -> UnsafeTierRoot:
+    return UnsafeTierRoot(
+        f"Refusing to use {path}: it {problem}. The agent must create its tier roots and "
+        "everything in them itself; another user may have planted this. Inspect it, remove "
+        "it (or fix its owner and mode: chown to the agent's user, chmod go-w), then start "
+        "the agent again.",
+    )

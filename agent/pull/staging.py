@@ -8,17 +8,19 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent._exceptions import IntegrityError, NoSpace
-from agent._fs import remove_tree
+from agent._fs import open_beneath, open_dir, remove_tree
 from agent._snapshot import Snapshot, SourceObject
 from agent._vocabulary import TierName
 from agent.check.hashes import ChunkHasher, combine
 from agent.check.safetensors import read_header as read_safetensors_header
 from agent.store.journal import DATA_DIR, CompletedRange, Journal, JournalHeader
+from agent.store.roots import journal_key
 
 __all__ = ["StagingFiles", "open_staging", "verify_before_publish"]
 
@@ -90,35 +92,68 @@ class StagingFiles:
 
 
 def open_staging(root: Path, snapshot: Snapshot, chunk_size: int, tier: TierName) -> StagingFiles:
-    """Resume the staging directory's pull if its journal matches, else start it clean.
+    """Resume the staging directory's pull if its signed journal matches, else start it clean.
 
     On resume, each range the journal lists is re-hashed from the file and kept
     only if the digest matches, so a write torn by a power loss is fetched again.
+    Files are opened through directory descriptors without following links; a
+    staging directory holding a link, a hard link or a foreign file starts clean.
     """
     header = JournalHeader.for_snapshot(snapshot, chunk_size)
-    data = root / DATA_DIR
-    completed: list[CompletedRange] = []
-    journal: Journal | None = None
-    if data.is_dir():
+    secret = journal_key(root.parent.parent)  # <tier root>/staging/<key>
+    resumed = _resume(root, header, secret)
+    if resumed is not None:
         try:
-            journal, completed = Journal.resume(root, header)
-        except (OSError, ValueError) as exc:
-            log.info("not resuming %s: %s", root, exc)
-    if journal is None:
-        _clear(root)
-        data.mkdir(parents=True)
-        journal = Journal.create(root, header)
+            return _open_files(root, snapshot, chunk_size, tier, resumed)
+        except _UntrustedEntry as exc:
+            log.warning("not resuming %s: %s", root, exc)
+    _clear(root)
+    (root / DATA_DIR).mkdir(mode=0o755)
+    journal = Journal.create(root, header, secret)
+    return _open_files(root, snapshot, chunk_size, tier, (journal, []))
+
+
+class _UntrustedEntry(Exception):
+    """Staging holds something the agent did not make: start clean instead of resuming."""
+
+
+def _resume(
+    root: Path, header: JournalHeader, secret: bytes
+) -> tuple[Journal, list[CompletedRange]] | None:
+    try:
+        for directory in (root, root / DATA_DIR):
+            info = directory.lstat()
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+                return None
+        return Journal.resume(root, header, secret)
+    except (OSError, ValueError) as exc:
+        log.info("not resuming %s: %s", root, exc)
+        return None
+
+
+def _open_files(
+    root: Path,
+    snapshot: Snapshot,
+    chunk_size: int,
+    tier: TierName,
+    resumed: tuple[Journal, list[CompletedRange]],
+) -> StagingFiles:
+    journal, completed = resumed
     fds: dict[str, int] = {}
     staging = StagingFiles(root, snapshot, chunk_size, journal, fds)
     try:
-        for obj in snapshot.objects:
-            # On tmpfs, fallocate zero-fills every page that the pull then overwrites
-            # (0.72 s of a 3.5 s cold pull of 2 GiB, docs/benchmarks.md); the budget
-            # check has already reserved the room, and ENOSPC while writing is still
-            # a clean NoSpace. Disk filesystems reserve extents without writing them.
-            fds[obj.relative_path] = _open_file(
-                data, obj, snapshot, root, preallocate=tier != "shm"
-            )
+        data = _open_data_dir(root)
+        try:
+            for obj in snapshot.objects:
+                # On tmpfs, fallocate zero-fills every page that the pull then overwrites
+                # (0.72 s of a 3.5 s cold pull of 2 GiB, docs/benchmarks.md); the budget
+                # check has already reserved the room, and ENOSPC while writing is still
+                # a clean NoSpace. Disk filesystems reserve extents without writing them.
+                fds[obj.relative_path] = _open_file(
+                    data, obj, snapshot, root, preallocate=tier != "shm"
+                )
+        finally:
+            os.close(data)
         staging.digests = _verified(completed, fds, chunk_size)
     except BaseException:
         staging.close()
@@ -146,18 +181,36 @@ def verify_before_publish(
             os.fsync(fd)
 
 
-def _open_file(
-    data: Path, obj: SourceObject, snapshot: Snapshot, root: Path, *, preallocate: bool
-) -> int:
-    path = data / obj.relative_path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+def _open_data_dir(root: Path) -> int:
     try:
-        if os.fstat(fd).st_size != obj.size:
+        return open_dir(root / DATA_DIR)
+    except OSError as exc:
+        raise _UntrustedEntry(f"{DATA_DIR} is not a directory ({exc.strerror})") from exc
+
+
+def _open_file(
+    data: int, obj: SourceObject, snapshot: Snapshot, root: Path, *, preallocate: bool
+) -> int:
+    flags = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK
+    try:
+        fd = open_beneath(data, obj.relative_path, flags, 0o644, make_parents=True)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENXIO, errno.EISDIR):
+            raise _UntrustedEntry(f"{obj.relative_path}: {exc.strerror}") from exc
+        raise _no_space_or(exc, snapshot, root) from exc
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1 or info.st_uid != os.geteuid():
+            raise _UntrustedEntry(f"{obj.relative_path} is not a plain file of the agent's")
+        os.set_blocking(fd, True)
+        if info.st_size != obj.size:
             os.ftruncate(fd, obj.size)
         if obj.size and preallocate:
             # Reserve the blocks now: a full disk fails here, not 90 % into the pull.
             os.posix_fallocate(fd, 0, obj.size)
+    except _UntrustedEntry:
+        os.close(fd)
+        raise
     except OSError as exc:
         os.close(fd)
         raise _no_space_or(exc, snapshot, root) from exc
@@ -189,8 +242,8 @@ def _verified(
 
 
 def _clear(root: Path) -> None:
-    remove_tree(root)
-    root.mkdir(parents=True)
+    remove_tree(root)  # a link in its place is unlinked, never followed
+    root.mkdir(mode=0o755, parents=True)
 
 
 def _no_space_or(exc: OSError, snapshot: Snapshot, root: Path) -> Exception:

@@ -25,12 +25,13 @@ from agent.pull.puller import Puller
 from agent.service.operations import AgentService, EnsureResult
 from agent.source.s3 import S3Source
 from agent.source.streamer_plane import streamer_unavailable
+from agent.source.sync_s3 import THREADS_USER_AGENT
 from agent.store.leases import LeaseTable
 from agent.store.store import Store
 from agent.testing import Fault, FaultKind, FaultProxy, S3Server, SampleModel
 
 MiB = 1024 * 1024
-PLANES = ["aiobotocore", "streamer"]
+PLANES = ["threads", "aiobotocore", "streamer"]
 
 needs_streamer = pytest.mark.skipif(
     streamer_unavailable() is not None,
@@ -138,6 +139,13 @@ def published(tmp_path: Path) -> list[str]:
     ]
 
 
+def _sent_by(user_agent: str) -> str:
+    """The data plane a GET's User-Agent names (the streamer's CRT is neither botocore)."""
+    if THREADS_USER_AGENT in user_agent:
+        return "threads"
+    return "aiobotocore" if "botocore" in user_agent.lower() else "streamer"
+
+
 @pytest.fixture
 def proxy(s3_server: S3Server) -> Iterator[FaultProxy]:
     """A fault-injecting proxy in front of the shared S3 server."""
@@ -161,13 +169,14 @@ async def test_plane_publishes_byte_identical_files(
         [check] = await agent.service.verify(result.model.key, every=False, report_only=True)
     assert_identical(result, small_model)
     assert check.problems == ()
-    agents = {
-        r.user_agent.split("/", 1)[0]
+    agents = [
+        r.user_agent
         for r in s3_server.requests(bucket=small_model.bucket)
         if r.method == "GET" and r.range
-    }
+    ]
     # The bytes really came through the plane asked for.
-    assert ("Botocore" in agents or "aiobotocore" in agents) == (plane == "aiobotocore")
+    assert agents
+    assert all(_sent_by(agent) == plane for agent in agents), agents
 
 
 @needs_streamer

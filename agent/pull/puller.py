@@ -2,7 +2,8 @@
 
 One flight per snapshot key. Each pull gets a ``Tuning`` (concurrency, chunk
 size, timeouts: agent.pull.tuning) and a data plane (agent.source.plane:
-aiobotocore ranged GETs or the Run:ai Model Streamer) from the config and the
+ranged GETs in worker threads or in the event loop, or the Run:ai Model
+Streamer) from the config and the
 request that started it; requests that join a flight get that flight's.
 Completed ranges are journaled, so a pull interrupted by a crash or a shutdown
 resumes instead of starting over, as long as it asks for the same chunk size.
@@ -30,6 +31,7 @@ from agent.source.interface import ObjectSource
 from agent.source.plane import AUTO_DATA_PLANE, DataPlane, plan_ranges
 from agent.source.ranged_plane import AiobotocorePlane
 from agent.source.streamer_plane import StreamerPlane, load_streamer, streamer_unavailable
+from agent.source.threads_plane import ThreadsPlane
 from agent.source.transfer import Tuning
 from agent.store.store import CachedFile, CachedModel, Store
 
@@ -57,6 +59,8 @@ class Puller:
         self._tasks: asyncio.TaskGroup | None = None
         self._ranged = AiobotocorePlane(source)
         self._streamer: StreamerPlane | None = None
+        # Like the streamer, the threads plane speaks S3 itself (botocore's blocking client).
+        self._threads = ThreadsPlane(source.s3_settings) if source.s3_settings else None
         # The streamer talks to S3 itself, so it only stands in for a source that is S3.
         self._streamer_settings = source.s3_settings
         self._streamer_missing = (
@@ -77,8 +81,18 @@ class Puller:
                 f"s3.data_plane is 'streamer' but {self._streamer_missing}. Install the "
                 "streamer extra (pip install 'prewarm[streamer]') or set data_plane = 'auto'."
             )
-        if self._settings.data_plane != "aiobotocore" and self._streamer is None:
-            log.info("data plane: aiobotocore (no streamer: %s)", self._streamer_missing)
+        if self._settings.data_plane == "threads" and self._threads is None:
+            raise ConfigError(
+                f"s3.data_plane is 'threads' but the source is {self._source.name}, not S3; "
+                "set data_plane = 'auto'."
+            )
+        if self._settings.data_plane == "auto" and self.data_plane != AUTO_DATA_PLANE:
+            log.info(
+                "data plane: %s (auto's %s is not available here: %s)",
+                self.data_plane,
+                AUTO_DATA_PLANE,
+                self._streamer_missing if AUTO_DATA_PLANE == "streamer" else self._source.name,
+            )
         self._tasks = asyncio.TaskGroup()
         await self._tasks.__aenter__()
         return self
@@ -95,6 +109,8 @@ class Puller:
         try:
             await self._tasks.__aexit__(exc_type, exc, tb)
         finally:
+            if self._threads is not None:
+                self._threads.close()
             # A flight cancelled before its task ever ran never settled itself.
             for flight in list(self._flights.values()):
                 self._abandon(flight)
@@ -259,6 +275,16 @@ class Puller:
         return choice == "streamer" or (choice == "auto" and AUTO_DATA_PLANE == "streamer")
 
     def _plane(self, choice: DataPlaneName) -> DataPlane:
+        wanted = AUTO_DATA_PLANE if choice == "auto" else choice
+        if wanted == "threads":
+            if self._threads is not None:
+                return self._threads
+            if choice == "threads":
+                raise InvalidRequest(
+                    f"The threads data plane reads from S3 and this agent's source is "
+                    f"{self._source.name}; ask for the aiobotocore data plane or auto."
+                )
+            return self._ranged  # auto: fall back cleanly
         if not self._wants_streamer(choice):
             return self._ranged
         if self._streamer is not None:

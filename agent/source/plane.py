@@ -12,14 +12,17 @@ The sinks are Protocols so that the source never imports the pull layer: the
 puller's ``Flight`` is the progress sink and its ``StagingFiles`` the range
 sink, both by shape.
 
-Two implementations: ``AiobotocorePlane`` (ranged_plane: ranged GETs in the
-event loop) and ``StreamerPlane`` (streamer_plane: the Run:ai Model Streamer's
-C++ client in a thread). See docs/data-planes.md.
+Three implementations: ``ThreadsPlane`` (threads_plane: ranged GETs in worker
+threads, each body read straight into the file's pages), ``AiobotocorePlane``
+(ranged_plane: ranged GETs in the event loop) and ``StreamerPlane``
+(streamer_plane: the Run:ai Model Streamer's C++ client in a thread). See
+docs/data-planes.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import mmap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeVar
@@ -43,7 +46,7 @@ __all__ = [
 T = TypeVar("T")
 
 # What data_plane = "auto" means, chosen by measurement (docs/data-planes.md).
-AUTO_DATA_PLANE: Literal["streamer", "aiobotocore"] = "aiobotocore"
+AUTO_DATA_PLANE: Literal["threads", "streamer", "aiobotocore"] = "aiobotocore"
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +88,11 @@ class RangeSink(Protocol):
 
     def write_at(self, path: str, buffers: list[bytes], offset: int, hasher: ChunkHasher) -> None:
         """Write ``buffers`` at ``offset`` and feed them to ``hasher`` (blocking)."""
+        ...
+
+    def map_range(self, path: str, offset: int, length: int) -> tuple[mmap.mmap, int]:
+        """A shared writable mapping holding the range, its pages reserved; and where
+        the range starts in it (blocking; NoSpace when the tier is full)."""
         ...
 
     def complete_range(self, path: str, offset: int, length: int, digest: bytes) -> None:

@@ -1,0 +1,149 @@
+"""What one pull of the threads data plane shares between its workers and its event loop.
+
+``PullState`` hands out ranges, gates the section in which a worker may write
+into the staging files (so a pull can stop, cut every body being read, and wait
+until nobody writes any more), and carries completions to the loop.
+``watch_speed`` is the low-speed watchdog: it runs on the loop and cuts a GET by
+shutting its socket down, which makes the worker's blocked read return.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from agent.source.plane import ByteRange, ProgressSink, RangeSink
+from agent.source.transfer import Tuning
+
+__all__ = ["Body", "PullState", "Stopped", "watch_speed"]
+
+
+class Stopped(Exception):
+    """The pull stopped (cancelled or failed elsewhere): this worker leaves quietly."""
+
+
+class Body:
+    """One response body being read: what the watchdog needs to judge and cut it."""
+
+    def __init__(self, sock: socket.socket | None, now: float) -> None:
+        self.sock = sock
+        self.received = 0  # written by the worker only
+        self.mark_time = now  # the watchdog's window, written by the watchdog only
+        self.mark_bytes = 0
+        self.cut_reason: str | None = None
+
+
+class PullState:
+    """State shared by one pull's workers, its watchdog and its event loop."""
+
+    def __init__(
+        self,
+        ranges: Sequence[ByteRange],
+        tuning: Tuning,
+        *,
+        client: Any,
+        flight: ProgressSink,
+        staging: RangeSink,
+    ) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.tuning = tuning
+        self.client = client
+        self.flight = flight
+        self.staging = staging
+        self.endpoint = str(client.meta.endpoint_url)
+        self._ranges = iter(ranges)
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._holders = 0
+        self._bodies: set[Body] = set()
+        self.stopped = threading.Event()
+        self.closed = False  # read and written on the loop only
+        self.failure: BaseException | None = None  # loop only
+
+    def next_range(self) -> ByteRange | None:
+        with self._lock:
+            return None if self.stopped.is_set() else next(self._ranges, None)
+
+    def hold(self, body: Body) -> None:
+        """Enter the section that may write into the staging files, or raise Stopped."""
+        with self._lock:
+            if self.stopped.is_set():
+                raise Stopped
+            self._holders += 1
+            self._bodies.add(body)
+
+    def release(self, body: Body) -> None:
+        with self._lock:
+            self._bodies.discard(body)
+            self._holders -= 1
+            self._idle.notify_all()
+
+    def bodies(self) -> list[Body]:
+        with self._lock:
+            return list(self._bodies)
+
+    def cut(self, body: Body, reason: str) -> None:
+        """Make a blocked read of ``body`` return at once (it then fails with ``reason``)."""
+        with self._lock:
+            if body not in self._bodies or body.cut_reason is not None:
+                return
+            body.cut_reason = reason
+            if body.sock is not None:
+                # The base class's shutdown: an SSLSocket's own would drop its TLS
+                # state under the reading thread.
+                with contextlib.suppress(OSError):
+                    socket.socket.shutdown(body.sock, socket.SHUT_RDWR)
+
+    def stop(self, reason: str) -> None:
+        """No new range, no new mapping; cut every body being read."""
+        self.stopped.set()
+        for body in self.bodies():
+            self.cut(body, reason)
+
+    def wait_idle(self) -> None:
+        """Block until no worker holds a mapping (called after ``stop``)."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._holders == 0)
+
+    def on_loop(self, function: Callable[..., None], *args: Any) -> None:
+        """Run ``function`` on the event loop unless the pull has ended by then."""
+
+        def run() -> None:
+            if self.closed:
+                return
+            try:
+                function(*args)
+            except Exception as exc:  # the journal could not be written: fail the pull
+                if self.failure is None:
+                    self.failure = exc
+                self.stop("the pull failed")
+
+        with contextlib.suppress(RuntimeError):  # the loop is gone: the pull ended long ago
+            self.loop.call_soon_threadsafe(run)
+
+
+async def watch_speed(pull: PullState) -> None:
+    """Cut every GET that moved fewer than the low-speed limit's bytes over a window."""
+    tuning = pull.tuning
+    window = tuning.request_timeout
+    needed = max(1, int(tuning.low_speed_limit * window))
+    while True:
+        await asyncio.sleep(max(0.05, window / 4))
+        now = time.monotonic()
+        for body in pull.bodies():
+            if now - body.mark_time < window:
+                continue
+            moved = body.received - body.mark_bytes
+            if moved < needed:
+                pull.cut(
+                    body,
+                    f"sent {moved} bytes in {now - body.mark_time:.1f} s, under the low-speed "
+                    f"limit of {tuning.low_speed_limit} bytes/s.",
+                )
+            else:
+                body.mark_time, body.mark_bytes = now, body.received

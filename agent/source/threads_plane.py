@@ -1,0 +1,287 @@
+"""The threads data plane: ranged GETs in worker threads, each body read into the file's pages.
+
+``tuning.concurrency`` worker threads take ranges from one shared iterator.
+For each range a worker sends a ranged GET with ``If-Match: <etag>`` on
+botocore's synchronous client (agent.source.sync_s3), maps the range of the
+staging file (``RangeSink.map_range``: ``MAP_SHARED``, on /dev/shm or the
+disk's page cache) and reads the body with ``http.client``'s ``readinto``
+straight into that mapping: the kernel copies socket data into the tier's
+pages, with the GIL released, and nothing copies it again. The worker hashes
+each step of the range as it lands (``ChunkHasher``), and hands progress and
+the finished range to the event loop (``call_soon_threadsafe``), which only
+journals and reports: no bulk byte passes through the loop.
+
+Retries keep the aiobotocore plane's semantics: botocore retries what fails
+before a body (5xx, throttling, connection errors); a body that breaks off is
+retried by the worker with full-jitter backoff, asking only for the bytes
+after the last good one, at most ``range_retries`` extra times. A GET slower
+than ``low_speed_limit`` over a ``request_timeout`` window (a silent one
+included) is cut by a watchdog on the loop, which shuts its socket down; so is
+every GET of a pull that is cancelled or has failed. A pull waits until no
+worker holds a mapping before it returns, so nothing writes into the staging
+files after the pull gave up; a worker still waiting for S3's answer then
+never maps anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import mmap
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from agent._config import S3Settings
+from agent._exceptions import PrewarmError, SourceUnavailable
+from agent.check.hashes import ChunkHasher
+from agent.source.interface import RangeReadError
+from agent.source.plane import ByteRange, ProgressSink, RangeSink
+from agent.source.ranged_plane import backoff_delay
+from agent.source.sync_s3 import body_reader, body_socket, make_sync_client, translate
+from agent.source.thread_pull import Body, PullState, Stopped, watch_speed
+from agent.source.transfer import Tuning
+
+__all__ = ["ThreadsPlane"]
+
+log = logging.getLogger(__name__)
+
+_MIN_STEP = 64 * 1024
+
+
+class ThreadsPlane:
+    """Ranged GETs on botocore's synchronous client, read into the staging files' pages."""
+
+    name = "threads"
+
+    def __init__(self, settings: S3Settings) -> None:
+        self._settings = settings
+        self._client: Any = None
+        self._client_lock = threading.Lock()
+
+    def _s3(self) -> Any:
+        with self._client_lock:
+            if self._client is None:
+                self._client = make_sync_client(self._settings)
+            return self._client
+
+    def close(self) -> None:
+        """Close the client's connection pool."""
+        with self._client_lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+
+    async def download(
+        self,
+        flight: ProgressSink,
+        staging: RangeSink,
+        ranges: Sequence[ByteRange],
+        tuning: Tuning,
+    ) -> None:
+        if not ranges:
+            return
+        client = await asyncio.to_thread(self._s3)
+        pull = PullState(ranges, tuning, client=client, flight=flight, staging=staging)
+        count = min(tuning.concurrency, len(ranges))
+        executor = ThreadPoolExecutor(max_workers=count, thread_name_prefix="prewarm-get")
+        workers = [pull.loop.run_in_executor(executor, self._work, pull) for _ in range(count)]
+        for worker in workers:
+            worker.add_done_callback(_retrieve)
+        watchdog = asyncio.create_task(watch_speed(pull))
+        try:
+            await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
+            if pull.failure is None:
+                pull.failure = _first_failure(workers)
+        finally:
+            pull.stop("the pull stopped" if pull.failure is None else "the pull failed")
+            watchdog.cancel()
+            # Bounded: every holder is reading a body whose socket was just shut down.
+            waiting = asyncio.ensure_future(asyncio.to_thread(pull.wait_idle))
+            try:
+                await asyncio.shield(waiting)
+            except asyncio.CancelledError:
+                await asyncio.wait([waiting])
+                raise
+            finally:
+                pull.closed = True
+                # Workers still waiting on S3's answer end on their own, mapping nothing.
+                executor.shutdown(wait=False, cancel_futures=True)
+        if pull.failure is not None:
+            raise pull.failure
+
+    def _work(self, pull: PullState) -> None:
+        """One worker thread: fetch ranges until none is left or the pull stops."""
+        try:
+            while (byte_range := pull.next_range()) is not None:
+                self._fetch(pull, byte_range)
+        except Stopped:
+            pass
+
+    def _fetch(self, pull: PullState, byte_range: ByteRange) -> None:
+        """Write one range, resuming after the last good byte on retry; then journal it."""
+        obj = byte_range.obj
+        bucket = pull.flight.snapshot.uri.bucket
+        cursor = _Cursor(byte_range, ChunkHasher())
+        failures = 0
+        while cursor.missing:
+            try:
+                _get(pull, cursor)
+                if cursor.missing:
+                    raise RangeReadError(
+                        f"s3://{bucket}/{obj.key} ended {cursor.missing} bytes short of the "
+                        "requested range."
+                    )
+            except SourceUnavailable as exc:
+                failures += 1
+                if failures > pull.tuning.range_retries:
+                    raise SourceUnavailable(
+                        f"Giving up on s3://{bucket}/{obj.key} after {failures} attempts: {exc}"
+                    ) from exc
+                delay = backoff_delay(failures)
+                log.info("retrying %s in %.2fs: %s", obj.key, delay, exc)
+                if pull.stopped.wait(delay):
+                    raise Stopped from None
+        pull.on_loop(
+            pull.staging.complete_range,
+            obj.relative_path,
+            byte_range.start,
+            byte_range.length,
+            cursor.hasher.digest(),
+        )
+
+
+@dataclass(slots=True)
+class _Cursor:
+    range: ByteRange
+    hasher: ChunkHasher
+    written: int = 0
+
+    @property
+    def missing(self) -> int:
+        return self.range.length - self.written
+
+
+def _get(pull: PullState, cursor: _Cursor) -> None:
+    """One GET for the rest of the range, advancing the cursor past every good byte."""
+    obj = cursor.range.obj
+    start = cursor.range.start + cursor.written
+    wanted = cursor.missing
+    where = f"s3://{pull.flight.snapshot.uri.bucket}/{obj.key} bytes {start}-{start + wanted - 1}"
+    if pull.stopped.is_set():
+        raise Stopped
+    try:
+        response = pull.client.get_object(
+            Bucket=pull.flight.snapshot.uri.bucket,
+            Key=obj.key,
+            Range=f"bytes={start}-{start + wanted - 1}",
+            IfMatch=obj.etag,
+        )
+    except Exception as exc:
+        if pull.stopped.is_set():
+            raise Stopped from None
+        raise translate(exc, f"reading {where}", pull.endpoint) from exc
+    body = response["Body"]
+    raw = getattr(body, "_raw_stream", body)
+    reusable = False
+    try:
+        if int(response.get("ContentLength", -1)) != wanted:
+            raise RangeReadError(
+                f"S3 answered {response.get('ContentLength')} bytes for {where}; "
+                "expected the whole range."
+            )
+        tracked = Body(body_socket(body), time.monotonic())
+        pull.hold(tracked)
+        try:
+            got = _read_body(pull, tracked, body, cursor, where)
+        finally:
+            pull.release(tracked)
+        if tracked.cut_reason is not None:
+            if pull.stopped.is_set():
+                raise Stopped
+            if got < wanted:
+                raise RangeReadError(f"{where}: {tracked.cut_reason}")
+        reusable = got == wanted and tracked.cut_reason is None
+    finally:
+        if reusable:
+            raw.release_conn()  # the whole body was read: the connection can serve again
+        else:
+            raw.close()
+
+
+def _read_body(pull: PullState, tracked: Body, body: Any, cursor: _Cursor, where: str) -> int:
+    """Map the range and read the body into it; the bytes that landed (cursor advanced)."""
+    byte_range = cursor.range
+    # NoSpace (or another failure of the tier) is not S3's: raised as is.
+    mapping, lead = pull.staging.map_range(
+        byte_range.obj.relative_path, byte_range.start, byte_range.length
+    )
+    before = cursor.written
+    try:
+        _read_into_pages(
+            pull, tracked, readinto=body_reader(body), pages=mapping, lead=lead, cursor=cursor
+        )
+    except Exception as exc:
+        if tracked.cut_reason is not None:
+            raise RangeReadError(f"{where}: {tracked.cut_reason}") from exc
+        raise translate(exc, f"reading {where}", pull.endpoint) from exc
+    finally:
+        mapping.close()  # every view of it was released on the way out
+    return cursor.written - before
+
+
+def _read_into_pages(
+    pull: PullState,
+    tracked: Body,
+    *,
+    readinto: Callable[[memoryview], int],
+    pages: mmap.mmap,
+    lead: int,
+    cursor: _Cursor,
+) -> None:
+    """Read the body into the range's pages from the cursor on, hashing each step.
+
+    Steps are at most half a low-speed window's worth of bytes, so the
+    watchdog, which sees only finished steps, never cuts a GET that keeps the
+    pace. Every view of the mapping is released on the way out.
+    """
+    tuning = pull.tuning
+    needed = max(1, int(tuning.low_speed_limit * tuning.request_timeout))
+    step = max(_MIN_STEP, min(tuning.io_block, needed // 2))
+    obj = cursor.range.obj
+    unreported = 0
+    try:
+        with memoryview(pages) as view:
+            end = lead + cursor.range.length
+            while (position := lead + cursor.written) < end:
+                with view[position : min(position + step, end)] as target:
+                    count = readinto(target)
+                    if not count:
+                        return
+                    with target[:count] as landed:
+                        cursor.hasher.update(landed)
+                cursor.written += count
+                tracked.received += count
+                unreported += count
+                if unreported >= tuning.io_block:
+                    pull.on_loop(pull.flight.add_bytes, obj, unreported)
+                    unreported = 0
+    finally:
+        if unreported:
+            pull.on_loop(pull.flight.add_bytes, obj, unreported)
+
+
+def _first_failure(workers: list[asyncio.Future[None]]) -> BaseException | None:
+    """The error to report: the first prewarm error among the workers', else the first."""
+    failures = [w.exception() for w in workers if w.done() and not w.cancelled()]
+    errors = [e for e in failures if e is not None]
+    return next((e for e in errors if isinstance(e, PrewarmError)), errors[0] if errors else None)
+
+
+def _retrieve(worker: asyncio.Future[None]) -> None:
+    """Mark a worker's error as seen: after the first failure, the rest are not news."""
+    if not worker.cancelled():
+        worker.exception()

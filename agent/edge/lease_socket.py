@@ -5,7 +5,12 @@ A client connects and sends one JSON line, ``{"lease": "<id>", "name":
 SO_PEERCRED and answers one JSON line, ``{"ok": true, "key": "<snapshot key>"}``
 or ``{"ok": false, "error": "<sentence>", "code": "<status name>"}`` (the same
 status name the API would give for that error). The lease lives while the
-connection stays open. What a lease means is ``agent.store.leases``.
+connection stays open. The first process to hold a lease binds it: a hello for
+it from another process is PERMISSION_DENIED (from another connection of the
+same process FAILED_PRECONDITION), and a uid holding ``max_per_peer`` leases
+open gets RESOURCE_EXHAUSTED. When the client half-closes, the agent ends the
+lease and then closes its end, so the client can wait for that. What a lease
+means is ``agent.store.leases``.
 """
 
 from __future__ import annotations

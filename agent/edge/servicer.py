@@ -74,6 +74,8 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
                 pin=request.pin,
                 strict_tier=request.strict_tier,
                 options=options,
+                # The socket is who asks: leases are capped per requesting socket.
+                requester=self._socket_path,
             ):
                 if isinstance(event, PullProgress):
                     yield pb.EnsureModelEvent(progress=_progress(event))
@@ -306,8 +308,8 @@ def _tier_status(usage: TierUsage, leased: int) -> pb.TierStatus:
 
 
 def _lease_info(lease: LeaseRecord) -> pb.LeaseInfo:
+    # No id: a lease id is a capability, returned only to the requester of its EnsureModel.
     info = pb.LeaseInfo(
-        id=lease.id,
         client_name=lease.client_name,
         acquired=timestamp_to_proto(lease.acquired),
         held=lease.held,

@@ -425,6 +425,9 @@ class LeaseInfo(_message.Message):
     EXPIRES_FIELD_NUMBER: _builtins.int
     HELD_FIELD_NUMBER: _builtins.int
     id: _builtins.str
+    """Always empty: a lease id is a capability, returned only in the ModelHandle
+    of the EnsureModel that asked for the lease, never listed to others.
+    """
     client_name: _builtins.str
     pid: _builtins.int
     """Peer credentials (SO_PEERCRED) of the process holding the lease

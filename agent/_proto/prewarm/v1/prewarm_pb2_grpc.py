@@ -159,13 +159,15 @@ class PrewarmServicer:
 
     def RenewLease(self, request, context):
         """Extend a lease's TTL (for clients that cannot keep a lease connection open).
+        A lease held open on the lease socket is PERMISSION_DENIED: it lives as long
+        as its holder's connection.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseLease(self, request, context):
-        """End a lease now.
+        """End a timed lease now; one held open on the lease socket is PERMISSION_DENIED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

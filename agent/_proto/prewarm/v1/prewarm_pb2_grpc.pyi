@@ -51,9 +51,12 @@ class PrewarmStub:
     Status: _grpc.UnaryUnaryMultiCallable[_prewarm_pb2.StatusRequest, _prewarm_pb2.StatusResponse]
     """Agent version, tiers, in-flight pulls."""
     RenewLease: _grpc.UnaryUnaryMultiCallable[_prewarm_pb2.RenewLeaseRequest, _prewarm_pb2.Lease]
-    """Extend a lease's TTL (for clients that cannot keep a lease connection open)."""
+    """Extend a lease's TTL (for clients that cannot keep a lease connection open).
+    A lease held open on the lease socket is PERMISSION_DENIED: it lives as long
+    as its holder's connection.
+    """
     ReleaseLease: _grpc.UnaryUnaryMultiCallable[_prewarm_pb2.ReleaseLeaseRequest, _prewarm_pb2.ReleaseLeaseResponse]
-    """End a lease now."""
+    """End a timed lease now; one held open on the lease socket is PERMISSION_DENIED."""
     PinModel: _grpc.UnaryUnaryMultiCallable[_prewarm_pb2.PinModelRequest, _prewarm_pb2.ModelInfo]
     """Pin or unpin a snapshot: pinned snapshots are never evicted by pressure."""
     CollectGarbage: _grpc.UnaryUnaryMultiCallable[_prewarm_pb2.CollectGarbageRequest, _prewarm_pb2.CollectGarbageResponse]
@@ -94,9 +97,12 @@ class PrewarmAsyncStub(PrewarmStub):
     Status: _aio.UnaryUnaryMultiCallable[_prewarm_pb2.StatusRequest, _prewarm_pb2.StatusResponse]  # type: ignore[assignment]
     """Agent version, tiers, in-flight pulls."""
     RenewLease: _aio.UnaryUnaryMultiCallable[_prewarm_pb2.RenewLeaseRequest, _prewarm_pb2.Lease]  # type: ignore[assignment]
-    """Extend a lease's TTL (for clients that cannot keep a lease connection open)."""
+    """Extend a lease's TTL (for clients that cannot keep a lease connection open).
+    A lease held open on the lease socket is PERMISSION_DENIED: it lives as long
+    as its holder's connection.
+    """
     ReleaseLease: _aio.UnaryUnaryMultiCallable[_prewarm_pb2.ReleaseLeaseRequest, _prewarm_pb2.ReleaseLeaseResponse]  # type: ignore[assignment]
-    """End a lease now."""
+    """End a timed lease now; one held open on the lease socket is PERMISSION_DENIED."""
     PinModel: _aio.UnaryUnaryMultiCallable[_prewarm_pb2.PinModelRequest, _prewarm_pb2.ModelInfo]  # type: ignore[assignment]
     """Pin or unpin a snapshot: pinned snapshots are never evicted by pressure."""
     CollectGarbage: _aio.UnaryUnaryMultiCallable[_prewarm_pb2.CollectGarbageRequest, _prewarm_pb2.CollectGarbageResponse]  # type: ignore[assignment]
@@ -170,7 +176,10 @@ class PrewarmServicer(metaclass=_abc_1.ABCMeta):
         request: _prewarm_pb2.RenewLeaseRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_prewarm_pb2.Lease, _abc.Awaitable[_prewarm_pb2.Lease]]:
-        """Extend a lease's TTL (for clients that cannot keep a lease connection open)."""
+        """Extend a lease's TTL (for clients that cannot keep a lease connection open).
+        A lease held open on the lease socket is PERMISSION_DENIED: it lives as long
+        as its holder's connection.
+        """
 
     @_abc_1.abstractmethod
     def ReleaseLease(
@@ -178,7 +187,7 @@ class PrewarmServicer(metaclass=_abc_1.ABCMeta):
         request: _prewarm_pb2.ReleaseLeaseRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_prewarm_pb2.ReleaseLeaseResponse, _abc.Awaitable[_prewarm_pb2.ReleaseLeaseResponse]]:
-        """End a lease now."""
+        """End a timed lease now; one held open on the lease socket is PERMISSION_DENIED."""
 
     @_abc_1.abstractmethod
     def PinModel(

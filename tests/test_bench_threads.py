@@ -11,19 +11,13 @@ import os
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
-# bench/ runs from the checkout (python -m bench) and is not installed with the agent.
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from bench._hits import NO_S3, REFUSED  # noqa: E402
-from bench._scaling import parse_sizes  # noqa: E402
-from bench._targets import judge_targets  # noqa: E402
-from bench._threads import ThreadCpu, ThreadUse, cpu_report  # noqa: E402
+from bench._hits import NO_S3, REFUSED
+from bench._scaling import parse_sizes
+from bench._targets import judge_targets
+from bench._threads import ThreadCpu, ThreadUse, cpu_report
 
 GiB = 1024**3
 

@@ -61,7 +61,9 @@ def prepare_root(root: Path, subdirectories: Iterable[str]) -> None:
         for name in subdirectories:
             with contextlib.suppress(FileExistsError):
                 os.mkdir(name, 0o755, dir_fd=fd)
-        for entry in os.scandir(fd):
+        with os.scandir(fd) as scan:
+            entries = list(scan)
+        for entry in entries:
             if entry.is_symlink():
                 raise _refusal(root / entry.name, "is a symlink")
             if entry.is_dir(follow_symlinks=False):

@@ -163,7 +163,7 @@ async def test_silent_connection_is_refused_after_the_hello_timeout(
 async def test_second_connection_for_a_held_lease_is_refused(
     server: LeaseServer, table: LeaseTable
 ) -> None:
-    """A second hello for a held lease is FAILED_PRECONDITION and leaves the first holder."""
+    """A second hello from the holding process is FAILED_PRECONDITION; the first keeps it."""
     record = table.grant("k1")
     _, first, _ = await _connect(server, _hello(record.id))
     _, second, reply = await _connect(server, _hello(record.id))

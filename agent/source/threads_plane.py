@@ -213,65 +213,72 @@ def _get(pull: PullState, cursor: _Cursor) -> None:
 
 
 def _read_body(pull: PullState, tracked: Body, body: Any, cursor: _Cursor, where: str) -> int:
-    """Map the range and read the body into it; the bytes that landed (cursor advanced)."""
-    byte_range = cursor.range
-    # NoSpace (or another failure of the tier) is not S3's: raised as is.
-    mapping, lead = pull.staging.map_range(
-        byte_range.obj.relative_path, byte_range.start, byte_range.length
-    )
+    """Read the body into the range's pages, one mapped window at a time; bytes landed.
+
+    A window is ``io_block`` bytes, mapped, filled and unmapped in turn, so a
+    worker keeps at most one window of the tier's pages mapped (the daemon's
+    RSS counts mapped pages): ``concurrency x io_block``, as on the aiobotocore
+    plane, whatever the chunk size.
+    """
+    obj = cursor.range.obj
+    readinto = body_reader(body)
     before = cursor.written
-    try:
-        _read_into_pages(
-            pull, tracked, readinto=body_reader(body), pages=mapping, lead=lead, cursor=cursor
+    while cursor.missing:
+        length = min(pull.tuning.io_block, cursor.missing)
+        # NoSpace (or another failure of the tier) is not S3's: raised as is.
+        pages, lead = pull.staging.map_range(
+            obj.relative_path, cursor.range.start + cursor.written, length
         )
-    except Exception as exc:
-        if tracked.cut_reason is not None:
-            raise RangeReadError(f"{where}: {tracked.cut_reason}") from exc
-        raise translate(exc, f"reading {where}", pull.endpoint) from exc
-    finally:
-        mapping.close()  # every view of it was released on the way out
+        landed = 0
+        try:
+            landed = _fill_window(
+                pull, tracked, readinto, pages, lead=lead, length=length, cursor=cursor
+            )
+        except Exception as exc:
+            if tracked.cut_reason is not None:
+                raise RangeReadError(f"{where}: {tracked.cut_reason}") from exc
+            raise translate(exc, f"reading {where}", pull.endpoint) from exc
+        finally:
+            pages.close()  # _fill_window released every view of it
+            if landed:
+                pull.on_loop(pull.flight.add_bytes, obj, landed)
+        if landed < length:
+            break  # the body ended early: the caller judges why
     return cursor.written - before
 
 
-def _read_into_pages(
+def _fill_window(
     pull: PullState,
     tracked: Body,
-    *,
     readinto: Callable[[memoryview], int],
     pages: mmap.mmap,
+    *,
     lead: int,
+    length: int,
     cursor: _Cursor,
-) -> None:
-    """Read the body into the range's pages from the cursor on, hashing each step.
+) -> int:
+    """Read into one mapped window, hashing each step as it lands; the bytes that landed.
 
     Steps are at most half a low-speed window's worth of bytes, so the
     watchdog, which sees only finished steps, never cuts a GET that keeps the
-    pace. Every view of the mapping is released on the way out.
+    pace.
     """
     tuning = pull.tuning
     needed = max(1, int(tuning.low_speed_limit * tuning.request_timeout))
     step = max(_MIN_STEP, min(tuning.io_block, needed // 2))
-    obj = cursor.range.obj
-    unreported = 0
-    try:
-        with memoryview(pages) as view:
-            end = lead + cursor.range.length
-            while (position := lead + cursor.written) < end:
-                with view[position : min(position + step, end)] as target:
-                    count = readinto(target)
-                    if not count:
-                        return
-                    with target[:count] as landed:
-                        cursor.hasher.update(landed)
-                cursor.written += count
-                tracked.received += count
-                unreported += count
-                if unreported >= tuning.io_block:
-                    pull.on_loop(pull.flight.add_bytes, obj, unreported)
-                    unreported = 0
-    finally:
-        if unreported:
-            pull.on_loop(pull.flight.add_bytes, obj, unreported)
+    landed = 0
+    with memoryview(pages) as mapped, mapped[lead : lead + length] as view:
+        while landed < length:
+            with view[landed : landed + step] as target:
+                count = readinto(target)
+                if not count:
+                    break
+                with target[:count] as piece:
+                    cursor.hasher.update(piece)
+            landed += count
+            cursor.written += count
+            tracked.received += count
+    return landed
 
 
 def _first_failure(workers: list[asyncio.Future[None]]) -> BaseException | None:

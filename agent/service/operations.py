@@ -263,16 +263,13 @@ class AgentService:
         resumed_bytes: int = 0,
     ) -> EnsureResult:
         if self._store.get(model.key) is None:
-            # Only a forced or a verify eviction can get here (claims stop pressure):
-            # never hand out a path that is gone.
+            # Only a forced or verify eviction gets here: never hand out a path that is gone.
             raise Conflict(
                 f"{model.uri} ({model.key}) was evicted before it could be handed out; ask again."
             )
-        granted = (
-            self._leases.grant(model.key, client_name, lease_ttl, grantee=requester)
-            if lease
-            else None
-        )
+        granted = None
+        if lease:
+            granted = self._leases.grant(model.key, client_name, lease_ttl, grantee=requester)
         if pin:
             await self._store.set_pinned(model.key, True)
         if hit:

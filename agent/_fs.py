@@ -139,6 +139,7 @@ def write_json_atomic(path: Path, document: Mapping[str, Any], *, durable: bool 
                 os.fsync(fh.fileno())
         tmp.replace(path)
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            tmp.unlink()
     if durable:
         fsync_dir(path.parent)

@@ -102,7 +102,9 @@ def publish_files(staged_data: Path, root: Path, model: CachedModel) -> None:
         fsync_dir(final.parent)
         write_json_atomic(manifest_path(root, model.key), _manifest_document(model), durable=True)
     except OSError as exc:
-        unpublish(root, model.key)
+        with contextlib.suppress(OSError):
+            manifest_path(root, model.key).unlink(missing_ok=True)
+        _withdraw(root, key=model.key)
         raise _manifest_error(exc, root, model) from exc
 
 

@@ -34,7 +34,6 @@ from agent.store.layout import (
     write_usage,
 )
 from agent.store.reconcile import scan_tiers
-from agent.store.roots import journal_key
 from agent.store.records import (
     CachedFile,
     CachedModel,
@@ -44,6 +43,7 @@ from agent.store.records import (
     TierUsage,
     Usage,
 )
+from agent.store.roots import journal_key
 
 __all__ = [
     "CachedFile",

@@ -15,6 +15,7 @@ from agent import InvalidRequest
 from agent.client import Client
 from agent.source.plane import AUTO_DATA_PLANE
 from agent.source.streamer_plane import streamer_unavailable
+from agent.source.sync_s3 import THREADS_USER_AGENT
 from agent.testing import AgentProcess, AgentStartupError, RecordedRequest, S3Server, SampleModel
 
 MiB = 1024 * 1024
@@ -143,6 +144,21 @@ def test_request_for_the_streamer_pulls_through_it(
     assert gets
     assert not any(_is_botocore(g) for g in gets)
     assert max(_range_length(g) for g in gets) == MiB  # one GET per journal range
+
+
+def test_request_for_the_threads_plane_pulls_through_it(
+    start_agent: AgentFactory, s3_server: S3Server, small_model: SampleModel
+) -> None:
+    """A request for the threads plane sends every ranged GET from its client, one per range."""
+    agent = start_agent()
+    s3_server.clear_requests()
+    with Client(agent.socket_path) as client:
+        handle = client.ensure(small_model.uri, data_plane="threads", chunk_size=MiB)
+    assert tree_digest(Path(handle.path)) == tree_digest(small_model.source_dir)
+    gets = _ranged_gets(s3_server, small_model)
+    assert gets
+    assert all(THREADS_USER_AGENT in g.user_agent for g in gets)
+    assert max(_range_length(g) for g in gets) == MiB
 
 
 def test_an_unknown_data_plane_is_an_invalid_request(

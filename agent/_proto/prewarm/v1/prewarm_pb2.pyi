@@ -198,7 +198,7 @@ class PullOptions(_message.Message):
     CONCURRENCY_FIELD_NUMBER: _builtins.int
     CHUNK_SIZE_FIELD_NUMBER: _builtins.int
     data_plane: _builtins.str
-    """"auto", "streamer" or "aiobotocore"; empty: the agent's s3.data_plane."""
+    """"auto", "threads", "streamer" or "aiobotocore"; empty: the agent's s3.data_plane."""
     concurrency: _builtins.int
     """Parallel streams; 0: the agent's (by default ceil(size / 4 GB), capped)."""
     chunk_size: _builtins.int
@@ -783,7 +783,7 @@ class StatusResponse(_message.Message):
     uptime_seconds: _builtins.float
     socket_path: _builtins.str
     data_plane: _builtins.str
-    """Data plane a pull gets unless its request names one ("streamer" or
+    """Data plane a pull gets unless its request names one ("threads", "streamer" or
     "aiobotocore"; s3.data_plane = "auto" resolved on this node).
     """
     default_tier: Global___Tier.ValueType

@@ -22,6 +22,11 @@ Any other ``PrewarmError`` is INTERNAL.
 
 Messages are full sentences that say what was wrong and what to do about it.
 botocore and grpc errors are translated at the edge, with ``raise ... from exc``.
+
+A message may quote what the caller sent, and the caller may be hostile: quote
+it with ``quoted`` (escaped, at most ``ECHO_LIMIT`` characters), and a message
+as a whole is cut at ``MESSAGE_LIMIT`` characters, so a 16 KiB URI can never
+push a status detail past gRPC's metadata limit.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from __future__ import annotations
 from typing import ClassVar
 
 __all__ = [
+    "ECHO_LIMIT",
+    "MESSAGE_LIMIT",
     "AccessDenied",
     "AgentUnavailable",
     "Conflict",
@@ -41,7 +48,40 @@ __all__ = [
     "SourceUnavailable",
     "UnsafeObjectKey",
     "error_type_for_status",
+    "printable",
+    "quoted",
 ]
+
+# How much of a caller's value a message repeats, and how long a message may be.
+ECHO_LIMIT = 200
+MESSAGE_LIMIT = 2000
+# Line breaks and tabs are layout; anything else unprintable is escaped.
+_LAYOUT = frozenset("\n\t")
+
+
+def quoted(value: object, limit: int = ECHO_LIMIT) -> str:
+    """``repr(value)`` for a message, escaped and cut to ``limit`` characters.
+
+    repr escapes control characters, bidi overrides and every other unprintable
+    character, so the quote cannot steer the terminal that shows the message.
+    """
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit - 1]}… ({len(text)} characters)"
+
+
+def printable(text: str) -> str:
+    """``text`` with every unprintable character but newline and tab escaped (``\\x1b``)."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() or ch in _LAYOUT else repr(ch)[1:-1] for ch in text)
+
+
+def _clip(message: str) -> str:
+    if len(message) <= MESSAGE_LIMIT:
+        return message
+    return f"{message[: MESSAGE_LIMIT - 1]}…"
 
 
 class PrewarmError(Exception):
@@ -49,6 +89,9 @@ class PrewarmError(Exception):
 
     # The gRPC status name (grpc.StatusCode member) this error is answered with.
     status: ClassVar[str] = "INTERNAL"
+
+    def __str__(self) -> str:
+        return _clip(super().__str__())
 
 
 class InvalidRequest(PrewarmError):

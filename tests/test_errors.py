@@ -158,7 +158,7 @@ def tiny_shm_agent(s3_server: S3Server) -> Iterator[AgentProcess]:
     agent = AgentProcess(env=s3_server.env())
     agent.shm_root.mkdir(parents=True)
     mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(agent.shm_root)],
+        ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(agent.shm_root)],
         capture_output=True,
         text=True,
         check=False,

@@ -1,4 +1,11 @@
-"""How the CLI shows things: human lines and rich tables, or JSON for machines."""
+"""How the CLI shows things: human lines and rich tables, or JSON for machines.
+
+Every value that came over the socket (URIs, keys, paths, client names, etags,
+problems) may hold what its sender chose, so it is shown escaped: control and
+other unprintable characters as ``\\x1b``-style text (agent._exceptions.printable),
+and always as plain text, never as rich markup (``[link=...]`` would otherwise
+become a terminal hyperlink). JSON output is escaped by the JSON encoder.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,9 @@ from pathlib import Path
 
 from rich.console import Group, RenderableType
 from rich.table import Table
+from rich.text import Text
 
+from agent._exceptions import printable
 from agent.client import (
     AgentStatus,
     EvictResult,
@@ -27,6 +36,7 @@ __all__ = [
     "model_detail",
     "models_table",
     "pin_summary",
+    "plain",
     "pull_summary",
     "rate",
     "status_view",
@@ -38,6 +48,11 @@ _EPOCH = datetime.fromtimestamp(0, UTC)
 _KEY_WIDTH = 12
 # Enough of a lease id to tell leases apart and to grep the agent's log for.
 _LEASE_ID_WIDTH = 8
+
+
+def plain(value: object) -> Text:
+    """A value from the agent as inert text: escaped, never read as markup."""
+    return Text(printable(str(value)))
 
 
 def human_bytes(n: int) -> str:
@@ -77,8 +92,12 @@ def _uptime(seconds: float) -> str:
     return f"{minutes}m {secs}s" if minutes else f"{seconds:.1f}s"
 
 
-def pull_summary(handle: ModelHandle) -> str:
+def pull_summary(handle: ModelHandle) -> Text:
     """One line: what happened, where the time went, where the model is."""
+    return plain(_pull_line(handle))
+
+
+def _pull_line(handle: ModelHandle) -> str:
     t = handle.timings
     offline = (
         " (S3 unreachable: served the newest cached snapshot without checking it is current)"
@@ -119,8 +138,8 @@ def models_table(models: list[ModelInfo]) -> Table:
     table.add_column("pin")
     for m in sorted(models, key=lambda m: (m.uri, m.created)):
         table.add_row(
-            m.key[:_KEY_WIDTH],
-            m.uri,
+            plain(m.key[:_KEY_WIDTH]),
+            plain(m.uri),
             m.tier,
             human_bytes(m.total_bytes),
             str(m.file_count),
@@ -138,7 +157,7 @@ def _fields(rows: list[tuple[str, str]]) -> Table:
     grid.add_column(style="bold", no_wrap=True)
     grid.add_column(overflow="fold")
     for name, value in rows:
-        grid.add_row(name, value)
+        grid.add_row(name, plain(value))
     return grid
 
 
@@ -165,7 +184,7 @@ def model_detail(info: ModelInfo) -> RenderableType:
     files.add_column("size", justify="right")
     files.add_column("etag", no_wrap=True)
     for f in sorted(info.files, key=lambda f: f.path):
-        files.add_row(f.path, human_bytes(f.size), f.etag)
+        files.add_row(plain(f.path), human_bytes(f.size), plain(f.etag))
     parts: list[RenderableType] = [_fields(rows), ""]
     if info.leases:
         parts += [_leases_table(info.leases), ""]
@@ -179,8 +198,8 @@ def _leases_table(leases: tuple[LeaseInfo, ...]) -> Table:
         table.add_column(column, no_wrap=column != "client")
     for lease in sorted(leases, key=lambda lease: lease.acquired):
         table.add_row(
-            lease.id[:_LEASE_ID_WIDTH],
-            lease.client_name or "-",
+            plain(lease.id[:_LEASE_ID_WIDTH] or "-"),  # ids are shown to their holder only
+            plain(lease.client_name or "-"),
             "-" if lease.pid is None else str(lease.pid),
             "-" if lease.uid is None else str(lease.uid),
             _when(lease.acquired),
@@ -197,7 +216,11 @@ def _lease_state(lease: LeaseInfo) -> str:
     return f"expires {_when(lease.expires)}"
 
 
-def evict_summary(result: EvictResult) -> str:
+def evict_summary(result: EvictResult) -> Text:
+    return plain(_evict_line(result))
+
+
+def _evict_line(result: EvictResult) -> str:
     if not result.evicted:
         return "nothing evicted"
     keys = ", ".join(m.key[:_KEY_WIDTH] for m in result.evicted)
@@ -207,7 +230,11 @@ def evict_summary(result: EvictResult) -> str:
     return f"evicted {count} {noun} of {uris} ({keys}), freed {human_bytes(result.bytes_freed)}"
 
 
-def gc_summary(result: EvictResult) -> str:
+def gc_summary(result: EvictResult) -> Text:
+    return plain(_gc_line(result))
+
+
+def _gc_line(result: EvictResult) -> str:
     if not result.evicted:
         return "nothing to collect"
     keys = ", ".join(m.key[:_KEY_WIDTH] for m in result.evicted)
@@ -216,13 +243,17 @@ def gc_summary(result: EvictResult) -> str:
     return f"collected {count} {noun} ({keys}), freed {human_bytes(result.bytes_freed)}"
 
 
-def pin_summary(info: ModelInfo) -> str:
+def pin_summary(info: ModelInfo) -> Text:
     what = "pinned" if info.pinned else "unpinned"
-    return f"{what} {info.uri} ({info.key[:_KEY_WIDTH]})"
+    return plain(f"{what} {info.uri} ({info.key[:_KEY_WIDTH]})")
 
 
-def verify_report(results: list[Verification]) -> str:
+def verify_report(results: list[Verification]) -> Text:
     """One line per snapshot, then one indented line per problem, then the totals."""
+    return plain(_verify_lines(results))
+
+
+def _verify_lines(results: list[Verification]) -> str:
     if not results:
         return "no models cached"
     lines: list[str] = []
@@ -243,8 +274,8 @@ def _pull_row(p: PullStatus) -> tuple[str, ...]:
     pr = p.progress
     done = f"{human_bytes(pr.bytes_done)} / {human_bytes(pr.bytes_total)}"
     return (
-        p.key[:_KEY_WIDTH] or "-",
-        p.uri,
+        printable(p.key[:_KEY_WIDTH] or "-"),
+        printable(p.uri),
         p.tier,
         pr.phase,
         done,
@@ -277,7 +308,7 @@ def status_view(status: AgentStatus) -> RenderableType:
     for t in status.tiers:
         tiers.add_row(
             t.tier,
-            str(t.root),
+            plain(t.root),
             human_bytes(t.capacity_bytes),
             human_bytes(t.budget_bytes),
             human_bytes(t.reserve_bytes),
@@ -294,7 +325,7 @@ def status_view(status: AgentStatus) -> RenderableType:
         for column in ("key", "uri", "tier", "phase", "bytes", "files", "waiters", "started"):
             pulls.add_column(column)
         for p in status.pulls:
-            pulls.add_row(*_pull_row(p))
+            pulls.add_row(*(plain(cell) for cell in _pull_row(p)))
         parts += ["pulls in flight:", pulls]
     else:
         parts.append("no pulls in flight")

@@ -256,6 +256,20 @@ def test_directory_in_place_of_a_file_is_reported_missing(
     assert (problem.path, problem.check) == ("config.json", "missing")
 
 
+@pytest.mark.parametrize("link", ["config.json", "sub"])
+def test_a_symlink_is_reported_even_when_its_target_holds_the_right_bytes(
+    model_dir: tuple[Path, list[tuple[str, int, str]]], tmp_path: Path, link: str
+) -> None:
+    """verify never follows a link (a file or a directory on the path): it is a problem, not ok."""
+    root, expected = model_dir
+    outside = tmp_path / "outside"
+    (root / link).rename(outside)
+    (root / link).symlink_to(outside)
+    [problem] = verify_files(root, expected, CHUNK)
+    assert problem.check == "missing"
+    assert problem.detail == "the path is a link or not a regular file."
+
+
 def test_truncated_file_is_reported_as_a_size_problem(
     model_dir: tuple[Path, list[tuple[str, int, str]]],
 ) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 import subprocess
@@ -38,15 +39,11 @@ async def test_published_files_are_0444_and_directories_0555_and_eviction_still_
     nested.mkdir(parents=True)
     (nested / "extra.bin").write_bytes(b"x")
     files = (*model.files, type(model.files[0])(path="sub/deeper/extra.bin", size=1, etag='"x"'))
-    published = await store.publish(staging, type(model)(**{**_fields(model), "files": files}))
+    published = await store.publish(staging, dataclasses.replace(model, files=files))
     assert _modes(published.path) == {("dir", "0o555"), ("file", "0o444")}
     await store.evict(published.key)
     assert list((tmp_path / "shm" / "snapshots").iterdir()) == []
     assert list((tmp_path / "shm" / "trash").iterdir()) == []
-
-
-def _fields(model: object) -> dict[str, object]:
-    return {name: getattr(model, name) for name in model.__slots__}  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("planted", ["symlink", "extra-file", "fifo"])

@@ -15,12 +15,16 @@
 
 ``read_manifest`` turns one file into ``ManifestEntry`` values or raises
 ``ManifestError`` naming the file and the line, so an operator can fix a
-ConfigMap from the log alone (the format is in docs/manifests.md).
+ConfigMap from the log alone (the format is in docs/manifests.md). A file over
+``MAX_MANIFEST_BYTES`` is refused before it is read: a list of models is a few
+KiB, and parsing a 300 MB file would take the daemon's memory with it.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -35,7 +39,17 @@ from agent._uri import parse_uri
 from agent._vocabulary import TierName
 from agent.compile.keys import CompileKeyParts, normalise_parts
 
-__all__ = ["CompileSpec", "Identity", "ManifestEntry", "ManifestError", "read_manifest"]
+__all__ = [
+    "MAX_MANIFEST_BYTES",
+    "CompileSpec",
+    "Identity",
+    "ManifestEntry",
+    "ManifestError",
+    "read_manifest",
+]
+
+# A thousand entries take about 100 KiB; ten times that is plenty.
+MAX_MANIFEST_BYTES = 1024 * 1024
 
 _TOML_LINE = re.compile(r"at line (\d+)")
 _ENTRY_HEADER = re.compile(r"^\s*\[\[\s*model\s*\]\]")
@@ -152,7 +166,19 @@ class ManifestEntry:
 def read_manifest(path: Path) -> tuple[ManifestEntry, ...]:
     """The entries of one manifest file; ManifestError says what is wrong and where."""
     try:
-        text = path.read_text(encoding="utf-8")
+        # O_NONBLOCK: a FIFO swapped in for the file must not hang the reader.
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(descriptor, "rb") as file:
+            status = os.fstat(descriptor)
+            if not stat.S_ISREG(status.st_mode):
+                raise OSError(f"{path} is not a regular file")
+            if status.st_size > MAX_MANIFEST_BYTES:
+                raise _too_large(path, status.st_size)
+            # Read one byte past the cap: the file may grow after the fstat.
+            raw = file.read(MAX_MANIFEST_BYTES + 1)
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise _too_large(path, len(raw))
+        text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ManifestError(
             f"Cannot read manifest {path}: {exc}. Fix its permissions or encoding (UTF-8).",
@@ -187,6 +213,15 @@ def read_manifest(path: Path) -> tuple[ManifestEntry, ...]:
             line=headers[index] if index < len(headers) else 0,
         )
         for index, entry in enumerate(parsed.model)
+    )
+
+
+def _too_large(path: Path, size: int) -> ManifestError:
+    return ManifestError(
+        f"Manifest {path} is {size} bytes, over the limit of {MAX_MANIFEST_BYTES} bytes "
+        "(1 MiB); it was not read. Split it into several files in the directory.",
+        path=path,
+        line=0,
     )
 
 

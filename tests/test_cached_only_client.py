@@ -25,9 +25,11 @@ def served(tmp_path: Path) -> Iterator[tuple[Path, ScriptedAgent]]:
         yield path, scripted
 
 
-def _cli(*args: str, socket: Path, env: dict[str, str] | None = None) -> None:
+def _cli(
+    *args: str, socket: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}
-    subprocess.run(
+    return subprocess.run(
         [sys.executable, "-m", "agent.cli", *args],
         env=clean | {"PREWARM_SOCKET_PATH": str(socket)} | (env or {}),
         capture_output=True,
@@ -61,9 +63,12 @@ async def test_async_client_sends_cached_only(served: tuple[Path, ScriptedAgent]
 def test_pull_flag_and_env_var_send_cached_only(served: tuple[Path, ScriptedAgent]) -> None:
     """`prewarm pull --cached-only` and PREWARM_CACHED_ONLY=1 send cached_only; a plain pull not."""
     socket, scripted = served
-    _cli("pull", "s3://b/m/", socket=socket)
-    _cli("pull", "s3://b/m/", "--cached-only", socket=socket)
-    _cli("pull", "s3://b/m/", socket=socket, env={"PREWARM_CACHED_ONLY": "1"})
+    for run in (
+        _cli("pull", "s3://b/m/", socket=socket),
+        _cli("pull", "s3://b/m/", "--cached-only", socket=socket),
+        _cli("pull", "s3://b/m/", socket=socket, env={"PREWARM_CACHED_ONLY": "1"}),
+    ):
+        assert run.returncode == 0, run.stderr
     assert [r.cached_only for r in scripted.ensure_requests] == [False, True, True]
 
 

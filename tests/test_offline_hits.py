@@ -153,6 +153,18 @@ async def test_listing_through_throttling_is_still_retried(
     assert {o.key for o in listed} == set(small_model.keys)
 
 
+def test_cached_only_through_the_socket_asks_s3_nothing(
+    agent_daemon: Any, s3_server: S3Server, small_model: SampleModel
+) -> None:
+    """EnsureModel(cached_only) over the socket serves the cached snapshot with no S3 request."""
+    with Client(agent_daemon.socket_path) as client:
+        cold = client.ensure(small_model.uri)
+        s3_server.clear_requests()
+        cached = client.ensure(small_model.uri, cached_only=True)
+    assert s3_server.requests(bucket=small_model.bucket) == []
+    assert (cached.hit, cached.resolved_offline, cached.path) == (True, True, cold.path)
+
+
 async def test_cached_only_makes_no_s3_request(
     s3_env: S3Server, small_model: SampleModel, service_over: ServiceFactory
 ) -> None:

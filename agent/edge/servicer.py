@@ -74,6 +74,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
                 pin=request.pin,
                 strict_tier=request.strict_tier,
                 options=options,
+                cached_only=request.cached_only,
                 # The socket is who asks: leases are capped per requesting socket.
                 requester=self._socket_path,
             ):

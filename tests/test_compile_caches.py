@@ -61,13 +61,13 @@ def _fill(directory: Path, seed: int = 1) -> None:
         kernel.write_bytes(os.urandom(16 * 1024))
 
 
-def _pointer(source: MemorySource) -> dict[str, Any]:
-    document: dict[str, Any] = json.loads(source.objects[BUCKET][f"cc/{KEY}/pointer.json"])
+def _manifest(source: MemorySource) -> dict[str, Any]:
+    document: dict[str, Any] = json.loads(source.objects[BUCKET][f"cc/{KEY}/manifest.json"])
     return document
 
 
 def _archive_name(source: MemorySource) -> str:
-    return f"cc/{KEY}/{_pointer(source)['archive']}"
+    return f"cc/{KEY}/{_manifest(source)['archives'][0]['name']}"
 
 
 async def test_a_new_key_gets_an_empty_directory_laid_out_for_its_engine(
@@ -113,7 +113,7 @@ async def test_a_pushed_cache_is_restored_whole_on_another_node(
         repeated = await first.push(KEY)
     assert (pushed.uploaded, pushed.uri) == (True, f"s3://{BUCKET}/cc/{KEY}/")
     assert pushed.bytes > 0
-    assert pushed.digest == content_digest(made.info.path).digest == _pointer(source)["digest"]
+    assert pushed.digest == content_digest(made.info.path).digest == _manifest(source)["digest"]
     assert (repeated.uploaded, repeated.skipped_reason) == (
         False,
         "unchanged since the last upload or restore",
@@ -140,7 +140,7 @@ async def test_a_damaged_archive_is_refused_and_the_pod_starts_empty(
     name = _archive_name(source)
     data = source.objects[BUCKET][name]
     middle = len(data) // 2
-    if damage == "truncated":  # its size no longer matches the pointer's
+    if damage == "truncated":  # its size no longer matches the manifest's
         source.objects[BUCKET][name] = data[:middle]
     else:  # same size, flipped bytes: the archive or its digest no longer checks out
         flipped = bytes(b ^ 0xFF for b in data[middle : middle + 64])
@@ -173,16 +173,16 @@ async def test_pull_replaces_the_local_directory_with_what_s3_holds(
     assert pulled.info.uploaded_digest == pushed.digest
 
 
-async def test_pull_refuses_a_pointer_whose_parts_hash_to_another_key(
+async def test_pull_refuses_a_manifest_whose_parts_hash_to_another_key(
     tmp_path: Path, source: MemorySource
 ) -> None:
-    """A node without the key trusts the pointer's parts only if they hash to that key."""
+    """A node without the key trusts the manifest's parts only if they hash to that key."""
     async with node(tmp_path / "a", source) as first:
         _fill((await first.ensure(PARTS)).info.path)
         await first.push(KEY)
-    pointer = _pointer(source)
-    pointer["parts"] = {**pointer["parts"], "model_key": "another"}
-    source.objects[BUCKET][f"cc/{KEY}/pointer.json"] = json.dumps(pointer).encode()
+    manifest = _manifest(source)
+    manifest["parts"] = {**manifest["parts"], "model_key": "another"}
+    source.objects[BUCKET][f"cc/{KEY}/manifest.json"] = json.dumps(manifest).encode()
 
     async with node(tmp_path / "b", source) as second:
         with pytest.raises(IntegrityError, match="unusable key parts"):

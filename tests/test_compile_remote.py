@@ -1,4 +1,4 @@
-"""The S3 side of compile caches: unique archives and a conditionally switched pointer.
+"""The S3 side of compile caches: content-addressed archives merged by one manifest per key.
 
 Each behaviour runs twice through the same source interface: in-process over
 ``MemorySource`` (fast, no server) and over ``S3Source`` against the real
@@ -8,9 +8,9 @@ Each behaviour runs twice through the same source interface: in-process over
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,12 +18,13 @@ from source_helpers import SOURCES, object_source
 
 from agent import IntegrityError
 from agent._uri import parse_uri
-from agent.compile.archive import PackResult, pack, unpack
-from agent.compile.remote import POINTER_MAX_BYTES, ArchiveGone, RemoteCompileCaches
+from agent.compile.archive import PackResult, content_digest, pack, unpack
+from agent.compile.remote import MANIFEST_MAX_BYTES, RemoteCompileCaches
 from agent.source.interface import ObjectSource
+from agent.testing import MemorySource
 
 KEY = "c0ffee" + "0" * 26
-POINTER = f"compile/{KEY}/pointer.json"
+MANIFEST = f"compile/{KEY}/manifest.json"
 
 
 @pytest.fixture(params=SOURCES)
@@ -42,111 +43,124 @@ def remote(source: tuple[ObjectSource, str]) -> RemoteCompileCaches:
     return RemoteCompileCaches(objects, parse_uri(f"s3://{bucket}/compile"))
 
 
-def _packed(tmp_path: Path, name: str) -> tuple[Path, PackResult]:
+def _node(tmp_path: Path, name: str, *files: str, size: int = 4096) -> Path:
+    """A key directory of one node holding ``files`` (random bytes) under inductor/."""
     directory = tmp_path / name
     (directory / "inductor").mkdir(parents=True)
-    (directory / "inductor" / f"{name}.so").write_bytes(os.urandom(4096))
-    archive = tmp_path / f"{name}.tar.zst"
-    return archive, pack(directory, archive)
+    for file in files:
+        (directory / "inductor" / file).write_bytes(os.urandom(size))
+    return directory
 
 
-async def _objects(source: tuple[ObjectSource, str]) -> list[str]:
+async def _upload(remote: RemoteCompileCaches, directory: Path, tmp_path: Path) -> bool:
+    local = frozenset(f[0] for f in content_digest(directory).files)
+
+    async def pack_delta(known: frozenset[str]) -> tuple[Path, PackResult] | None:
+        archive = tmp_path / f"{directory.name}-{len(known)}.tar.zst"
+        return archive, await asyncio.to_thread(pack, directory, archive, skip=known)
+
+    return (await remote.upload(KEY, local, pack_delta, {})).uploaded
+
+
+async def _restore(remote: RemoteCompileCaches, tmp_path: Path) -> set[str]:
+    """Every file the manifest's archives hold, each archive checked against its digest."""
+    manifest = await remote.read_manifest(KEY)
+    assert manifest is not None
+    tmp_path.mkdir(exist_ok=True)
+    paths: set[str] = set()
+    for number, entry in enumerate(manifest.archives):
+        download, dest = tmp_path / f"dl{number}.tar.zst", tmp_path / f"restored{number}"
+        await remote.download(KEY, entry, download)
+        dest.mkdir()
+        unpack(download, dest, expected_digest=entry.digest, max_bytes=1 << 30)
+        paths |= {f[0] for f in content_digest(dest).files}
+    return paths
+
+
+async def test_a_key_never_uploaded_has_no_manifest(remote: RemoteCompileCaches) -> None:
+    """Reading the manifest of a key nobody uploaded answers None, not an error."""
+    assert await remote.read_manifest(KEY) is None
+
+
+async def test_two_nodes_uploading_at_once_both_end_up_in_the_manifest(
+    remote: RemoteCompileCaches, tmp_path: Path
+) -> None:
+    """Racing uploads of different files of one key merge: the manifest lists the union."""
+    first = _node(tmp_path, "a", "shared.so", "only-a.so")
+    second = _node(tmp_path, "b", "only-b.so")
+    outcomes = await asyncio.gather(
+        _upload(remote, first, tmp_path), _upload(remote, second, tmp_path)
+    )
+    assert outcomes == [True, True]
+    restored = await _restore(remote, tmp_path)
+    assert restored == {"inductor/shared.so", "inductor/only-a.so", "inductor/only-b.so"}
+
+
+async def test_a_second_upload_sends_only_what_the_manifest_lacks(
+    remote: RemoteCompileCaches, tmp_path: Path
+) -> None:
+    """A node that restored the union and compiled one more file uploads just that file."""
+    directory = _node(tmp_path, "a", "one.so")
+    assert await _upload(remote, directory, tmp_path)
+    assert not await _upload(remote, directory, tmp_path)  # nothing new
+    (directory / "inductor" / "two.so").write_bytes(b"more")
+    assert await _upload(remote, directory, tmp_path)
+    manifest = await remote.read_manifest(KEY)
+    assert manifest is not None
+    assert [entry.file_count for entry in manifest.archives] == [1, 1]
+    assert manifest.archives[1].files is not None
+    assert manifest.archives[1].files[0][0] == "inductor/two.so"
+
+
+async def test_a_legacy_pointer_is_read_and_kept_when_the_first_manifest_is_written(
+    remote: RemoteCompileCaches, source: tuple[ObjectSource, str], tmp_path: Path
+) -> None:
+    """A cache uploaded by an older agent (pointer.json) still restores, and survives a merge."""
     objects, bucket = source
-    listed = await objects.list_objects(parse_uri(f"s3://{bucket}/compile/{KEY}/"))
-    return sorted(item.key.removeprefix(f"compile/{KEY}/") for item in listed)
+    old = _node(tmp_path, "old", "legacy.so")
+    archive = tmp_path / "legacy.tar.zst"
+    packed = pack(old, archive)
+    name = "archives/0123456789abcdef-1-abcd.tar.zst"
+    await objects.put_object(bucket, f"compile/{KEY}/{name}", archive.read_bytes())
+    pointer = {
+        "format": 1,
+        "key": KEY,
+        "archive": name,
+        "digest": packed.digest,
+        "archive_bytes": packed.archive_bytes,
+        "content_bytes": packed.content_bytes,
+        "file_count": packed.file_count,
+        "uploaded": 1.0,
+        "parts": {},
+    }
+    await objects.put_object(bucket, f"compile/{KEY}/pointer.json", json.dumps(pointer).encode())
+    assert await _restore(remote, tmp_path / "first") == {"inductor/legacy.so"}
+    assert await _upload(remote, _node(tmp_path, "new", "new.so"), tmp_path)
+    assert await _restore(remote, tmp_path / "second") == {"inductor/legacy.so", "inductor/new.so"}
 
 
-async def test_a_key_never_uploaded_has_no_pointer(remote: RemoteCompileCaches) -> None:
-    """Reading the pointer of a key nobody uploaded answers None, not an error."""
-    assert await remote.read_pointer(KEY) is None
+async def test_an_archive_over_the_threshold_goes_up_in_parts(tmp_path: Path) -> None:
+    """With a small multipart threshold the archive is sent as parts and restores whole."""
+    source = MemorySource()
+    source.objects["bucket"] = {}
+    remote = RemoteCompileCaches(
+        source, parse_uri("s3://bucket/compile"), multipart_threshold=1024, part_size=8192
+    )
+    directory = _node(tmp_path, "big", "big.so", size=40_000)
+    assert await _upload(remote, directory, tmp_path)
+    assert len(source.multipart_uploads) == 1
+    assert len(source.multipart_uploads[0][1]) >= 5
+    assert await _restore(remote, tmp_path) == {"inductor/big.so"}
 
 
-async def test_a_writer_with_a_stale_pointer_cannot_switch_it(
-    remote: RemoteCompileCaches, tmp_path: Path
-) -> None:
-    """A pointer switch conditioned on an old ETag, or on no pointer, loses and changes nothing."""
-    archive, packed = _packed(tmp_path, "a")
-    assert (await remote.upload(KEY, archive, packed, {})).uploaded
-    seen = await remote.read_pointer(KEY)
-    assert seen is not None
-    other, other_packed = _packed(tmp_path, "b")
-    assert (await remote.upload(KEY, other, other_packed, {})).uploaded
-    # Both conditions a late writer could send are refused by the store itself (412).
-    assert not await remote._switch_pointer(KEY, b"{}", seen.etag)
-    assert not await remote._switch_pointer(KEY, b"{}", None)
-    current = await remote.read_pointer(KEY)
-    assert current is not None
-    assert current.digest == other_packed.digest
-
-
-async def test_the_pointer_always_names_a_whole_archive_of_its_digest(
-    remote: RemoteCompileCaches, source: tuple[ObjectSource, str], tmp_path: Path
-) -> None:
-    """Two racing uploads leave a pointer whose archive exists and unpacks to its digest."""
-    first, second = _packed(tmp_path, "a"), _packed(tmp_path, "b")
-    outcomes = await asyncio.gather(remote.upload(KEY, *first, {}), remote.upload(KEY, *second, {}))
-    assert any(o.uploaded for o in outcomes)
-    pointer = await remote.read_pointer(KEY)
-    assert pointer is not None
-    assert pointer.digest in (first[1].digest, second[1].digest)
-    assert pointer.archive in await _objects(source)
-    download = tmp_path / "download.tar.zst"
-    await remote.download(pointer, download)
-    dest = tmp_path / "restored"
-    dest.mkdir()
-    restored = unpack(download, dest, expected_digest=pointer.digest, max_bytes=1 << 30)
-    assert restored.digest == pointer.digest
-
-
-async def test_an_upload_replaces_the_archive_it_supersedes_and_skips_the_same_content(
-    remote: RemoteCompileCaches, source: tuple[ObjectSource, str], tmp_path: Path
-) -> None:
-    """A new upload deletes the archive it replaced; the same content again is not re-sent."""
-    first, second = _packed(tmp_path, "a"), _packed(tmp_path, "b")
-    await remote.upload(KEY, *first, {})
-    await remote.upload(KEY, *second, {})
-    pointer = await remote.read_pointer(KEY)
-    assert pointer is not None
-    assert await _objects(source) == sorted([pointer.archive, "pointer.json"])
-    again = await remote.upload(KEY, *second, {})
-    assert (again.uploaded, again.reason) == (False, "S3 already has this content")
-
-
-async def test_a_superseded_archive_is_reported_gone(
-    remote: RemoteCompileCaches, tmp_path: Path
-) -> None:
-    """Downloading through a pointer whose archive was replaced raises ArchiveGone (re-read)."""
-    await remote.upload(KEY, *_packed(tmp_path, "a"), {})
-    stale = await remote.read_pointer(KEY)
-    await remote.upload(KEY, *_packed(tmp_path, "b"), {})
-    assert stale is not None
-    with pytest.raises(ArchiveGone):
-        await remote.download(stale, tmp_path / "download.tar.zst")
-
-
-async def test_an_archive_of_another_size_than_its_pointer_says_is_refused(
-    remote: RemoteCompileCaches, tmp_path: Path
-) -> None:
-    """An archive whose size differs from the pointer's record is an IntegrityError."""
-    await remote.upload(KEY, *_packed(tmp_path, "a"), {})
-    pointer = await remote.read_pointer(KEY)
-    assert pointer is not None
-    lying = replace(pointer, archive_bytes=pointer.archive_bytes + 1)
-    with pytest.raises(IntegrityError, match="truncated or was replaced"):
-        await remote.download(lying, tmp_path / "download.tar.zst")
-
-
-@pytest.mark.parametrize("body", [b"not json", b" " * (POINTER_MAX_BYTES + 1)])
-async def test_an_unreadable_pointer_is_reported_then_replaced_by_the_next_upload(
+@pytest.mark.parametrize("body", [b"not json", b" " * (MANIFEST_MAX_BYTES + 1)])
+async def test_an_unreadable_manifest_is_reported_then_replaced_by_the_next_upload(
     remote: RemoteCompileCaches, source: tuple[ObjectSource, str], tmp_path: Path, body: bytes
 ) -> None:
-    """Garbage or an oversized pointer reads as IntegrityError; an upload overwrites it."""
+    """Garbage or an oversized manifest reads as IntegrityError; an upload replaces it."""
     objects, bucket = source
-    await objects.put_object(bucket, POINTER, body)
+    await objects.put_object(bucket, MANIFEST, body)
     with pytest.raises(IntegrityError, match="unreadable"):
-        await remote.read_pointer(KEY)
-    archive, packed = _packed(tmp_path, "a")
-    assert (await remote.upload(KEY, archive, packed, {})).uploaded
-    pointer = await remote.read_pointer(KEY)
-    assert pointer is not None
-    assert pointer.digest == packed.digest
+        await remote.read_manifest(KEY)
+    assert await _upload(remote, _node(tmp_path, "a", "a.so"), tmp_path)
+    assert await _restore(remote, tmp_path) == {"inductor/a.so"}

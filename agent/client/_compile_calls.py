@@ -25,12 +25,15 @@ from ._compile_types import (
     CompileCachePush,
     CompileEvictResult,
     CompileLockGrant,
+    CompileReady,
+    CompileVerdict,
 )
 from ._spec import Streamed, Unary
 
 __all__ = [
     "compile_cache",
     "compile_lock",
+    "compile_ready",
     "evict_compile_cache",
     "list_compile_caches",
     "pull_compile_cache",
@@ -46,17 +49,22 @@ def compile_cache(
     *,
     skip_restore: bool = False,
     client_name: str = "",
+    publish_on_ready: bool = False,
     **fields: Any,
 ) -> Unary[CompileCacheHandle]:
     """The node's compile-cache directory for these key parts, restored from S3 if needed.
 
     Give ``parts`` (see ``detect_key_parts``) and/or the parts as keyword
     arguments. ``skip_restore`` keeps a new key empty even if S3 has it.
+    ``publish_on_ready``: this caller reports its engine ready with
+    ``compile_ready``; the key is then uploaded only at that report, so a
+    launch that crashes first uploads nothing.
     """
     request = pb.EnsureCompileCacheRequest(
         parts=parts_to_proto(key_parts(parts, **fields)),
         skip_restore=skip_restore,
         client_name=client_name or _default_name(),
+        publish_on_ready=publish_on_ready,
     )
     return Unary("EnsureCompileCache", request, _handle_from_proto)
 
@@ -82,6 +90,12 @@ def pull_compile_cache(key: str) -> Unary[CompileCacheHandle]:
     """Restore a compile cache from S3 now, replacing this node's copy."""
     request = pb.PullCompileCacheRequest(key=key)
     return Unary("PullCompileCache", request, _handle_from_proto)
+
+
+def compile_ready(key: str, *, client_name: str = "") -> Unary[CompileReady]:
+    """The engine using ``key`` is ready: its verdict, after the key was uploaded (merged)."""
+    request = pb.CompileReadyRequest(key=key, client_name=client_name or _default_name())
+    return Unary("CompileReady", request, _ready_from_proto)
 
 
 def compile_lock(
@@ -177,7 +191,24 @@ def _info_from_proto(msg: pb.CompileCacheInfo) -> CompileCacheInfo:
         uploaded_digest=msg.uploaded_digest,
         uploaded=datetime_from_proto(msg.uploaded) if msg.HasField("uploaded") else None,
         restored=msg.restored,
+        last_verdict=_verdict_from_proto(msg.last_verdict)
+        if msg.HasField("last_verdict")
+        else None,
+        publish_on_ready=msg.publish_on_ready,
     )
+
+
+def _verdict_from_proto(msg: pb.CompileVerdict) -> CompileVerdict:
+    return CompileVerdict(
+        verdict=msg.verdict,
+        grown={g.sub_cache: (g.files_added, g.bytes_added) for g in msg.grown},
+        at=datetime_from_proto(msg.at) if msg.HasField("at") else None,
+        client_name=msg.client_name,
+    )
+
+
+def _ready_from_proto(msg: pb.CompileReadyResponse) -> CompileReady:
+    return CompileReady(msg.key, _verdict_from_proto(msg.verdict), _push_from_proto(msg.upload))
 
 
 def _infos_from_proto(msg: pb.ListCompileCachesResponse) -> list[CompileCacheInfo]:

@@ -17,6 +17,8 @@ __all__ = [
     "CompileEvictResult",
     "CompileKeyParts",
     "CompileLockGrant",
+    "CompileReady",
+    "CompileVerdict",
 ]
 
 
@@ -46,6 +48,26 @@ class CompileCacheHandle:
 
 
 @dataclass(frozen=True, slots=True)
+class CompileVerdict:
+    """Whether a launch reused its compile cache: ``hit``, ``partial miss`` or ``miss``."""
+
+    verdict: str
+    # Sub-cache (inductor, triton, vllm...) -> (files added, bytes added); only those that grew.
+    grown: dict[str, tuple[int, int]]
+    at: datetime | None
+    client_name: str
+
+    def describe(self) -> str:
+        """One line, e.g. ``partial miss: inductor +3 files (120 kB)``."""
+        if not self.grown:
+            return "hit: nothing compiled" if self.verdict == "hit" else self.verdict
+        growth = ", ".join(
+            f"{sub} +{files} files ({size} B)" for sub, (files, size) in sorted(self.grown.items())
+        )
+        return f"{self.verdict}: {growth}"
+
+
+@dataclass(frozen=True, slots=True)
 class CompileCacheInfo:
     """A compile cache on the node, as ``prewarm compile ls`` lists it."""
 
@@ -60,6 +82,10 @@ class CompileCacheInfo:
     uploaded_digest: str
     uploaded: datetime | None
     restored: bool
+    # The last launch that reported ready (None before any did).
+    last_verdict: CompileVerdict | None = None
+    # Uploaded only when a launch reports ready, never when quiet.
+    publish_on_ready: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +104,15 @@ class CompileCachePush:
     # Bytes of the archive uploaded (0 when skipped).
     bytes: int
     skipped_reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class CompileReady:
+    """A launch's verdict and the upload that followed it."""
+
+    key: str
+    verdict: CompileVerdict
+    upload: CompileCachePush
 
 
 @dataclass(frozen=True, slots=True)

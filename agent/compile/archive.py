@@ -30,7 +30,7 @@ import re
 import stat
 import tarfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -42,10 +42,12 @@ from agent.compile.frames import FrameReader
 
 __all__ = [
     "ChangedDuringPack",
+    "FileFacts",
     "PackResult",
     "UnpackCancelled",
     "UnpackResult",
     "content_digest",
+    "digest_of_files",
     "is_ignored",
     "pack",
     "unpack",
@@ -72,6 +74,10 @@ class UnpackCancelled(PrewarmError):
     """The caller stopped an unpack (its restore timed out or was cancelled)."""
 
 
+# One packed file as a manifest lists it: path, size, sha256, executable.
+FileFacts = tuple[str, int, str, bool]
+
+
 @dataclass(frozen=True, slots=True)
 class PackResult:
     digest: str
@@ -79,6 +85,7 @@ class PackResult:
     # Bytes of the files packed, and of the compressed archive.
     content_bytes: int
     archive_bytes: int
+    files: tuple[FileFacts, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +124,11 @@ def _digest_of(entries: list[_Entry]) -> str:
             )
         )
     return DIGEST_PREFIX + hasher.hexdigest()
+
+
+def digest_of_files(files: Iterable[FileFacts]) -> str:
+    """The digest of a set of files as listed (a union of archives, say)."""
+    return _digest_of([_Entry(path, "f", exe, size, sha) for path, size, sha, exe in files])
 
 
 def walk_artifacts(directory: Path) -> Iterator[tuple[str, os.DirEntry[str]]]:
@@ -193,8 +205,20 @@ def _pack_file(tar: tarfile.TarFile, directory: Path, relative: str) -> _Entry:
     return _Entry(relative, "f", executable, before.st_size, reader.hasher.hexdigest())
 
 
-def pack(directory: Path, archive: Path) -> PackResult:
+def _result(entries: list[_Entry], archive_bytes: int) -> PackResult:
+    return PackResult(
+        digest=_digest_of(entries),
+        file_count=len(entries),
+        content_bytes=sum(e.size for e in entries),
+        archive_bytes=archive_bytes,
+        files=tuple((e.path, e.size, e.content, e.executable) for e in entries),
+    )
+
+
+def pack(directory: Path, archive: Path, *, skip: Container[str] = frozenset()) -> PackResult:
     """Write ``directory``'s artifacts to ``archive`` (.tar.zst) and return their digest.
+
+    Paths in ``skip`` (already uploaded by someone) are left out.
 
     Raises ChangedDuringPack when a file changes under it; ``archive`` is then
     incomplete and the caller removes it.
@@ -207,16 +231,12 @@ def pack(directory: Path, archive: Path) -> PackResult:
             tarfile.open(fileobj=compressed, mode="w|", format=tarfile.PAX_FORMAT) as tar,
         ):
             for relative, _ in walk_artifacts(directory):
-                entries.append(_pack_file(tar, directory, relative))
+                if relative not in skip:
+                    entries.append(_pack_file(tar, directory, relative))
         raw.flush()
         os.fsync(raw.fileno())
         archive_bytes = raw.tell()
-    return PackResult(
-        digest=_digest_of(entries),
-        file_count=len(entries),
-        content_bytes=sum(e.size for e in entries),
-        archive_bytes=archive_bytes,
-    )
+    return _result(entries, archive_bytes)
 
 
 def content_digest(directory: Path) -> PackResult:
@@ -235,7 +255,7 @@ def content_digest(directory: Path) -> PackResult:
         except OSError as exc:  # gone, or replaced by a link since the walk
             raise ChangedDuringPack(f"{relative} went away while hashing ({exc}).") from exc
         entries.append(_Entry(relative, "f", executable, size, hasher.hexdigest()))
-    return PackResult(_digest_of(entries), len(entries), sum(e.size for e in entries), 0)
+    return _result(entries, 0)
 
 
 def _refuse(archive: Path, member: str, why: str) -> IntegrityError:

@@ -31,13 +31,14 @@ from agent.compile.keys import KEY_LENGTH, CompileKeyParts, compile_key, engine_
 from agent.compile.lock import CompileLocks, LockEvent
 from agent.compile.remote import RemoteCompileCaches
 from agent.compile.transfer import CompileCacheTransfer, Fetched, PushOutcome, parts_of
+from agent.compile.verdict import Verdict, judge
 from agent.compile.watch import SettleWatcher
-from agent.obs.metrics import COMPILE_CACHE_PHASE_SECONDS
+from agent.obs.metrics import COMPILE_CACHE_PHASE_SECONDS, COMPILE_LAUNCHES
 from agent.source.interface import ObjectSource
 from agent.store.budget import Candidate
 from agent.store.store import Store
 
-__all__ = ["CompileCacheInfo", "CompileCaches", "EnsuredCompileCache", "PushOutcome"]
+__all__ = ["CompileCacheInfo", "CompileCaches", "EnsuredCompileCache", "LaunchReady", "PushOutcome"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,15 @@ class EnsuredCompileCache:
     restored: bool
     restore_seconds: float
     restore_note: str
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchReady:
+    """A launch's verdict, and what publishing its artifacts came to (None: not tried)."""
+
+    key: str
+    verdict: Verdict
+    push: PushOutcome | None
 
 
 class CompileCaches:
@@ -136,9 +146,18 @@ class CompileCaches:
     # -- the pod's request -----------------------------------------------------------------------
 
     async def ensure(
-        self, parts: CompileKeyParts, *, skip_restore: bool = False, client_name: str = ""
+        self,
+        parts: CompileKeyParts,
+        *,
+        skip_restore: bool = False,
+        client_name: str = "",
+        publish_on_ready: bool = False,
     ) -> EnsuredCompileCache:
-        """The directory for ``parts``: as it is, restored from S3, or new and empty."""
+        """The directory for ``parts``: as it is, restored from S3, or new and empty.
+
+        ``publish_on_ready``: the caller will report its engine ready (``ready``);
+        from then on the key is uploaded only at a ready report, never when quiet.
+        """
         canonical = normalise_parts(parts)
         key = compile_key(canonical)
         directory = self._index.directory(key)
@@ -146,11 +165,11 @@ class CompileCaches:
         # hold the lock for a while, and the pod has no reason to wait for that.
         record = self._index.get(key)
         if record is not None and directory.is_dir():
-            return await self._hit(key, record)
+            return await self._hit(key, record, publish_on_ready)
         async with self._key_locks[key]:
             record = self._index.get(key)
             if record is not None and directory.is_dir():
-                return await self._hit(key, record)
+                return await self._hit(key, record, publish_on_ready)
             fetched: Fetched | None = None
             seconds = 0.0
             if skip_restore:
@@ -160,7 +179,7 @@ class CompileCaches:
             else:
                 restore = await self._transfer.restore_for_pod(key)
                 fetched, seconds, note = restore.fetched, restore.seconds, restore.note
-            record = await self._publish(key, canonical, fetched)
+            record = await self._publish(key, canonical, fetched, publish_on_ready)
         log.info(
             "compile cache %s for %s: %s",
             key,
@@ -172,8 +191,11 @@ class CompileCaches:
             key, record, restored=fetched is not None, seconds=seconds, note=note
         )
 
-    async def _hit(self, key: str, record: CacheRecord) -> EnsuredCompileCache:
+    async def _hit(
+        self, key: str, record: CacheRecord, publish_on_ready: bool
+    ) -> EnsuredCompileCache:
         record.last_used = time.time()
+        record.publish_on_ready |= publish_on_ready
         await self._index.save(key, record, strict=False)
         return await self._ensured(key, record, restored=False, seconds=0.0, note="")
 
@@ -196,7 +218,7 @@ class CompileCaches:
                 )
             known = self._index.get(key)
             try:
-                parts = known.parts if known is not None else parts_of(fetched.pointer)
+                parts = known.parts if known is not None else parts_of(fetched.manifest)
             except IntegrityError:
                 await self._index.discard(fetched.staging)
                 raise
@@ -206,6 +228,30 @@ class CompileCaches:
             COMPILE_CACHE_PHASE_SECONDS.labels("restore").observe(seconds)
             record = await self._publish(key, parts, fetched)
         return await self._ensured(key, record, restored=True, seconds=seconds, note="")
+
+    async def ready(self, ref: str, client_name: str = "") -> LaunchReady:
+        """A launch on ``ref``'s key is ready: judge what it compiled, then publish it."""
+        key = self.find(ref)
+        async with self._key_locks[key]:
+            record = self._index.get(key)
+            if record is None:
+                raise NotFound(f"Compile cache {key} is not on this node.")
+            now = await self._index.sub_caches(key)
+            verdict = judge(record.baseline, now, client=client_name)
+            record.baseline, record.last_verdict = now, verdict
+            await self._index.save(key, record, strict=False)
+            engine, said = record.parts.engine, verdict.describe()
+            COMPILE_LAUNCHES.labels(engine, verdict.verdict.replace(" ", "_")).inc()
+            who = client_name or "anonymous"
+            log.info("compile cache %s (%s) for %s: %s", key, engine, who, said, extra={"key": key})
+            push: PushOutcome | None = None
+            if self._transfer is not None and self._settings.upload:
+                await self._index.measure(key, record)
+                try:
+                    push = await self._transfer.upload(key, record)
+                except PrewarmError as exc:
+                    push = PushOutcome(False, self._transfer.uri_of(key), "", 0, str(exc))
+        return LaunchReady(key, verdict, push)
 
     async def push(self, ref: str) -> PushOutcome:
         """Pack and upload a key now (skipped when S3 already has the same content)."""
@@ -291,13 +337,14 @@ class CompileCaches:
         return EnsuredCompileCache(info, env, restored, seconds, note)
 
     async def _publish(
-        self, key: str, parts: CompileKeyParts, fetched: Fetched | None
+        self, key: str, parts: CompileKeyParts, fetched: Fetched | None, on_ready: bool = False
     ) -> CacheRecord:
         """Record the key, then move its directory (restored or new) into place."""
         if fetched is None:
             record, staging = CacheRecord.new(parts), self._index.scratch(key)
         else:
             record, staging = fetched.record(parts), fetched.staging
+        record.publish_on_ready = on_ready
         await self._index.publish(key, record, staging)
         return record
 
@@ -315,6 +362,9 @@ class CompileCaches:
                 if released:
                     log.info("compile cache %s is warm: let %d waiting pod(s) go", key, released)
             if self._transfer is None or not self._settings.upload:
+                return
+            if record.publish_on_ready:
+                log.debug("compile cache %s waits for a launch to report ready", key)
                 return
             try:
                 outcome = await self._transfer.upload(key, record)

@@ -22,7 +22,7 @@ import secrets
 import stat
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from agent.compile.keys import (
     parts_to_dict,
     sub_cache_dirs,
 )
+from agent.compile.verdict import SubCacheSizes, Verdict, measure_sub_caches
 
 __all__ = ["CacheIndex", "CacheRecord", "CompileCacheInfo", "has_artifacts"]
 
@@ -59,6 +60,10 @@ class CompileCacheInfo:
     uploaded_digest: str
     uploaded: float
     restored: bool
+    # The last launch's verdict (None before any launch reported ready).
+    last_verdict: Verdict | None = None
+    # Uploads wait for a launch to report ready (prewarm exec --ready-url/--ready-file).
+    publish_on_ready: bool = False
 
 
 @dataclass(slots=True)
@@ -71,6 +76,10 @@ class CacheRecord:
     uploaded_digest: str = ""
     uploaded: float = 0.0
     restored: bool = False
+    # What each sub-cache held at the restore, creation or last verdict.
+    baseline: SubCacheSizes = field(default_factory=dict)
+    last_verdict: Verdict | None = None
+    publish_on_ready: bool = False
     bytes: int = 0
     file_count: int = 0
 
@@ -134,7 +143,13 @@ class CacheIndex:
             uploaded_digest=record.uploaded_digest,
             uploaded=record.uploaded,
             restored=record.restored,
+            last_verdict=record.last_verdict,
+            publish_on_ready=record.publish_on_ready,
         )
+
+    async def sub_caches(self, key: str) -> SubCacheSizes:
+        """What each sub-cache of ``key`` holds now."""
+        return await asyncio.to_thread(measure_sub_caches, self.directory(key))
 
     async def measure(self, key: str, record: CacheRecord) -> None:
         """Set ``record``'s sizes to what ``key``'s directory holds now."""
@@ -161,6 +176,8 @@ class CacheIndex:
             await self.discard(staging)
             raise
         await self.measure(key, record)
+        record.baseline = await self.sub_caches(key)
+        await self.save(key, record, strict=False)
         self._records[key] = record
 
     async def checked_env(self, key: str, env: dict[str, str]) -> dict[str, str]:
@@ -274,6 +291,9 @@ def _write_meta(root: Path, key: str, record: CacheRecord) -> None:
         "uploaded_digest": record.uploaded_digest,
         "uploaded": record.uploaded,
         "restored": record.restored,
+        "baseline": {sub: list(pair) for sub, pair in record.baseline.items()},
+        "last_verdict": record.last_verdict.to_json() if record.last_verdict else None,
+        "publish_on_ready": record.publish_on_ready,
     }
     write_json_atomic(root / ".meta" / f"{key}.json", document)
 
@@ -292,6 +312,14 @@ def _read_meta(path: Path) -> CacheRecord:
         uploaded_digest=str(document.get("uploaded_digest", "")),
         uploaded=float(document.get("uploaded", 0.0)),
         restored=bool(document.get("restored", False)),
+        baseline={
+            str(sub): (int(pair[0]), int(pair[1]))
+            for sub, pair in dict(document.get("baseline") or {}).items()
+        },
+        last_verdict=(
+            Verdict.from_json(document["last_verdict"]) if document.get("last_verdict") else None
+        ),
+        publish_on_ready=bool(document.get("publish_on_ready", False)),
     )
 
 

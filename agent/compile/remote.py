@@ -1,31 +1,33 @@
-"""Compile-cache archives in S3: where they live, and how nodes switch to a new one.
+"""Compile-cache archives in S3: content-addressed archives merged by one manifest per key.
 
 Layout under ``compile_cache.uri`` (``s3://bucket/prefix``)::
 
-    <prefix>/<key>/pointer.json                          which archive is current
-    <prefix>/<key>/archives/<digest16>-<ms>-<rand>.tar.zst   immutable, one per upload
+    <prefix>/<key>/manifest.json                   every archive of the key (agent.compile.manifest)
+    <prefix>/<key>/artifacts/<digest32>.tar.zst    immutable, named by the digest of its files
+    <prefix>/<key>/pointer.json, archives/...      written by older agents; still read
 
-An upload never overwrites an object that anyone reads: the archive goes to a
-name no other node can pick, and only then is the small pointer switched to
-it, with a conditional PUT (``If-Match`` the pointer's ETag as read before, or
-``If-None-Match: *`` when there was none). If another node switched the
-pointer in between, S3 answers 412 (the source raises Conflict); the uploader
-reads the pointer again and stops if it names the same content, else switches
-again (the last writer wins, and every reader sees either the old archive or
-the new one, never a mix). Everything goes through the source interface
-(agent.source.interface), so this runs unchanged over the in-memory source.
-The archive the pointer named before is deleted after the switch; a restore
-that finds its archive gone reads the pointer again.
+An upload never replaces what another node uploaded. The uploader reads the
+manifest and its ETag, packs only the files the manifest does not list yet,
+stores that archive under the digest of its files (the same files give the
+same name, so a second upload of them changes nothing), and then adds it to
+the manifest with a conditional PUT (``If-Match`` the ETag read, or
+``If-None-Match: *`` when there was none). If another node changed the
+manifest in between, S3 answers 412 (the source raises Conflict); the uploader
+reads the manifest again and adds its archive to *that* one: two nodes that
+compile the same key at once end with the union. Archives over
+``multipart_threshold`` bytes (5 GiB, S3's single-PUT limit) go up in parts.
+Everything goes through the source interface (agent.source.interface), so this
+runs unchanged over the in-memory source.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import logging
-import secrets
 import socket
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,38 +35,35 @@ from typing import Any
 from agent._exceptions import Conflict, IntegrityError, NotFound, SourceChanged
 from agent._uri import ModelUri
 from agent.compile.archive import DIGEST_PREFIX, PackResult
+from agent.compile.manifest import (
+    ArchiveEntry,
+    Manifest,
+    parse_legacy_pointer,
+    parse_manifest,
+)
 from agent.source.interface import ObjectSource, ObjectTooLarge
 
-__all__ = ["ArchiveGone", "Pointer", "RemoteCompileCaches", "UploadOutcome"]
+__all__ = ["ArchiveGone", "DeltaPacker", "RemoteCompileCaches", "UploadOutcome"]
 
 log = logging.getLogger(__name__)
 
-POINTER_FORMAT = 1
-POINTER_NAME = "pointer.json"
-# A pointer is a few hundred bytes of JSON; anything far larger is not one.
-POINTER_MAX_BYTES = 1024 * 1024
-_SWITCH_ATTEMPTS = 5
+MANIFEST_NAME = "manifest.json"
+LEGACY_POINTER_NAME = "pointer.json"
+# A manifest lists every file (about 100 bytes each); far larger is not one.
+MANIFEST_MAX_BYTES = 16 * 1024 * 1024
+LEGACY_POINTER_MAX_BYTES = 1024 * 1024
+MULTIPART_THRESHOLD = 5 * 1024**3
+PART_SIZE = 128 * 1024**2
+_MERGE_ATTEMPTS = 10
 _READ_BLOCK = 1024 * 1024
+
+# Packs the files whose paths are not in the set given into an archive; None when
+# every file is already there.
+DeltaPacker = Callable[[frozenset[str]], Awaitable[tuple[Path, PackResult] | None]]
 
 
 class ArchiveGone(NotFound):
-    """The archive a pointer named was deleted (superseded); read the pointer again."""
-
-
-@dataclass(frozen=True, slots=True)
-class Pointer:
-    """What ``<key>/pointer.json`` says, and the ETag it was read with."""
-
-    key: str
-    archive: str  # relative to <prefix>/<key>/
-    digest: str
-    archive_bytes: int
-    content_bytes: int
-    file_count: int
-    uploaded: float
-    uploader: str
-    parts: dict[str, Any]
-    etag: str = ""
+    """An archive the manifest named is gone (a legacy archive superseded); read it again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,50 +71,25 @@ class UploadOutcome:
     uploaded: bool
     uri: str
     reason: str = ""
-
-
-def _parse_pointer(key: str, body: bytes, etag: str) -> Pointer:
-    try:
-        document = json.loads(body)
-        if document.get("format") != POINTER_FORMAT or document.get("key") != key:
-            raise ValueError(f"format {document.get('format')!r}, key {document.get('key')!r}")
-        archive = str(document["archive"])
-        digest = str(document["digest"])
-        if not archive.startswith("archives/") or ".." in archive or "/" in archive[9:]:
-            raise ValueError(f"archive name {archive!r}")
-        if not digest.startswith(DIGEST_PREFIX):
-            raise ValueError(f"digest {digest!r}")
-        return Pointer(
-            key=key,
-            archive=archive,
-            digest=digest,
-            archive_bytes=int(document["archive_bytes"]),
-            content_bytes=int(document["content_bytes"]),
-            file_count=int(document["file_count"]),
-            uploaded=float(document["uploaded"]),
-            uploader=str(document.get("uploader", "")),
-            parts=dict(document.get("parts", {})),
-            etag=etag,
-        )
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise _unreadable(key, exc) from exc
-
-
-def _unreadable(key: str, cause: Exception) -> IntegrityError:
-    return IntegrityError(
-        f"The compile-cache pointer of {key} is unreadable ({cause}); the next upload "
-        "for this key replaces it.",
-        path=POINTER_NAME,
-        check="pointer",
-    )
+    # The manifest as this upload left it (None when S3 was not changed).
+    manifest: Manifest | None = None
 
 
 class RemoteCompileCaches:
-    """Reads and writes packed compile caches under one prefix of the object store."""
+    """Reads and merges packed compile caches under one prefix of the object store."""
 
-    def __init__(self, source: ObjectSource, uri: ModelUri) -> None:
+    def __init__(
+        self,
+        source: ObjectSource,
+        uri: ModelUri,
+        *,
+        multipart_threshold: int = MULTIPART_THRESHOLD,
+        part_size: int = PART_SIZE,
+    ) -> None:
         self._source = source
         self._uri = uri
+        self._multipart_threshold = multipart_threshold
+        self._part_size = part_size
 
     def uri_of(self, key: str) -> str:
         return f"s3://{self._uri.bucket}/{self._object(key, '')}"
@@ -123,33 +97,38 @@ class RemoteCompileCaches:
     def _object(self, key: str, name: str) -> str:
         return f"{self._uri.prefix}{key}/{name}"
 
-    async def read_pointer(self, key: str) -> Pointer | None:
-        """The current pointer of ``key``; None when nothing was uploaded yet."""
-        name = self._object(key, POINTER_NAME)
+    async def read_manifest(self, key: str) -> Manifest | None:
+        """Every archive of ``key`` (a legacy pointer read as one); None when nothing was."""
+        stored = await self._get(key, MANIFEST_NAME, MANIFEST_MAX_BYTES)
+        if stored is not None:
+            return parse_manifest(key, stored[0], stored[1])
+        legacy = await self._get(key, LEGACY_POINTER_NAME, LEGACY_POINTER_MAX_BYTES)
+        return parse_legacy_pointer(key, legacy[0]) if legacy is not None else None
+
+    async def _get(self, key: str, name: str, cap: int) -> tuple[bytes, str] | None:
         try:
             stored = await self._source.get_object(
-                self._uri.bucket, name, max_bytes=POINTER_MAX_BYTES
+                self._uri.bucket, self._object(key, name), max_bytes=cap
             )
         except ObjectTooLarge as exc:
-            raise _unreadable(key, exc) from exc
-        if stored is None:
-            return None
-        return _parse_pointer(key, stored.data, stored.etag)
+            raise IntegrityError(
+                f"The compile-cache {name} of {key} is unreadable ({exc}); the next upload "
+                "for this key replaces it.",
+                path=name,
+                check="pointer",
+            ) from exc
+        return None if stored is None else (stored.data, stored.etag)
 
-    async def _pointer_etag(self, key: str) -> str | None:
-        head = await self._source.head_object(self._uri.bucket, self._object(key, POINTER_NAME))
-        return head.etag if head is not None else None
-
-    async def download(self, pointer: Pointer, dest: Path) -> None:
-        """Write the archive ``pointer`` names to ``dest``; refuse one of another size."""
-        bucket, name = self._uri.bucket, self._object(pointer.key, pointer.archive)
+    async def download(self, key: str, entry: ArchiveEntry, dest: Path) -> None:
+        """Write the archive ``entry`` names to ``dest``; refuse one of another size."""
+        bucket, name = self._uri.bucket, self._object(key, entry.name)
         head = await self._source.head_object(bucket, name)
         if head is None:
-            raise ArchiveGone(f"{name} is gone (superseded by a newer upload).")
-        if head.size != pointer.archive_bytes:
+            raise ArchiveGone(f"{name} is gone.")
+        if head.size != entry.archive_bytes:
             raise IntegrityError(
-                f"s3://{bucket}/{name} holds {head.size} bytes; its pointer says "
-                f"{pointer.archive_bytes}. It is truncated or was replaced; the next "
+                f"s3://{bucket}/{name} holds {head.size} bytes; its manifest says "
+                f"{entry.archive_bytes}. It is truncated or was replaced; the next "
                 "upload for this key replaces it.",
                 path=name,
                 check="size",
@@ -158,88 +137,101 @@ class RemoteCompileCaches:
             if not head.size:
                 return
             try:
-                # Pinned to the ETag just read: an archive replaced or deleted meanwhile
-                # fails the read instead of mixing two uploads.
+                # Pinned to the ETag just read: an archive replaced meanwhile fails the read.
                 async with self._source.open_range(
                     bucket, name, etag=head.etag, start=0, length=head.size
                 ) as reader:
                     while chunk := await reader.read(_READ_BLOCK):
                         await asyncio.to_thread(out.write, chunk)
             except SourceChanged as exc:
-                raise ArchiveGone(f"{name} was superseded while it was read.") from exc
+                raise ArchiveGone(f"{name} was replaced while it was read.") from exc
 
     async def upload(
-        self, key: str, archive: Path, packed: PackResult, parts: dict[str, Any]
+        self, key: str, local_paths: frozenset[str], pack_delta: DeltaPacker, parts: dict[str, Any]
     ) -> UploadOutcome:
-        """Upload ``archive`` under a fresh name and switch ``key``'s pointer to it."""
+        """Add the files of ``local_paths`` that S3 lacks to ``key``'s manifest."""
         uri = self.uri_of(key)
-        try:
-            current: Pointer | None = await self.read_pointer(key)
-            etag = current.etag if current else None
-        except IntegrityError:
-            current, etag = None, await self._pointer_etag(key)  # replace the broken pointer
-        if current is not None and current.digest == packed.digest:
+        manifest = await self._manifest_for_update(key, parts)
+        if manifest.archives and not manifest.legacy and local_paths <= manifest.known:
             return UploadOutcome(False, uri, "S3 already has this content")
-        digest_hex = packed.digest.removeprefix(DIGEST_PREFIX)
-        archive_name = (
-            f"archives/{digest_hex[:16]}-{int(time.time() * 1000)}-{secrets.token_hex(4)}.tar.zst"
+        # A legacy archive's files are unknown: send everything, it only costs bytes.
+        delta = await pack_delta(frozenset() if manifest.legacy else manifest.known)
+        if delta is None:
+            return UploadOutcome(False, uri, "S3 already has this content")
+        archive, packed = delta
+        entry = ArchiveEntry(
+            name=f"artifacts/{packed.digest.removeprefix(DIGEST_PREFIX)[:32]}.tar.zst",
+            digest=packed.digest,
+            archive_bytes=packed.archive_bytes,
+            content_bytes=packed.content_bytes,
+            file_count=packed.file_count,
+            uploaded=time.time(),
+            uploader=socket.gethostname(),
+            files=packed.files,
         )
-        body = await asyncio.to_thread(archive.read_bytes)
-        await self._put(key, archive_name, body, content_type="application/zstd")
-        document = {
-            "format": POINTER_FORMAT,
-            "key": key,
-            "archive": archive_name,
-            "digest": packed.digest,
-            "archive_bytes": len(body),
-            "content_bytes": packed.content_bytes,
-            "file_count": packed.file_count,
-            "uploaded": time.time(),
-            "uploader": socket.gethostname(),
-            "parts": parts,
-        }
-        pointer_body = json.dumps(document, sort_keys=True, indent=1).encode()
-        for _ in range(_SWITCH_ATTEMPTS):
-            if await self._switch_pointer(key, pointer_body, etag):
-                break
-            # Another node switched the pointer since we read it.
-            current = await self.read_pointer(key)
-            etag = current.etag if current else None
-            if current is not None and current.digest == packed.digest:
-                await self._delete(key, archive_name)
-                return UploadOutcome(False, uri, "another node uploaded the same content")
-        else:
-            await self._delete(key, archive_name)
-            raise Conflict(
-                f"The compile-cache pointer of {key} at {uri} kept changing under "
-                f"{_SWITCH_ATTEMPTS} attempts; another node is uploading it. Push again later."
+        await self._put_archive(key, entry.name, archive, packed.archive_bytes)
+        for _ in range(_MERGE_ATTEMPTS):
+            merged = manifest.with_archive(entry)
+            if await self._switch_manifest(key, merged.to_bytes(), manifest.etag or None):
+                return UploadOutcome(True, uri, manifest=merged)
+            # Another node changed the manifest since we read it: merge into the new one.
+            manifest = await self._manifest_for_update(key, parts)
+            if manifest.covers(entry):
+                return UploadOutcome(False, uri, "another node uploaded the same files")
+        raise Conflict(
+            f"The compile-cache manifest of {key} at {uri} kept changing under "
+            f"{_MERGE_ATTEMPTS} attempts; other nodes are uploading it. Push again later."
+        )
+
+    async def _manifest_for_update(self, key: str, parts: dict[str, Any]) -> Manifest:
+        """The manifest to add to: as read, the legacy pointer's, or an empty one."""
+        try:
+            manifest = await self.read_manifest(key)
+        except IntegrityError as exc:
+            log.warning("replacing the unreadable compile-cache manifest of %s: %s", key, exc)
+            head = await self._source.head_object(
+                self._uri.bucket, self._object(key, MANIFEST_NAME)
             )
-        if current is not None and current.archive != archive_name:
-            await self._delete(key, current.archive)  # superseded; readers re-read the pointer
-        return UploadOutcome(True, uri)
+            return Manifest(key, (), parts, head.etag if head is not None else "")
+        if manifest is None:
+            return Manifest(key, (), parts)
+        return manifest
 
-    async def _put(self, key: str, name: str, body: bytes, *, content_type: str) -> None:
-        target = self._object(key, name)
-        await self._source.put_object(self._uri.bucket, target, body, content_type=content_type)
+    async def _put_archive(self, key: str, name: str, archive: Path, size: int) -> None:
+        bucket, target = self._uri.bucket, self._object(key, name)
+        if size > self._multipart_threshold:
+            await self._source.put_object_multipart(
+                bucket,
+                target,
+                _file_parts(archive, self._part_size),
+                content_type="application/zstd",
+            )
+            return
+        body = await asyncio.to_thread(archive.read_bytes)
+        # Named by its content: a Conflict means the same files are there already.
+        with contextlib.suppress(Conflict):
+            await self._source.put_object(
+                bucket, target, body, content_type="application/zstd", if_absent=True
+            )
 
-    async def _switch_pointer(self, key: str, body: bytes, etag: str | None) -> bool:
-        """Write the pointer only if it is still as read; False when another writer won."""
+    async def _switch_manifest(self, key: str, body: bytes, etag: str | None) -> bool:
+        """Write the manifest only if it is still as read; False when another writer won."""
         try:
             await self._source.put_object(
                 self._uri.bucket,
-                self._object(key, POINTER_NAME),
+                self._object(key, MANIFEST_NAME),
                 body,
                 content_type="application/json",
-                if_match=etag or None,
+                if_match=etag,
                 if_absent=not etag,
             )
         except Conflict:
             return False
         return True
 
-    async def _delete(self, key: str, name: str) -> None:
-        target = self._object(key, name)
-        try:
-            await self._source.delete_object(self._uri.bucket, target)
-        except Exception as exc:  # only garbage is left behind; say so and go on
-            log.warning("could not delete s3://%s/%s: %s", self._uri.bucket, target, exc)
+
+async def _file_parts(path: Path, part_size: int) -> AsyncIterator[bytes]:
+    """``path`` in ``part_size`` pieces, each read in a worker thread."""
+    with path.open("rb") as handle:
+        while part := await asyncio.to_thread(handle.read, part_size):
+            yield part

@@ -1,9 +1,11 @@
 """Moving one compile cache between this node's disk and S3: restore and upload.
 
-A restore downloads the archive the key's pointer names and unpacks it into a
-scratch directory in ``.tmp/``; the caller publishes that directory into the
-index. An upload packs the key's directory and hands it to
-``RemoteCompileCaches``, which switches the pointer. The caller holds the
+A restore downloads every archive the key's manifest names, unpacks each into
+its own scratch directory in ``.tmp/`` (checked against its digest) and merges
+them into one, the first archive winning a path two hold; the caller
+publishes that directory into the index. An upload packs the files of the
+key's directory that the manifest does not list yet and hands them to
+``RemoteCompileCaches``, which adds them to the manifest. The caller holds the
 key's lock around both.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -19,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent._exceptions import Conflict, IntegrityError, InvalidRequest, NoSpace, PrewarmError
-from agent.compile.archive import ChangedDuringPack, content_digest, pack, unpack
+from agent._fs import remove_tree
+from agent.compile.archive import ChangedDuringPack, PackResult, content_digest, pack, unpack
 from agent.compile.index import CacheIndex, CacheRecord
 from agent.compile.keys import (
     CompileKeyParts,
@@ -28,7 +32,8 @@ from agent.compile.keys import (
     parts_from_dict,
     parts_to_dict,
 )
-from agent.compile.remote import ArchiveGone, Pointer, RemoteCompileCaches
+from agent.compile.manifest import Manifest
+from agent.compile.remote import ArchiveGone, RemoteCompileCaches
 from agent.obs.metrics import COMPILE_CACHE_PHASE_SECONDS
 
 __all__ = ["CompileCacheTransfer", "Fetched", "PodRestore", "PushOutcome", "parts_of"]
@@ -49,16 +54,17 @@ class PushOutcome:
 
 @dataclass(frozen=True, slots=True)
 class Fetched:
-    """An archive unpacked into ``staging``, and the pointer that named it."""
+    """Every archive of a manifest unpacked into ``staging``, and the digest of the result."""
 
-    pointer: Pointer
+    manifest: Manifest
     staging: Path
+    digest: str
 
     def record(self, parts: CompileKeyParts) -> CacheRecord:
         """A new record for the restored key: it holds what S3 holds."""
         record = CacheRecord.new(parts)
-        record.uploaded_digest = self.pointer.digest
-        record.uploaded = self.pointer.uploaded
+        record.uploaded_digest = self.digest
+        record.uploaded = self.manifest.uploaded
         record.restored = True
         return record
 
@@ -116,40 +122,52 @@ class CompileCacheTransfer:
         return PodRestore(fetched, seconds, "")
 
     async def fetch(self, key: str) -> Fetched | None:
-        """Download and unpack ``key``'s current archive; None when nothing was uploaded."""
+        """Download and merge ``key``'s archives; None when nothing was uploaded."""
         for _ in range(_RESTORE_ATTEMPTS):
-            pointer = await self._remote.read_pointer(key)
-            if pointer is None:
+            manifest = await self._remote.read_manifest(key)
+            if manifest is None or not manifest.archives:
                 return None
-            self._check_room(pointer)
+            self._check_room(manifest)
             staging = self._index.scratch(key)
-            archive = staging.with_name(f"{staging.name}.tar.zst")
             try:
-                await self._remote.download(pointer, archive)
                 await asyncio.to_thread(staging.mkdir)
-                await _unpack_cancellable(archive, staging, pointer.digest, self._room())
+                for entry in manifest.archives:
+                    await self._fetch_into(key, manifest, entry.name, staging)
+                digest = (await asyncio.to_thread(content_digest, staging)).digest
             except ArchiveGone:
                 await self._index.discard(staging)
-                continue  # superseded while we read the pointer: read it again
+                continue  # a legacy archive superseded while we read: read again
             except BaseException:
                 await self._index.discard(staging)
                 raise
-            finally:
-                await asyncio.shield(asyncio.to_thread(archive.unlink, missing_ok=True))
-            return Fetched(pointer, staging)
+            return Fetched(manifest, staging, digest)
         raise Conflict(
             f"The compile-cache archive of {key} kept being replaced while it was read; "
             "another node is uploading it. Try again."
         )
 
-    def _check_room(self, pointer: Pointer) -> None:
-        """Refuse, before any download, an archive that with its content would not fit."""
-        needed = pointer.archive_bytes + pointer.content_bytes
+    async def _fetch_into(self, key: str, manifest: Manifest, name: str, staging: Path) -> None:
+        """One archive of ``manifest``, checked in a scratch directory, merged into ``staging``."""
+        entry = next(e for e in manifest.archives if e.name == name)
+        part = self._index.scratch(key)
+        archive = part.with_name(f"{part.name}.tar.zst")
+        try:
+            await self._remote.download(key, entry, archive)
+            await asyncio.to_thread(part.mkdir)
+            await _unpack_cancellable(archive, part, entry.digest, self._room())
+            await asyncio.to_thread(_merge_into, part, staging)
+        finally:
+            await asyncio.shield(asyncio.to_thread(archive.unlink, missing_ok=True))
+            await self._index.discard(part)
+
+    def _check_room(self, manifest: Manifest) -> None:
+        """Refuse, before any download, archives that with their content would not fit."""
+        needed = manifest.archive_bytes + manifest.content_bytes
         room = self._room()
         if needed > room:
             raise NoSpace(
-                f"The compile-cache archive of {pointer.key} needs {needed} bytes on the disk "
-                f"tier (archive and content); only {room} are free within its budget and "
+                f"The compile-cache archives of {manifest.key} need {needed} bytes on the disk "
+                f"tier (archives and content); only {room} are free within its budget and "
                 "reserve. Free space or raise tiers.disk budget; the pod starts cold meanwhile."
             )
 
@@ -168,27 +186,45 @@ class CompileCacheTransfer:
                 False, uri, current.digest, 0, "unchanged since the last upload or restore"
             )
         started = time.monotonic()
-        archive = self._index.scratch(key, ".tar.zst")
+        archives: list[Path] = []
+        local = frozenset(facts[0] for facts in current.files)
+
+        async def pack_delta(known: frozenset[str]) -> tuple[Path, PackResult] | None:
+            if local <= known:
+                return None
+            archive = self._index.scratch(key, ".tar.zst")
+            archives.append(archive)
+            return archive, await asyncio.to_thread(pack, directory, archive, skip=known)
+
         try:
-            try:
-                packed = await asyncio.to_thread(pack, directory, archive)
-            except ChangedDuringPack as exc:
-                return PushOutcome(False, uri, "", 0, f"still being written ({exc})")
-            outcome = await self._remote.upload(key, archive, packed, parts_to_dict(record.parts))
+            outcome = await self._remote.upload(key, local, pack_delta, parts_to_dict(record.parts))
+        except ChangedDuringPack as exc:
+            return PushOutcome(False, uri, "", 0, f"still being written ({exc})")
         finally:
-            await asyncio.shield(asyncio.to_thread(archive.unlink, missing_ok=True))
+            for archive in archives:
+                await asyncio.shield(asyncio.to_thread(archive.unlink, missing_ok=True))
         # Uploaded or found already there: either way S3 now holds this content.
-        record.uploaded_digest, record.uploaded = packed.digest, time.time()
+        record.uploaded_digest, record.uploaded = current.digest, time.time()
         await self._index.save(key, record, strict=False)
+        sent = outcome.manifest.archives[-1].archive_bytes if outcome.manifest else 0
         if outcome.uploaded:
             COMPILE_CACHE_PHASE_SECONDS.labels("upload").observe(time.monotonic() - started)
-        return PushOutcome(
-            outcome.uploaded,
-            outcome.uri,
-            packed.digest,
-            packed.archive_bytes if outcome.uploaded else 0,
-            outcome.reason,
-        )
+        return PushOutcome(outcome.uploaded, outcome.uri, current.digest, sent, outcome.reason)
+
+
+def _merge_into(part: Path, staging: Path) -> None:
+    """Move ``part``'s files into ``staging``; a path already there keeps its first copy."""
+    for base, dirs, names in os.walk(part):
+        target = staging / Path(base).relative_to(part)
+        if not target.is_dir():
+            if target.exists():  # a file of an earlier archive where this one has a folder
+                dirs.clear()
+                continue
+            target.mkdir()
+        for name in names:
+            if not (target / name).exists():
+                (Path(base) / name).rename(target / name)
+    remove_tree(part)
 
 
 async def _unpack_cancellable(archive: Path, dest: Path, digest: str, max_bytes: int) -> None:
@@ -213,16 +249,16 @@ async def _unpack_cancellable(archive: Path, dest: Path, digest: str, max_bytes:
         raise
 
 
-def parts_of(pointer: Pointer) -> CompileKeyParts:
-    """The key parts a pointer carries, refused unless they hash to its key."""
+def parts_of(manifest: Manifest) -> CompileKeyParts:
+    """The key parts a manifest carries, refused unless they hash to its key."""
     try:
-        parts = normalise_parts(parts_from_dict(pointer.parts))
-        if compile_key(parts) != pointer.key:
+        parts = normalise_parts(parts_from_dict(manifest.parts))
+        if compile_key(parts) != manifest.key:
             raise InvalidRequest("they hash to another key")
     except (InvalidRequest, TypeError) as exc:
         raise IntegrityError(
-            f"The compile-cache pointer of {pointer.key} holds unusable key parts ({exc}).",
-            path="pointer.json",
+            f"The compile-cache manifest of {manifest.key} holds unusable key parts ({exc}).",
+            path="manifest.json",
             check="pointer",
         ) from exc
     return parts

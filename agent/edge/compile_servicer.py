@@ -11,7 +11,13 @@ import grpc
 from agent._exceptions import Conflict, PrewarmError
 from agent._proto.prewarm.v1 import prewarm_pb2 as pb
 from agent._wire import parts_from_proto, parts_to_proto, timestamp_to_proto
-from agent.compile.cache import CompileCacheInfo, CompileCaches, EnsuredCompileCache
+from agent.compile.cache import (
+    CompileCacheInfo,
+    CompileCaches,
+    EnsuredCompileCache,
+    PushOutcome,
+)
+from agent.compile.verdict import Verdict
 from agent.edge.status import abort
 
 __all__ = ["CompileCacheApi"]
@@ -35,10 +41,35 @@ def _info(info: CompileCacheInfo) -> pb.CompileCacheInfo:
         last_used=timestamp_to_proto(info.last_used),
         uploaded_digest=info.uploaded_digest,
         restored=info.restored,
+        publish_on_ready=info.publish_on_ready,
     )
     if info.uploaded:
         message.uploaded.CopyFrom(timestamp_to_proto(info.uploaded))
+    if info.last_verdict is not None:
+        message.last_verdict.CopyFrom(_verdict(info.last_verdict))
     return message
+
+
+def _verdict(verdict: Verdict) -> pb.CompileVerdict:
+    return pb.CompileVerdict(
+        verdict=verdict.verdict,
+        grown=[
+            pb.SubCacheGrowth(sub_cache=sub, files_added=files, bytes_added=size)
+            for sub, (files, size) in sorted(verdict.grown.items())
+        ],
+        at=timestamp_to_proto(verdict.at),
+        client_name=verdict.client,
+    )
+
+
+def _push(outcome: PushOutcome) -> pb.PushCompileCacheResponse:
+    return pb.PushCompileCacheResponse(
+        uploaded=outcome.uploaded,
+        uri=outcome.uri,
+        digest=outcome.digest,
+        bytes=outcome.bytes,
+        skipped_reason=outcome.skipped_reason,
+    )
 
 
 def _handle(ensured: EnsuredCompileCache) -> pb.CompileCacheHandle:
@@ -57,7 +88,7 @@ def _handle(ensured: EnsuredCompileCache) -> pb.CompileCacheHandle:
 
 
 class CompileCacheApi:
-    """EnsureCompileCache, List/Evict/Push/PullCompileCache and CompileLock."""
+    """EnsureCompileCache, List/Evict/Push/PullCompileCache, CompileLock and CompileReady."""
 
     _compile_caches: CompileCaches | None
 
@@ -76,10 +107,29 @@ class CompileCacheApi:
                 parts_from_proto(request.parts),
                 skip_restore=request.skip_restore,
                 client_name=request.client_name,
+                publish_on_ready=request.publish_on_ready,
             )
         except PrewarmError as exc:
             await abort(context, exc)
         return _handle(ensured)
+
+    async def CompileReady(
+        self,
+        request: pb.CompileReadyRequest,
+        context: grpc.aio.ServicerContext[pb.CompileReadyRequest, pb.CompileReadyResponse],
+    ) -> pb.CompileReadyResponse:
+        try:
+            ready = await self._caches().ready(request.key, request.client_name)
+        except PrewarmError as exc:
+            await abort(context, exc)
+        response = pb.CompileReadyResponse(key=ready.key, verdict=_verdict(ready.verdict))
+        if ready.push is not None:
+            response.upload.CopyFrom(_push(ready.push))
+        else:
+            response.upload.CopyFrom(
+                pb.PushCompileCacheResponse(skipped_reason="uploads are off on this agent")
+            )
+        return response
 
     async def ListCompileCaches(
         self,
@@ -118,13 +168,7 @@ class CompileCacheApi:
             outcome = await self._caches().push(request.key)
         except PrewarmError as exc:
             await abort(context, exc)
-        return pb.PushCompileCacheResponse(
-            uploaded=outcome.uploaded,
-            uri=outcome.uri,
-            digest=outcome.digest,
-            bytes=outcome.bytes,
-            skipped_reason=outcome.skipped_reason,
-        )
+        return _push(outcome)
 
     async def PullCompileCache(
         self,

@@ -24,6 +24,7 @@ __all__ = [
     "BYTES_PULLED",
     "CACHE_LOOKUPS",
     "COMPILE_CACHE_PHASE_SECONDS",
+    "COMPILE_LAUNCHES",
     "EVICTIONS",
     "MANIFEST_ERRORS",
     "PHASE_SECONDS",
@@ -72,6 +73,13 @@ COMPILE_CACHE_PHASE_SECONDS = Histogram(
     "Duration of compile-cache restores and uploads.",
     ["phase"],
     buckets=_PHASE_BUCKETS,
+    registry=REGISTRY,
+)
+COMPILE_LAUNCHES = Counter(
+    "prewarm_compile_launches",
+    "Engine launches that reported ready, by engine and verdict: hit (nothing compiled), "
+    "partial_miss (a restored or warm key grew), miss (a cold key compiled).",
+    ["engine", "verdict"],
     registry=REGISTRY,
 )
 EVICTIONS = Counter(

@@ -9,6 +9,7 @@ see a client library's exceptions or error codes.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import AsyncIterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -121,4 +122,20 @@ class ObjectSource(Protocol):
 
     async def delete_object(self, bucket: str, key: str) -> None:
         """Remove the object; deleting one that is already gone is not an error."""
+        ...
+
+    async def put_object_multipart(
+        self,
+        bucket: str,
+        key: str,
+        parts: AsyncIterable[bytes],
+        *,
+        content_type: str = "application/octet-stream",
+    ) -> str:
+        """Store an object too big for one PUT (over 5 GiB) from ``parts``, in order.
+
+        Every part but the last must hold at least 5 MiB (S3's minimum). The
+        object appears whole when the last part is in, or not at all: a failure
+        aborts the upload. Answers the object's ETag.
+        """
         ...

@@ -7,8 +7,9 @@ into the prewarm error tree with ``raise ... from exc``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import TracebackType
 from typing import Any, Self
@@ -258,6 +259,44 @@ class S3Source:
             await self._client.delete_object(Bucket=bucket, Key=key)
         except Exception as exc:
             raise self._translate(exc, f"deleting s3://{bucket}/{key}", bucket=bucket) from exc
+
+    async def put_object_multipart(
+        self,
+        bucket: str,
+        key: str,
+        parts: AsyncIterable[bytes],
+        *,
+        content_type: str = "application/octet-stream",
+    ) -> str:
+        doing = f"uploading s3://{bucket}/{key} in parts"
+        try:
+            created = await self._client.create_multipart_upload(
+                Bucket=bucket, Key=key, ContentType=content_type
+            )
+        except Exception as exc:
+            raise self._translate(exc, doing, bucket=bucket) from exc
+        upload_id = created["UploadId"]
+        done: list[dict[str, Any]] = []
+        try:
+            async for body in parts:
+                number = len(done) + 1
+                response = await self._client.upload_part(
+                    Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body
+                )
+                done.append({"PartNumber": number, "ETag": response["ETag"]})
+            completed = await self._client.complete_multipart_upload(
+                Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": done}
+            )
+        except BaseException as exc:
+            # An unfinished upload keeps its parts (and their storage) until aborted.
+            with contextlib.suppress(Exception):
+                await self._client.abort_multipart_upload(
+                    Bucket=bucket, Key=key, UploadId=upload_id
+                )
+            if isinstance(exc, Exception):
+                raise self._translate(exc, doing, bucket=bucket) from exc
+            raise
+        return str(completed.get("ETag", ""))
 
     def _translate(self, exc: Exception, doing: str, *, bucket: str = "") -> Exception:
         """Map a botocore/aiohttp failure onto the prewarm error tree."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass, field
 
 from agent._config import S3Settings
@@ -59,6 +59,8 @@ class MemorySource:
     # Objects replaced (in the bucket being read) the moment any range is opened:
     # an upload racing a pull that has already listed the old snapshot.
     replace_on_read: dict[str, bytes] = field(default_factory=dict)
+    # Each multipart upload: the key and its part sizes, in order.
+    multipart_uploads: list[tuple[str, list[int]]] = field(default_factory=list)
     name: str = "memory"
     # Not S3: the streamer plane, which needs an S3 endpoint of its own, stays off.
     s3_settings: S3Settings | None = None
@@ -135,6 +137,20 @@ class MemorySource:
 
     async def delete_object(self, bucket: str, key: str) -> None:
         self._bucket(bucket).pop(key, None)
+
+    async def put_object_multipart(
+        self,
+        bucket: str,
+        key: str,
+        parts: AsyncIterable[bytes],
+        *,
+        content_type: str = "application/octet-stream",
+    ) -> str:
+        objects = self._bucket(bucket)
+        received = [bytes(part) async for part in parts]
+        self.multipart_uploads.append((key, [len(part) for part in received]))
+        objects[key] = b"".join(received)
+        return self.etag(bucket, key)
 
     def _bucket(self, name: str) -> dict[str, bytes]:
         if name not in self.objects:

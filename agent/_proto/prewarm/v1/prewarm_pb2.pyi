@@ -901,9 +901,14 @@ class EnsureCompileCacheRequest(_message.Message):
     PARTS_FIELD_NUMBER: _builtins.int
     SKIP_RESTORE_FIELD_NUMBER: _builtins.int
     CLIENT_NAME_FIELD_NUMBER: _builtins.int
+    PUBLISH_ON_READY_FIELD_NUMBER: _builtins.int
     skip_restore: _builtins.bool
     """Do not try S3 even if the key is not on this node."""
     client_name: _builtins.str
+    publish_on_ready: _builtins.bool
+    """The caller reports its engine ready (CompileReady): the key is uploaded only
+    then, never when quiet, so a launch that crashes before ready uploads nothing.
+    """
     @_builtins.property
     def parts(self) -> Global___CompileKeyParts: ...
     def __init__(
@@ -912,10 +917,11 @@ class EnsureCompileCacheRequest(_message.Message):
         parts: Global___CompileKeyParts | None = ...,
         skip_restore: _builtins.bool = ...,
         client_name: _builtins.str = ...,
+        publish_on_ready: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["parts", b"parts"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_name", b"client_name", "parts", b"parts", "skip_restore", b"skip_restore"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_name", b"client_name", "parts", b"parts", "publish_on_ready", b"publish_on_ready", "skip_restore", b"skip_restore"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1003,6 +1009,8 @@ class CompileCacheInfo(_message.Message):
     UPLOADED_DIGEST_FIELD_NUMBER: _builtins.int
     UPLOADED_FIELD_NUMBER: _builtins.int
     RESTORED_FIELD_NUMBER: _builtins.int
+    LAST_VERDICT_FIELD_NUMBER: _builtins.int
+    PUBLISH_ON_READY_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     path: _builtins.str
     bytes: _builtins.int
@@ -1010,6 +1018,8 @@ class CompileCacheInfo(_message.Message):
     uploaded_digest: _builtins.str
     """Content hash of the last upload (or restore) and when it happened."""
     restored: _builtins.bool
+    publish_on_ready: _builtins.bool
+    """Uploaded only when a launch reports ready (see EnsureCompileCacheRequest)."""
     @_builtins.property
     def parts(self) -> Global___CompileKeyParts: ...
     @_builtins.property
@@ -1018,6 +1028,10 @@ class CompileCacheInfo(_message.Message):
     def last_used(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
     def uploaded(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def last_verdict(self) -> Global___CompileVerdict:
+        """The last launch that reported ready; unset before any did."""
+
     def __init__(
         self,
         *,
@@ -1031,14 +1045,128 @@ class CompileCacheInfo(_message.Message):
         uploaded_digest: _builtins.str = ...,
         uploaded: _timestamp_pb2.Timestamp | None = ...,
         restored: _builtins.bool = ...,
+        last_verdict: Global___CompileVerdict | None = ...,
+        publish_on_ready: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "last_used", b"last_used", "parts", b"parts", "uploaded", b"uploaded"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "last_used", b"last_used", "last_verdict", b"last_verdict", "parts", b"parts", "uploaded", b"uploaded"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "created", b"created", "file_count", b"file_count", "key", b"key", "last_used", b"last_used", "parts", b"parts", "path", b"path", "restored", b"restored", "uploaded", b"uploaded", "uploaded_digest", b"uploaded_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "created", b"created", "file_count", b"file_count", "key", b"key", "last_used", b"last_used", "last_verdict", b"last_verdict", "parts", b"parts", "path", b"path", "publish_on_ready", b"publish_on_ready", "restored", b"restored", "uploaded", b"uploaded", "uploaded_digest", b"uploaded_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CompileCacheInfo: _TypeAlias = CompileCacheInfo  # noqa: Y015
+
+@_typing.final
+class SubCacheGrowth(_message.Message):
+    """What one sub-cache (inductor, triton, vllm...) gained during a launch."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUB_CACHE_FIELD_NUMBER: _builtins.int
+    FILES_ADDED_FIELD_NUMBER: _builtins.int
+    BYTES_ADDED_FIELD_NUMBER: _builtins.int
+    sub_cache: _builtins.str
+    files_added: _builtins.int
+    bytes_added: _builtins.int
+    def __init__(
+        self,
+        *,
+        sub_cache: _builtins.str = ...,
+        files_added: _builtins.int = ...,
+        bytes_added: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_added", b"bytes_added", "files_added", b"files_added", "sub_cache", b"sub_cache"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubCacheGrowth: _TypeAlias = SubCacheGrowth  # noqa: Y015
+
+@_typing.final
+class CompileVerdict(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERDICT_FIELD_NUMBER: _builtins.int
+    GROWN_FIELD_NUMBER: _builtins.int
+    AT_FIELD_NUMBER: _builtins.int
+    CLIENT_NAME_FIELD_NUMBER: _builtins.int
+    verdict: _builtins.str
+    """"hit" (nothing compiled), "partial miss" (a key that held artifacts grew),
+    "miss" (a cold key compiled).
+    """
+    client_name: _builtins.str
+    @_builtins.property
+    def grown(self) -> _containers.RepeatedCompositeFieldContainer[Global___SubCacheGrowth]: ...
+    @_builtins.property
+    def at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        verdict: _builtins.str = ...,
+        grown: _abc.Iterable[Global___SubCacheGrowth] | None = ...,
+        at: _timestamp_pb2.Timestamp | None = ...,
+        client_name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["at", b"at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at", b"at", "client_name", b"client_name", "grown", b"grown", "verdict", b"verdict"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompileVerdict: _TypeAlias = CompileVerdict  # noqa: Y015
+
+@_typing.final
+class CompileReadyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    CLIENT_NAME_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """A key or a unique key prefix (8+ hex digits)."""
+    client_name: _builtins.str
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        client_name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_name", b"client_name", "key", b"key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompileReadyRequest: _TypeAlias = CompileReadyRequest  # noqa: Y015
+
+@_typing.final
+class CompileReadyResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    VERDICT_FIELD_NUMBER: _builtins.int
+    UPLOAD_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    @_builtins.property
+    def verdict(self) -> Global___CompileVerdict: ...
+    @_builtins.property
+    def upload(self) -> Global___PushCompileCacheResponse:
+        """The upload that followed (uploaded false and a reason when skipped)."""
+
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        verdict: Global___CompileVerdict | None = ...,
+        upload: Global___PushCompileCacheResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["upload", b"upload", "verdict", b"verdict"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "upload", b"upload", "verdict", b"verdict"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompileReadyResponse: _TypeAlias = CompileReadyResponse  # noqa: Y015
 
 @_typing.final
 class ListCompileCachesRequest(_message.Message):

@@ -114,6 +114,11 @@ class PrewarmStub:
                 request_serializer=prewarm_dot_v1_dot_prewarm__pb2.CompileLockRequest.SerializeToString,
                 response_deserializer=prewarm_dot_v1_dot_prewarm__pb2.CompileLockEvent.FromString,
                 _registered_method=True)
+        self.CompileReady = channel.unary_unary(
+                '/prewarm.v1.Prewarm/CompileReady',
+                request_serializer=prewarm_dot_v1_dot_prewarm__pb2.CompileReadyRequest.SerializeToString,
+                response_deserializer=prewarm_dot_v1_dot_prewarm__pb2.CompileReadyResponse.FromString,
+                _registered_method=True)
 
 
 class PrewarmServicer:
@@ -237,6 +242,15 @@ class PrewarmServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CompileReady(self, request, context):
+        """The engine that uses a key is ready: the launch's verdict (hit, partial miss,
+        miss: what it compiled since the restore or the last ready launch), then the
+        key's artifacts are uploaded (merged into S3), before the answer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrewarmServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -319,6 +333,11 @@ def add_PrewarmServicer_to_server(servicer, server):
                     servicer.CompileLock,
                     request_deserializer=prewarm_dot_v1_dot_prewarm__pb2.CompileLockRequest.FromString,
                     response_serializer=prewarm_dot_v1_dot_prewarm__pb2.CompileLockEvent.SerializeToString,
+            ),
+            'CompileReady': grpc.unary_unary_rpc_method_handler(
+                    servicer.CompileReady,
+                    request_deserializer=prewarm_dot_v1_dot_prewarm__pb2.CompileReadyRequest.FromString,
+                    response_serializer=prewarm_dot_v1_dot_prewarm__pb2.CompileReadyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -753,6 +772,33 @@ class Prewarm:
             '/prewarm.v1.Prewarm/CompileLock',
             prewarm_dot_v1_dot_prewarm__pb2.CompileLockRequest.SerializeToString,
             prewarm_dot_v1_dot_prewarm__pb2.CompileLockEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CompileReady(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prewarm.v1.Prewarm/CompileReady',
+            prewarm_dot_v1_dot_prewarm__pb2.CompileReadyRequest.SerializeToString,
+            prewarm_dot_v1_dot_prewarm__pb2.CompileReadyResponse.FromString,
             options,
             channel_credentials,
             insecure,

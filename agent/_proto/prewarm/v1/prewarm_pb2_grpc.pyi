@@ -78,6 +78,11 @@ class PrewarmStub:
     holds the lock while the stream stays open; later callers get WAITING, then
     GRANTED when it is their turn (or the cache became warm meanwhile).
     """
+    CompileReady: _grpc.UnaryUnaryMultiCallable[_prewarm_pb2.CompileReadyRequest, _prewarm_pb2.CompileReadyResponse]
+    """The engine that uses a key is ready: the launch's verdict (hit, partial miss,
+    miss: what it compiled since the restore or the last ready launch), then the
+    key's artifacts are uploaded (merged into S3), before the answer.
+    """
 
 @_typing.type_check_only
 class PrewarmAsyncStub(PrewarmStub):
@@ -123,6 +128,11 @@ class PrewarmAsyncStub(PrewarmStub):
     """Node-level "one compile per key": the first caller gets GRANTED at once and
     holds the lock while the stream stays open; later callers get WAITING, then
     GRANTED when it is their turn (or the cache became warm meanwhile).
+    """
+    CompileReady: _aio.UnaryUnaryMultiCallable[_prewarm_pb2.CompileReadyRequest, _prewarm_pb2.CompileReadyResponse]  # type: ignore[assignment]
+    """The engine that uses a key is ready: the launch's verdict (hit, partial miss,
+    miss: what it compiled since the restore or the last ready launch), then the
+    key's artifacts are uploaded (merged into S3), before the answer.
     """
 
 class PrewarmServicer(metaclass=_abc_1.ABCMeta):
@@ -262,6 +272,17 @@ class PrewarmServicer(metaclass=_abc_1.ABCMeta):
         """Node-level "one compile per key": the first caller gets GRANTED at once and
         holds the lock while the stream stays open; later callers get WAITING, then
         GRANTED when it is their turn (or the cache became warm meanwhile).
+        """
+
+    @_abc_1.abstractmethod
+    def CompileReady(
+        self,
+        request: _prewarm_pb2.CompileReadyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_prewarm_pb2.CompileReadyResponse, _abc.Awaitable[_prewarm_pb2.CompileReadyResponse]]:
+        """The engine that uses a key is ready: the launch's verdict (hit, partial miss,
+        miss: what it compiled since the restore or the last ready launch), then the
+        key's artifacts are uploaded (merged into S3), before the answer.
         """
 
 def add_PrewarmServicer_to_server(servicer: PrewarmServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

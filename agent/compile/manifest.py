@@ -1,0 +1,199 @@
+"""What ``<key>/manifest.json`` says: every archive uploaded for a key, and their union.
+
+Nodes that compile the same key add archives to one manifest instead of
+replacing each other's: each archive holds the files its uploader had that the
+manifest did not list yet, and is named by the digest of those files. A
+restore unpacks every archive in manifest order; when two archives hold the
+same path, the first one listed wins.
+
+Caches uploaded by agents before manifests existed have only
+``<key>/pointer.json`` naming one archive whose file list is unknown; they are
+read as a manifest with one such *legacy* archive, and the first manifest
+written for the key keeps it, so nothing uploaded before is lost.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent._exceptions import IntegrityError
+from agent.compile.archive import DIGEST_PREFIX, FileFacts, digest_of_files
+
+__all__ = ["ArchiveEntry", "Manifest", "parse_legacy_pointer", "parse_manifest"]
+
+MANIFEST_FORMAT = 2
+LEGACY_POINTER_FORMAT = 1
+_MAX_ARCHIVES = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class ArchiveEntry:
+    """One uploaded archive: where it is, what it holds, who uploaded it."""
+
+    name: str  # relative to <prefix>/<key>/
+    digest: str
+    archive_bytes: int
+    content_bytes: int
+    file_count: int
+    uploaded: float
+    uploader: str
+    # The files it holds; None for a legacy archive whose list was never recorded.
+    files: tuple[FileFacts, ...] | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "digest": self.digest,
+            "archive_bytes": self.archive_bytes,
+            "content_bytes": self.content_bytes,
+            "file_count": self.file_count,
+            "uploaded": self.uploaded,
+            "uploader": self.uploader,
+            "files": None if self.files is None else [list(f) for f in self.files],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """Every archive of a key, and the ETag the manifest was read with ("" if none yet)."""
+
+    key: str
+    archives: tuple[ArchiveEntry, ...]
+    parts: dict[str, Any]
+    etag: str = ""
+    # Read from a legacy pointer.json: no manifest.json exists yet.
+    legacy: bool = False
+    known: frozenset[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        paths = {f[0] for entry in self.archives for f in entry.files or ()}
+        object.__setattr__(self, "known", frozenset(paths))
+
+    @property
+    def digest(self) -> str:
+        """The union's digest; with a legacy archive, a digest of the archives' digests."""
+        if all(entry.files is not None for entry in self.archives):
+            return digest_of_files(self.union_files())
+        joined = "\n".join(entry.digest for entry in self.archives).encode()
+        return DIGEST_PREFIX + hashlib.sha256(joined).hexdigest()
+
+    @property
+    def archive_bytes(self) -> int:
+        return sum(entry.archive_bytes for entry in self.archives)
+
+    @property
+    def content_bytes(self) -> int:
+        return sum(entry.content_bytes for entry in self.archives)
+
+    @property
+    def uploaded(self) -> float:
+        return max((entry.uploaded for entry in self.archives), default=0.0)
+
+    def union_files(self) -> list[FileFacts]:
+        """Every listed file once; the first archive that lists a path wins."""
+        seen: dict[str, FileFacts] = {}
+        for entry in self.archives:
+            for facts in entry.files or ():
+                seen.setdefault(facts[0], facts)
+        return list(seen.values())
+
+    def with_archive(self, entry: ArchiveEntry) -> Manifest:
+        """This manifest with ``entry`` added at the end (once)."""
+        if any(existing.name == entry.name for existing in self.archives):
+            return self
+        return Manifest(self.key, (*self.archives, entry), self.parts, self.etag, self.legacy)
+
+    def covers(self, entry: ArchiveEntry) -> bool:
+        """True when every file of ``entry`` is already listed (by path)."""
+        return entry.files is not None and all(f[0] in self.known for f in entry.files)
+
+    def to_bytes(self) -> bytes:
+        document = {
+            "format": MANIFEST_FORMAT,
+            "key": self.key,
+            "digest": self.digest,
+            "file_count": len(self.union_files()),
+            "content_bytes": self.content_bytes,
+            "parts": self.parts,
+            "archives": [entry.to_json() for entry in self.archives],
+        }
+        return json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _unreadable(key: str, name: str, cause: Exception) -> IntegrityError:
+    return IntegrityError(
+        f"The compile-cache {name} of {key} is unreadable ({cause}); the next upload "
+        "for this key replaces it.",
+        path=name,
+        check="pointer",
+    )
+
+
+def _archive_name(name: object, folder: str) -> str:
+    text = str(name)
+    rest = text.removeprefix(folder)
+    if rest == text or not rest or "/" in rest or rest in (".", "..") or "\\" in rest:
+        raise ValueError(f"archive name {text!r}")
+    return text
+
+
+def _digest(value: object) -> str:
+    text = str(value)
+    if not text.startswith(DIGEST_PREFIX):
+        raise ValueError(f"digest {text!r}")
+    return text
+
+
+def _files(value: Any) -> tuple[FileFacts, ...]:
+    files: list[FileFacts] = []
+    for path, size, sha, executable in value:
+        if not isinstance(path, str) or not isinstance(sha, str):
+            raise TypeError(f"file entry {path!r}")
+        files.append((path, int(size), sha, bool(executable)))
+    return tuple(files)
+
+
+def _entry(document: dict[str, Any]) -> ArchiveEntry:
+    files = document.get("files")
+    legacy = files is None
+    return ArchiveEntry(
+        name=_archive_name(document["name"], "archives/" if legacy else "artifacts/"),
+        digest=_digest(document["digest"]),
+        archive_bytes=int(document["archive_bytes"]),
+        content_bytes=int(document["content_bytes"]),
+        file_count=int(document["file_count"]),
+        uploaded=float(document["uploaded"]),
+        uploader=str(document.get("uploader", "")),
+        files=None if legacy else _files(files),
+    )
+
+
+def parse_manifest(key: str, body: bytes, etag: str) -> Manifest:
+    """A manifest.json as read; IntegrityError when it is not one for ``key``."""
+    try:
+        document = json.loads(body)
+        if document.get("format") != MANIFEST_FORMAT or document.get("key") != key:
+            raise ValueError(f"format {document.get('format')!r}, key {document.get('key')!r}")
+        archives = document["archives"]
+        if not isinstance(archives, list) or len(archives) > _MAX_ARCHIVES:
+            raise ValueError("archives is not a list of at most 10,000")
+        return Manifest(
+            key, tuple(_entry(a) for a in archives), dict(document.get("parts", {})), etag
+        )
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise _unreadable(key, "manifest.json", exc) from exc
+
+
+def parse_legacy_pointer(key: str, body: bytes) -> Manifest:
+    """A pointer.json written by an older agent, as a manifest of its one archive."""
+    try:
+        document = json.loads(body)
+        if document.get("format") != LEGACY_POINTER_FORMAT or document.get("key") != key:
+            raise ValueError(f"format {document.get('format')!r}, key {document.get('key')!r}")
+        entry = _entry({**document, "name": document["archive"], "files": None})
+        return Manifest(key, (entry,), dict(document.get("parts", {})), "", legacy=True)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise _unreadable(key, "pointer.json", exc) from exc

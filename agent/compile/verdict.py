@@ -1,0 +1,104 @@
+"""Did a launch reuse its compile cache? Files and bytes added per sub-cache, as a verdict.
+
+A key directory holds one sub-directory per JIT cache (``inductor``,
+``triton``, ``vllm``...). The index keeps, per key, what each sub-cache held
+at the last *baseline*: when the directory was restored or created, and after
+each launch's verdict. When an engine reports ready, what was added since is:
+
+- nothing: ``hit``;
+- something, on a key that held artifacts at the baseline: ``partial miss``,
+  naming the sub-caches that grew (a new shape, a new flag);
+- something, on a key that was empty: ``miss`` (a cold compile).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agent.compile.archive import walk_artifacts
+
+__all__ = ["HIT", "MISS", "PARTIAL_MISS", "SubCacheSizes", "Verdict", "judge", "measure_sub_caches"]
+
+HIT = "hit"
+PARTIAL_MISS = "partial miss"
+MISS = "miss"
+VERDICTS = (HIT, PARTIAL_MISS, MISS)
+# Files directly in the key directory, outside any sub-cache.
+TOP_LEVEL = "."
+
+# Per sub-cache: (files, bytes) of artifacts.
+SubCacheSizes = dict[str, tuple[int, int]]
+
+
+def measure_sub_caches(directory: Path) -> SubCacheSizes:
+    """Artifacts (as packed: no locks, temporary files or links) per sub-cache."""
+    sizes: SubCacheSizes = {}
+    for relative, item in walk_artifacts(directory):
+        sub = relative.split("/", 1)[0] if "/" in relative else TOP_LEVEL
+        try:
+            size = item.stat(follow_symlinks=False).st_size
+        except FileNotFoundError:
+            continue
+        files, total = sizes.get(sub, (0, 0))
+        sizes[sub] = (files + 1, total + size)
+    return sizes
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What one launch added to its key's cache, and what that makes it."""
+
+    verdict: str
+    # Sub-cache -> (files added, bytes added); only those that grew.
+    grown: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    at: float = 0.0
+    client: str = ""
+
+    @property
+    def files_added(self) -> int:
+        return sum(files for files, _ in self.grown.values())
+
+    @property
+    def bytes_added(self) -> int:
+        return sum(size for _, size in self.grown.values())
+
+    def describe(self) -> str:
+        """One line: ``hit``, or the verdict and what grew, e.g. ``partial miss: inductor +3``."""
+        if not self.grown:
+            return f"{self.verdict}: nothing compiled" if self.verdict == HIT else self.verdict
+        growth = ", ".join(
+            f"{sub} +{files} files ({size} B)" for sub, (files, size) in sorted(self.grown.items())
+        )
+        return f"{self.verdict}: {growth}"
+
+    def to_json(self) -> dict[str, Any]:
+        grown = {sub: list(pair) for sub, pair in self.grown.items()}
+        return {"verdict": self.verdict, "grown": grown, "at": self.at, "client": self.client}
+
+    @classmethod
+    def from_json(cls, document: Mapping[str, Any]) -> Verdict:
+        verdict = str(document["verdict"])
+        if verdict not in VERDICTS:
+            raise ValueError(f"verdict {verdict!r}")
+        grown = {str(k): (int(v[0]), int(v[1])) for k, v in dict(document["grown"]).items()}
+        return cls(verdict, grown, float(document["at"]), str(document.get("client", "")))
+
+
+def judge(baseline: SubCacheSizes, now: SubCacheSizes, *, client: str = "") -> Verdict:
+    """The verdict of a launch whose key went from ``baseline`` to ``now``."""
+    grown: dict[str, tuple[int, int]] = {}
+    for sub, (files, size) in now.items():
+        before_files, before_size = baseline.get(sub, (0, 0))
+        if files > before_files or size > before_size:
+            grown[sub] = (max(0, files - before_files), max(0, size - before_size))
+    if not grown:
+        verdict = HIT
+    elif any(files for files, _ in baseline.values()):
+        verdict = PARTIAL_MISS
+    else:
+        verdict = MISS
+    return Verdict(verdict, grown, time.time(), client)

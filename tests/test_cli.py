@@ -307,3 +307,11 @@ def test_verify_needs_a_model_or_all(agent_daemon: AgentProcess) -> None:
     done = prewarm("verify", socket=agent_daemon.socket_path)
     assert done.returncode == 2
     assert "not neither" in done.stderr
+
+
+def test_a_16_kib_uri_exits_2_with_a_short_message(agent_daemon: AgentProcess) -> None:
+    """A 16 KiB URI exits 2 (invalid request) naming the limit, not 1 from an oversized status."""
+    done = prewarm("pull", "s3://bucket/" + "a" * 16384, socket=agent_daemon.socket_path)
+    assert done.returncode == 2, done.stderr
+    assert "over the limit of 1100 bytes" in done.stderr
+    assert len(done.stderr) < 400

@@ -77,3 +77,57 @@ def test_safe_relative_path_refuses_keys_that_escape(key: str) -> None:
     """Keys with '..', '.', empty or NUL parts, or outside the prefix raise UnsafeObjectKey."""
     with pytest.raises(UnsafeObjectKey):
         safe_relative_path(parse_uri("s3://models/llama/"), key)
+
+
+@pytest.mark.parametrize(
+    ("key", "fragment"),
+    [
+        ("llama/" + "a" * 256, "path component of 256 bytes, over the limit of 255 bytes"),
+        ("llama/" + "\u00e9" * 128, "path component of 256 bytes"),
+        ("llama/" + "/".join(["d" * 200] * 22), "over S3's limit of 1024 bytes"),
+        ("llama/\x1b[31mred", "control character U+001B (ESC) at character 0"),
+        ("llama/a\u202egpj.exe", "bidi control U+202E at character 1"),
+        ("llama/a\u2066b", "bidi control U+2066"),
+        ("llama/a\x85b", "control character U+0085"),
+        ("llama/a\x7fb", "U+007F (DEL)"),
+    ],
+)
+def test_safe_relative_path_refuses_long_parts_and_control_characters(
+    key: str, fragment: str
+) -> None:
+    """Over-long components or keys, control and bidi characters: UnsafeObjectKey naming the limit
+    or the code point, with the key escaped and cut in the message.
+    """
+    with pytest.raises(UnsafeObjectKey) as info:
+        safe_relative_path(parse_uri("s3://models/llama/"), key)
+    message = str(info.value)
+    assert fragment in message
+    assert message.isprintable()
+    assert len(message) < 600
+
+
+def test_a_255_byte_component_is_accepted() -> None:
+    """A component of exactly 255 bytes is a valid file name and is accepted."""
+    uri = parse_uri("s3://models/llama/")
+    assert safe_relative_path(uri, "llama/" + "a" * 255) == "a" * 255
+
+
+@pytest.mark.parametrize(
+    ("raw", "fragment"),
+    [
+        ("s3://models/" + "a" * 16384, "16396 bytes long, over the limit of 1100 bytes"),
+        ("s3://models/\x1b]8;;http://x\x07", "control character U+001B (ESC)"),
+        ("s3://models/a\u202eb", "bidi control U+202E"),
+        ("s3://models/" + "p" * 300 + "/", "path component of 300 bytes"),
+    ],
+)
+def test_parse_uri_refuses_huge_uris_and_control_characters(raw: str, fragment: str) -> None:
+    """A URI over its byte limit or holding control or bidi characters is InvalidRequest that names
+    the limit or the code point and never repeats the URI raw or whole.
+    """
+    with pytest.raises(InvalidRequest) as info:
+        parse_uri(raw)
+    message = str(info.value)
+    assert fragment in message
+    assert message.isprintable()
+    assert len(message) < 600

@@ -1,0 +1,267 @@
+"""Hostile input gets a clear code and a bounded, escaped message: undecodable bytes, oversized
+fields, control and bidi characters in requests and object keys; the CLI never shows them raw."""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import grpc
+import pytest
+from agent_helpers import AgentFactory, RunningAgent, cache_entries
+from google.protobuf.message import Message
+from rich.console import Console
+
+from agent._exceptions import MESSAGE_LIMIT, InvalidRequest, quoted
+from agent._proto.prewarm.v1 import prewarm_pb2 as pb
+from agent.cli import _render as render
+from agent.client import Client, FileEntry, LeaseInfo, ModelInfo
+from agent.edge.status import DETAIL_BYTES, status_detail
+from agent.testing import S3Server
+
+_SERVICE = pb.DESCRIPTOR.services_by_name["Prewarm"]
+_HUGE = "x" * 16384
+
+
+def _call(agent: RunningAgent, method: str, request: bytes | Message) -> grpc.RpcError:
+    """Send ``request`` (a message, or raw bytes) to ``method``; the error it ends with."""
+    payload = request if isinstance(request, bytes) else request.SerializeToString()
+    streaming = _SERVICE.methods_by_name[method].server_streaming
+    path = f"/{_SERVICE.full_name}/{method}"
+    with grpc.insecure_channel(agent.target) as channel:
+        try:
+            # Raw bytes both ways: the payload may be no message at all.
+            if streaming:
+                stream: Any = channel.unary_stream(path)
+                for _ in stream(payload, timeout=30):
+                    pass
+            else:
+                unary: Any = channel.unary_unary(path)
+                unary(payload, timeout=30)
+        except grpc.RpcError as error:
+            return error
+    raise AssertionError(f"{method} accepted {payload[:40]!r}")
+
+
+def _details(error: grpc.RpcError) -> str:
+    assert isinstance(error, grpc.Call)
+    return error.details() or ""
+
+
+def _code(error: grpc.RpcError) -> grpc.StatusCode:
+    assert isinstance(error, grpc.Call)
+    return error.code()
+
+
+def test_garbage_bytes_to_every_method_are_invalid_argument_and_one_warning(
+    agent_daemon: RunningAgent, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bytes that are not protobuf, sent 3 times to every RPC: INVALID_ARGUMENT each time, one
+    warning in the log in all, no error-level record or traceback, and the agent still answers.
+    """
+    caplog.set_level(logging.INFO)
+    methods = [method.name for method in _SERVICE.methods]
+    for method in methods:
+        for _ in range(3):
+            error = _call(agent_daemon, method, b"\xff\xff\xff\xff not protobuf")
+            assert _code(error) == grpc.StatusCode.INVALID_ARGUMENT, (method, _details(error))
+            assert "is not a protobuf message of its type" in _details(error)
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+    warnings = [r for r in caplog.records if "not a protobuf message" in r.getMessage()]
+    assert len(warnings) == 1
+    assert warnings[0].levelno == logging.WARNING
+    with Client(agent_daemon.socket_path) as client:
+        assert client.status().version
+
+
+_OVERSIZED: list[tuple[str, Message, str]] = [
+    ("EnsureModel", pb.EnsureModelRequest(uri=f"s3://bucket/{_HUGE}"), "uri"),
+    ("EnsureModel", pb.EnsureModelRequest(uri="s3://bucket/m/", include=[_HUGE]), "include"),
+    ("EnsureModel", pb.EnsureModelRequest(uri="s3://bucket/m/", exclude=["*"] * 1000), "exclude"),
+    ("EnsureModel", pb.EnsureModelRequest(uri="s3://bucket/m/", client_name=_HUGE), "client_name"),
+    ("GetModel", pb.GetModelRequest(ref=_HUGE), "ref"),
+    ("EvictModel", pb.EvictModelRequest(ref=_HUGE), "ref"),
+    ("PinModel", pb.PinModelRequest(ref=_HUGE), "ref"),
+    ("VerifyModels", pb.VerifyModelsRequest(ref=_HUGE), "ref"),
+    ("RenewLease", pb.RenewLeaseRequest(id=_HUGE), "id"),
+    ("ReleaseLease", pb.ReleaseLeaseRequest(id=_HUGE), "id"),
+    ("EvictCompileCache", pb.EvictCompileCacheRequest(key=_HUGE), "key"),
+    ("PushCompileCache", pb.PushCompileCacheRequest(key=_HUGE), "key"),
+    (
+        "EnsureCompileCache",
+        pb.EnsureCompileCacheRequest(parts=pb.CompileKeyParts(engine="vllm", gpu_name=_HUGE)),
+        "gpu_name",
+    ),
+    (
+        "CompileLock",
+        pb.CompileLockRequest(parts=pb.CompileKeyParts(extras={f"k{i}": "v" for i in range(99)})),
+        "extras",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("method", "request_message", "field"),
+    _OVERSIZED,
+    ids=[f"{method}.{field}" for method, _, field in _OVERSIZED],
+)
+def test_an_oversized_field_is_invalid_argument_naming_the_field_and_limit(
+    agent_daemon: RunningAgent, method: str, request_message: Message, field: str
+) -> None:
+    """A 16 KiB string (or too many entries) in any field is INVALID_ARGUMENT naming the field and
+    its limit, with a short detail, never RESOURCE_EXHAUSTED from an oversized status.
+    """
+    error = _call(agent_daemon, method, request_message)
+    assert _code(error) == grpc.StatusCode.INVALID_ARGUMENT, _details(error)
+    assert f".{field} " in _details(error)
+    assert "over the limit of" in _details(error)
+    assert len(_details(error)) < 300
+
+
+@pytest.mark.parametrize(
+    ("method", "request_message", "fragment"),
+    [
+        ("EnsureModel", pb.EnsureModelRequest(uri="s3://bucket/\x1b[2J"), "U+001B (ESC)"),
+        ("GetModel", pb.GetModelRequest(ref="a\u202eb"), "U+202E"),
+        (
+            "EnsureModel",
+            pb.EnsureModelRequest(uri="s3://bucket/m/", client_name="\x9b31m"),
+            "U+009B",
+        ),
+        ("RenewLease", pb.RenewLeaseRequest(id="x", ttl_seconds=float("nan")), "finite"),
+        (
+            "EnsureModel",
+            pb.EnsureModelRequest(uri="s3://bucket/m/", lease_ttl_seconds=1e999),
+            "finite",
+        ),
+    ],
+    ids=["esc-in-uri", "bidi-in-ref", "c1-in-client-name", "nan-ttl", "infinite-ttl"],
+)
+def test_control_characters_and_odd_numbers_are_invalid_argument(
+    agent_daemon: RunningAgent, method: str, request_message: Message, fragment: str
+) -> None:
+    """Control or bidi characters in any string field, and non-finite numbers, are refused with
+    INVALID_ARGUMENT naming the code point; the detail holds no raw control character.
+    """
+    error = _call(agent_daemon, method, request_message)
+    assert _code(error) == grpc.StatusCode.INVALID_ARGUMENT, _details(error)
+    assert fragment in _details(error)
+    assert _details(error).isprintable()
+
+
+def test_the_client_sees_invalid_request_for_a_16_kib_uri(agent_daemon: RunningAgent) -> None:
+    """Through the client a 16 KiB URI is InvalidRequest (exit 2 in the CLI), not NoSpace."""
+    with Client(agent_daemon.socket_path) as client, pytest.raises(InvalidRequest) as caught:
+        client.ensure(f"s3://bucket/{_HUGE}")
+    assert "over the limit of 1100 bytes" in str(caught.value)
+
+
+class _HostileKeys:
+    """Puts objects under hostile keys, and deletes them by name before the bucket goes (a
+    listing cannot carry an ESC in its XML, so the bucket fixture could not find them)."""
+
+    def __init__(self, client: Any, bucket: str) -> None:
+        self._client, self._bucket, self._keys = client, bucket, ["m/config.json"]
+        client.put_object(Bucket=bucket, Key="m/config.json", Body=b"{}")
+
+    def put(self, key: str) -> None:
+        self._keys.append(key)
+        self._client.put_object(Bucket=self._bucket, Key=key, Body=b"x")
+
+    def delete_all(self) -> None:
+        for key in self._keys:
+            self._client.delete_object(Bucket=self._bucket, Key=key)
+
+
+@pytest.fixture
+def hostile_keys(s3_server: S3Server, bucket: str) -> Iterator[_HostileKeys]:
+    """A good object under m/ in ``bucket``, and a way to add hostile ones beside it."""
+    client = s3_server.client()
+    keys = _HostileKeys(client, bucket)
+    yield keys
+    keys.delete_all()
+    client.close()
+
+
+@pytest.mark.parametrize(
+    ("key", "fragment"),
+    [
+        ("m/\x1b[2Jclear.json", "control character U+001B (ESC)"),
+        ("m/evil\u202enosj.txt", "bidi control U+202E"),
+        ("m/" + "n" * 300 + ".json", "over the limit of 255 bytes"),
+    ],
+    ids=["escape-sequence", "bidi-override", "300-byte-name"],
+)
+def test_a_hostile_object_key_is_invalid_argument_and_nothing_is_cached(
+    start_agent: AgentFactory, hostile_keys: _HostileKeys, bucket: str, key: str, fragment: str
+) -> None:
+    """An object key with ESC, a bidi override or a 300-byte name refuses the pull with
+    INVALID_ARGUMENT naming the code point or limit, the key escaped; nothing is cached.
+    """
+    hostile_keys.put(key)
+    agent = start_agent()
+    error = _call(agent, "EnsureModel", pb.EnsureModelRequest(uri=f"s3://{bucket}/m/"))
+    assert _code(error) == grpc.StatusCode.INVALID_ARGUMENT, _details(error)
+    assert fragment in _details(error)
+    assert _details(error).isprintable()
+    assert cache_entries(agent) == {}
+
+
+def test_a_status_detail_fits_grpc_metadata_whatever_the_message() -> None:
+    """Any message, however long or unprintable, becomes a detail within DETAIL_BYTES once
+    percent-encoded as grpc-message is, with control characters escaped.
+    """
+    for text in ("\u4e2d" * 5000, "%" * 9000, "\x1b[31m" * 3000, "a" * 20000):
+        detail = status_detail(InvalidRequest(text))
+        assert len(quote(detail, safe=" !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~")) <= DETAIL_BYTES
+        assert "\x1b" not in detail
+
+
+def test_messages_are_capped_and_quotes_are_short() -> None:
+    """A message is cut to MESSAGE_LIMIT characters, and quoted() keeps 200 of a value, escaped."""
+    assert len(str(InvalidRequest("y" * 50_000))) == MESSAGE_LIMIT
+    shown = quoted("\x1b" * 10_000)
+    assert len(shown) < 240
+    assert "\x1b" not in shown
+    assert "(40002 characters)" in shown
+
+
+def _hostile_model() -> ModelInfo:
+    moment = datetime(2026, 1, 1, tzinfo=UTC)
+    return ModelInfo(
+        uri="s3://b/\x1b]8;;http://evil\x07[link=http://evil]click[/link]\u202e/",
+        key="\x1b[2Jabcdef0123456789",
+        path=Path("/cache/\x1b[31mred"),
+        tier="shm",
+        total_bytes=1,
+        file_count=1,
+        created=moment,
+        last_used=moment,
+        hit_count=0,
+        files=(FileEntry(path="\x1b[1Aup.bin", size=1, etag="\x07bell"),),
+        include=("\x9b2J",),
+        exclude=(),
+        leases=(LeaseInfo("", "ns/\x1b[8mhidden", 1, 0, 0, moment, None, True),),
+    )
+
+
+@pytest.mark.parametrize("view", ["ls", "show"])
+def test_the_cli_shows_agent_values_escaped_and_never_as_markup(view: str) -> None:
+    """`prewarm ls` and `show` print ESC, BEL, C1 and bidi characters as escapes and rich markup
+    in a URI as literal text: nothing from the agent reaches the terminal as a control sequence.
+    """
+    model = _hostile_model()
+    table = render.models_table([model]) if view == "ls" else render.model_detail(model)
+    out = io.StringIO()
+    Console(file=out, width=400, color_system=None, force_terminal=False).print(table)
+    text = out.getvalue()
+    for raw in ("\x1b", "\x07", "\x9b", "\u202e"):
+        assert raw not in text
+    assert "\\x1b" in text
+    if view == "show":
+        assert "[link=http://evil]click[/link]" in text

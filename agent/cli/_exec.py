@@ -16,6 +16,14 @@ With ``--fallback``, an agent that cannot be reached is not fatal: the command
 runs with ``{model}`` replaced by the original URI (engines such as vLLM can
 stream from S3 themselves), after a warning on stderr. Without it, exit 3.
 
+With ``--ready-url URL`` or ``--ready-file PATH`` the compile cache is
+published only once the engine is ready (see ``_ready``): then one line on
+stderr gives the launch's verdict (hit, partial miss, miss) and the upload. A
+command that exits non-zero before it was ready uploads nothing. Without a
+readiness signal the agent uploads the key once it has been quiet. For vLLM
+and SGLang the key's parallel sizes and a hash of the graph-changing flags are
+read from the command itself (``_engine_flags``).
+
 With ``--cached-only`` (or ``PREWARM_CACHED_ONLY=1``) the agent makes no S3
 call: the newest cached snapshot is used even if S3 has changed since, and a
 model not cached on this node fails (NOT_FOUND) instead of being pulled.
@@ -48,6 +56,7 @@ from rich.progress import (
 from agent.client import (
     AgentUnavailable,
     Client,
+    CompileCacheHandle,
     InvalidRequest,
     ModelHandle,
     PrewarmError,
@@ -58,6 +67,8 @@ from agent.client._compile import key_fields_from_text
 from agent.client._compile import key_parts as key_parts_from
 
 from . import _render as render
+from ._engine_flags import detect_engine, engine_key_fields, merged_key_fields
+from ._ready import ReadyWatch, ready_waiter, report_ready
 
 __all__ = ["CachedOnlyOption", "exec_command"]
 
@@ -129,6 +140,24 @@ def exec_command(
             "(with a warning) instead of failing with exit 3.",
         ),
     ] = False,
+    ready_url: Annotated[
+        str | None,
+        typer.Option(
+            "--ready-url",
+            help="The engine's health URL (e.g. http://127.0.0.1:8000/health): the compile "
+            "cache is uploaded once it answers 2xx, never if the command fails first.",
+            show_default=False,
+        ),
+    ] = None,
+    ready_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--ready-file",
+            help="A file the engine (or its wrapper) creates when ready: the compile cache is "
+            "uploaded once it exists, never if the command fails first.",
+            show_default=False,
+        ),
+    ] = None,
     cached_only: CachedOnlyOption = False,
     name: Annotated[
         str | None,
@@ -157,7 +186,13 @@ def exec_command(
         _fail("give the command to run after --, e.g. -- vllm serve {model}", EXIT_INVALID)
     try:
         key_parts = parse_compile_key(compile_key or ())
+        if key_parts:
+            engine = key_parts.get("engine") or detect_engine(command) or ""
+            key_parts.setdefault("engine", engine)
+            derived = engine_key_fields(engine.strip().lower(), command)
+            key_parts = merged_key_fields(key_parts, derived)
         key_fields_from_text(key_parts)  # refuse bad parts before pulling anything
+        ready_wait = ready_waiter(ready_url, ready_file)
     except InvalidRequest as exc:
         _fail(str(exc), EXIT_INVALID)
     client_name = name or _default_name(command)
@@ -191,10 +226,15 @@ def exec_command(
             _fail(str(exc), EXIT_ERROR)
         sys.stderr.write(f"prewarm: {render.pull_summary(handle)}\n")
         env = dict(os.environ)
+        watch: ReadyWatch | None = None
         if key_parts:
-            env.update(_compile_cache_env(client, key_parts, handle))
+            cache = _compile_cache(client, key_parts, handle, ready_wait is not None)
+            if cache is not None:
+                env.update(cache.env)
+                if ready_wait is not None:
+                    watch = ReadyWatch(ready_wait, lambda: report_ready(client, cache.key))
         # The lease stays held (ExitStack) until the child has exited.
-        code = run_child(substitute(command, str(handle.path)), env)
+        code = run_child(substitute(command, str(handle.path)), env, watch)
     raise typer.Exit(code)
 
 
@@ -216,9 +256,9 @@ def parse_compile_key(pairs: Sequence[str]) -> dict[str, str]:
     return parts
 
 
-def _compile_cache_env(
-    client: Client, key_parts: Mapping[str, str], handle: ModelHandle
-) -> dict[str, str]:
+def _compile_cache(
+    client: Client, key_parts: Mapping[str, str], handle: ModelHandle, publish_on_ready: bool
+) -> CompileCacheHandle | None:
     """The compile cache's environment for the child (see docs/compile-cache.md).
 
     What the launcher can detect itself (torch, Triton, CUDA, GPU) is filled in
@@ -235,21 +275,28 @@ def _compile_cache_env(
     except ImportError:  # no torch in this image: the parts given are all there is
         parts = key_parts_from(None, **fields)
     try:
-        cache = client.compile_cache(parts, client_name=f"prewarm exec ({handle.key[:12]})")
+        cache = client.compile_cache(
+            parts,
+            client_name=f"prewarm exec ({handle.key[:12]})",
+            publish_on_ready=publish_on_ready,
+        )
     except PrewarmError as exc:
         sys.stderr.write(
             f"prewarm: warning: no compile cache ({exc}); the command compiles cold.\n"
         )
-        return {}
+        return None
     how = f"restored in {cache.restore_seconds:.2f} s" if cache.restored else "local"
     if cache.restore_note:
         how = f"new: {cache.restore_note}"
     sys.stderr.write(f"prewarm: compile cache {cache.key[:12]} ({how}) -> {cache.path}\n")
-    return dict(cache.env)
+    return cache
 
 
-def run_child(argv: list[str], env: dict[str, str]) -> int:
-    """Run ``argv`` to the end, forwarding signals; its exit status as a shell reports it."""
+def run_child(argv: list[str], env: dict[str, str], watch: ReadyWatch | None = None) -> int:
+    """Run ``argv`` to the end, forwarding signals; its exit status as a shell reports it.
+
+    ``watch`` waits for the engine to be ready while it runs (see ``_ready``).
+    """
     child: subprocess.Popen[bytes] | None = None
     pending: list[int] = []
 
@@ -273,7 +320,14 @@ def run_child(argv: list[str], env: dict[str, str]) -> int:
             return EXIT_CANNOT_RUN
         for signum in pending:
             child.send_signal(signum)
+        if watch is not None:
+            watch.start()
         returncode = child.wait()
+        if watch is not None and not watch.child_exited(returncode):
+            sys.stderr.write(
+                f"prewarm: the command exited with status {returncode} before it was ready; "
+                "its compile artifacts are not uploaded.\n"
+            )
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

@@ -1,0 +1,95 @@
+"""Launch verdicts and publish-on-ready, in process: real directories, S3 played by MemorySource.
+
+A launch that reports ready is judged by what it added to its key since the
+restore (or the previous ready launch): hit, partial miss naming the sub-cache,
+or miss; and only then is the key uploaded (merged into the manifest).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from store_helpers import open_store
+
+from agent._config import CompileCacheSettings, Settings, TierSettings
+from agent.compile.cache import CompileCaches
+from agent.compile.keys import CompileKeyParts, compile_key
+from agent.obs.metrics import COMPILE_LAUNCHES
+from agent.testing import MemorySource
+
+BUCKET = "caches"
+PARTS = CompileKeyParts(torch_version="2.13.0", model_key="verdicts")
+KEY = compile_key(PARTS)
+MANIFEST = f"cc/{KEY}/manifest.json"
+
+
+@contextlib.asynccontextmanager
+async def node(
+    root: Path, source: MemorySource, quiet: float = 3600
+) -> AsyncIterator[CompileCaches]:
+    """One node's compile caches under ``root``, sharing ``source``'s bucket."""
+    store = await open_store(root)
+    settings = Settings(
+        tiers=TierSettings(shm_root=root / "shm", disk_root=root / "disk"),
+        compile_cache=CompileCacheSettings(uri=f"s3://{BUCKET}/cc", quiet_seconds=quiet),
+    )
+    async with CompileCaches(settings, store, source) as caches:
+        yield caches
+
+
+def _compile(directory: Path, sub: str, name: str) -> None:
+    """Write one artifact as an engine would."""
+    (directory / sub).mkdir(parents=True, exist_ok=True)
+    (directory / sub / name).write_bytes(os.urandom(1000))
+
+
+async def test_cold_then_restored_then_new_shape_give_miss_hit_partial_miss(
+    tmp_path: Path,
+) -> None:
+    """A cold compile is a miss; a new node that restored it hits; a new shape is a partial miss."""
+    source = MemorySource(objects={BUCKET: {}})
+    misses_before = COMPILE_LAUNCHES.labels("torch", "miss")._value.get()
+    async with node(tmp_path / "a", source) as first:
+        path = (await first.ensure(PARTS, publish_on_ready=True)).info.path
+        _compile(path, "inductor", "graph-1")
+        cold = await first.ready(KEY, "pod-a")
+    assert cold.verdict.verdict == "miss"
+    assert cold.verdict.grown == {"inductor": (1, 1000)}
+    assert cold.push is not None
+    assert cold.push.uploaded
+    assert COMPILE_LAUNCHES.labels("torch", "miss")._value.get() == misses_before + 1
+
+    async with node(tmp_path / "b", source) as second:
+        restored = await second.ensure(PARTS, publish_on_ready=True)
+        assert restored.restored
+        hit = await second.ready(KEY, "pod-b")
+        _compile(restored.info.path, "triton", "kernel-2")
+        partial = await second.ready(KEY[:8], "pod-b")
+        (info,) = await second.caches()
+    assert (hit.verdict.verdict, hit.verdict.grown) == ("hit", {})
+    assert hit.push is not None
+    assert not hit.push.uploaded
+    assert partial.verdict.verdict == "partial miss"
+    assert partial.verdict.grown == {"triton": (1, 1000)}
+    assert "triton +1 files" in partial.verdict.describe()
+    assert info.last_verdict is not None
+    assert info.last_verdict.verdict == "partial miss"
+    manifest = json.loads(source.objects[BUCKET][MANIFEST])
+    assert manifest["file_count"] == 2  # the partial miss was merged, not overwritten
+
+
+async def test_a_key_waiting_for_ready_is_not_uploaded_when_quiet(tmp_path: Path) -> None:
+    """With publish_on_ready, a settled key (e.g. an engine that crashed) uploads nothing."""
+    source = MemorySource(objects={BUCKET: {}})
+    async with node(tmp_path, source, quiet=0.05) as caches:
+        path = (await caches.ensure(PARTS, publish_on_ready=True)).info.path
+        _compile(path, "inductor", "half-made")
+        await caches._settled(KEY)  # what the watcher runs once the key is quiet
+        assert MANIFEST not in source.objects[BUCKET]
+        (info,) = await caches.caches()
+    assert info.publish_on_ready
+    assert info.last_verdict is None

@@ -91,7 +91,7 @@ async def test_two_nodes_uploading_at_once_both_end_up_in_the_manifest(
     outcomes = await asyncio.gather(
         _upload(remote, first, tmp_path), _upload(remote, second, tmp_path)
     )
-    assert outcomes == [True, True]
+    assert list(outcomes) == [True, True]
     restored = await _restore(remote, tmp_path)
     assert restored == {"inductor/shared.so", "inductor/only-a.so", "inductor/only-b.so"}
 

@@ -22,6 +22,7 @@ from agent.client import (
     NotFound,
     PrewarmError,
 )
+from agent.client._compile_types import CompileVerdict
 
 from . import _render as render
 
@@ -130,6 +131,8 @@ def _detail(c: CompileCacheInfo) -> RenderableType:
         ("created", _when(c.created)),
         ("last used", _when(c.last_used)),
         ("restored", "yes" if c.restored else "no"),
+        ("last launch", _verdict_line(c.last_verdict)),
+        ("publish", "when a launch reports ready" if c.publish_on_ready else "when quiet"),
         ("uploaded", f"{_when(c.uploaded)} {c.uploaded_digest}" if c.uploaded_digest else "no"),
         ("engine", f"{p.engine} {p.engine_version}".strip()),
         ("torch", p.torch_version),
@@ -218,3 +221,11 @@ def pull(
         sys.stdout.write(render.to_json(handle) + "\n")
     else:
         _stdout().print(_handle_line(handle), soft_wrap=True)
+
+
+def _verdict_line(verdict: CompileVerdict | None) -> str:
+    if verdict is None:
+        return "none reported ready"
+    when = f" at {_when(verdict.at)}" if verdict.at else ""
+    by = f" by {verdict.client_name}" if verdict.client_name else ""
+    return f"{verdict.describe()}{when}{by}"

@@ -124,7 +124,9 @@ def _start_everything(
 
     _step("starting the agent (python -m agent)")
     started = time.perf_counter()
-    agent = AgentProcess(env=s3.env(), root=agent_root)
+    # As a node should run: only the demo's bucket may be cached (docs/security.md).
+    access = f'[access]\nsources = ["s3://{BUCKET}/*"]\n'
+    agent = AgentProcess(env=s3.env(), root=agent_root, config=access)
     cleanup.callback(agent.close)
     agent.start()
     _done(started, str(agent.socket_path))

@@ -72,7 +72,7 @@ def _run_probe(handle: CompileCacheHandle, scratch: Path) -> dict[str, Any]:
 
 def _pointer(s3_client: Any, bucket: str, key: str) -> dict[str, Any] | None:
     try:
-        body = s3_client.get_object(Bucket=bucket, Key=f"compile/{key}/pointer.json")["Body"]
+        body = s3_client.get_object(Bucket=bucket, Key=f"compile/{key}/manifest.json")["Body"]
     except s3_client.exceptions.NoSuchKey:
         return None
     document: dict[str, Any] = json.loads(body.read())
@@ -104,7 +104,7 @@ def _once(agent: RunningAgent, condition: Callable[[], T | None], what: str) -> 
 def _wait_for_pointer(
     agent: RunningAgent, s3_client: Any, bucket: str, key: str, digest: str
 ) -> dict[str, Any]:
-    """The pointer once it names ``digest``: the agent's upload has finished."""
+    """The manifest once its union has ``digest``: the agent's upload has finished."""
 
     def naming_digest() -> dict[str, Any] | None:
         pointer = _pointer(s3_client, bucket, key)

@@ -17,18 +17,20 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import os
 import platform
 import shutil
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import fields as dataclass_fields
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from agent._exceptions import InvalidRequest
 from agent.compile.keys import CompileKeyParts
 
-__all__ = ["detect_key_parts", "key_fields_from_text", "key_parts"]
+__all__ = ["detect_key_parts", "key_fields_from_text", "key_parts", "megacache"]
 
 _KEY_FIELDS = frozenset(f.name for f in dataclass_fields(CompileKeyParts))
 _TRITON_DISTRIBUTIONS = ("triton", "pytorch-triton", "pytorch-triton-rocm", "pytorch-triton-xpu")
@@ -146,3 +148,53 @@ def detect_key_parts(engine: str = "torch", **fields: Any) -> CompileKeyParts:
     )
     extras = {"python": platform.python_version(), **dict(fields.pop("extras", {}))}
     return key_parts(detected, extras=extras, **fields)
+
+
+MEGACACHE_FILE = "megacache/artifacts.bin"
+
+
+@contextlib.contextmanager
+def megacache(
+    parts: CompileKeyParts | None = None,
+    *,
+    socket_path: str | None = None,
+    client_name: str = "",
+    **fields: Any,
+) -> Iterator[Path]:
+    """PyTorch's Mega-Cache kept in the agent's compile cache for a key: hits on a new node.
+
+    On enter, asks the agent for the key's directory (restored from S3 on a new
+    node) and loads the artifacts saved there with
+    ``torch.compiler.load_cache_artifacts``; on exit, saves what this process
+    compiled (``torch.compiler.save_cache_artifacts``) back, where the agent
+    uploads it. No environment variable is needed: inductor and AOTAutograd
+    find the loaded artifacts in their own caches. Yields the key directory.
+
+        with megacache(detect_key_parts(model_key="my-model")):
+            model = torch.compile(model); model(x)
+
+    On the CPU the artifacts carry no compiled C++ kernels (``.so``): the FX
+    graph and AOTAutograd hit, the C++ compiler still runs.
+    """
+    import torch
+
+    from ._sync import Client
+
+    with Client(socket_path) as agent:
+        handle = agent.compile_cache(key_parts(parts, **fields), client_name=client_name)
+    artifacts = handle.path / MEGACACHE_FILE
+    try:
+        saved = artifacts.read_bytes()
+    except FileNotFoundError:
+        saved = b""
+    if saved:
+        torch.compiler.load_cache_artifacts(saved)
+    yield handle.path
+    result = torch.compiler.save_cache_artifacts()
+    if result is None:
+        return
+    artifacts.parent.mkdir(parents=True, exist_ok=True)
+    # The agent packs only whole files: ".tmp" names are never packed.
+    partial = artifacts.with_name(f"{artifacts.name}.{os.getpid()}.tmp")
+    partial.write_bytes(result[0])
+    partial.replace(artifacts)

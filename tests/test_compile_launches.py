@@ -1,0 +1,149 @@
+"""Publish after ready, end to end: the real ``prewarm exec``, the real daemon, the real S3 server.
+
+The launched command is tests/exec_ready_child.py, which writes an artifact
+into its compile cache as an engine would, and either crashes or serves a
+real health endpoint that turns ready when the test says so. The verdict and
+merge logic are tested in process (test_compile_verdicts.py); the Mega-Cache
+helper's hits with real inductor in fresh processes are at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agent_helpers import AgentFactory
+
+from agent.testing import SampleModel
+
+CHILD = str(Path(__file__).with_name("exec_ready_child.py"))
+MEGACACHE_PROBE = str(Path(__file__).with_name("megacache_probe.py"))
+KEY_ARGS = ("--compile-key", "engine=torch", "--compile-key", "model_key=launch-test")
+
+
+def _config(bucket: str) -> str:
+    return f'[compile_cache]\nuri = "s3://{bucket}/compile"\nquiet_seconds = 0.2\n'
+
+
+def _exec(socket_path: Path, *args: str) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}
+    env["PREWARM_SOCKET_PATH"] = str(socket_path)
+    return subprocess.Popen(
+        [sys.executable, "-m", "agent.cli", "exec", *args],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _manifests(s3_client: Any, bucket: str) -> list[str]:
+    listed = s3_client.list_objects_v2(Bucket=bucket, Prefix="compile/")
+    return [o["Key"] for o in listed.get("Contents", []) if o["Key"].endswith("manifest.json")]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@pytest.mark.slow
+def test_a_command_that_crashes_before_ready_uploads_nothing(
+    start_agent: AgentFactory, small_model: SampleModel, s3_client: Any, bucket: str, tmp_path: Path
+) -> None:
+    """Exit 3 before the ready file appears: exec says so, and S3 gets no manifest."""
+    agent = start_agent(_config(bucket))
+    launcher = _exec(
+        agent.socket_path,
+        small_model.uri,
+        *KEY_ARGS,
+        "--ready-file",
+        str(tmp_path / "ready"),
+        "--",
+        sys.executable,
+        CHILD,
+        "crash",
+    )
+    _, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode == 3, stderr
+    assert "exited with status 3 before it was ready" in stderr
+    assert _manifests(s3_client, bucket) == []
+
+
+@pytest.mark.slow
+def test_the_cache_is_uploaded_once_the_health_url_answers_and_the_verdict_is_printed(
+    start_agent: AgentFactory, small_model: SampleModel, s3_client: Any, bucket: str
+) -> None:
+    """Nothing is uploaded while /health says 503; after 200, exec prints 'miss' and S3 has it."""
+    agent = start_agent(_config(bucket))
+    port = _free_port()
+    launcher = _exec(
+        agent.socket_path,
+        small_model.uri,
+        *KEY_ARGS,
+        "--ready-url",
+        f"http://127.0.0.1:{port}/health",
+        "--",
+        sys.executable,
+        CHILD,
+        "serve",
+        str(port),
+    )
+    assert launcher.stdout is not None
+    assert launcher.stdin is not None
+    assert launcher.stderr is not None
+    assert launcher.stdout.readline() == "serving\n"
+    assert _manifests(s3_client, bucket) == []
+    launcher.stdin.write("ready\n")
+    launcher.stdin.flush()
+    verdict = next(line for line in launcher.stderr if ": miss:" in line or "error" in line)
+    assert "inductor +1 files" in verdict, verdict
+    assert "uploaded" in verdict
+    (manifest_key,) = _manifests(s3_client, bucket)
+    manifest = json.loads(s3_client.get_object(Bucket=bucket, Key=manifest_key)["Body"].read())
+    assert manifest["file_count"] == 1
+    _, rest = launcher.communicate("exit\n", timeout=60)
+    assert launcher.returncode == 0, rest
+
+
+def _megacache_probe(socket_path: Path, scratch: Path) -> dict[str, Any]:
+    scratch.mkdir(parents=True)
+    env = {
+        **os.environ,
+        "TMPDIR": str(scratch),  # a fresh inductor cache: hits can only come from the helper
+        "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "0",
+    }
+    done = subprocess.run(
+        [sys.executable, MEGACACHE_PROBE, str(socket_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.slow
+def test_the_megacache_helper_gives_fx_graph_and_aot_autograd_hits_in_a_fresh_process(
+    start_agent: AgentFactory, tmp_path: Path
+) -> None:
+    """A second plain-PyTorch process with an empty inductor cache hits via the saved Mega-Cache."""
+    agent = start_agent()
+    cold = _megacache_probe(agent.socket_path, tmp_path / "cold")
+    warm = _megacache_probe(agent.socket_path, tmp_path / "warm")
+    print(f"\nmegacache: cold {cold}, warm {warm}")
+    assert cold["fxgraph_cache_hit"] == 0
+    assert warm["fxgraph_cache_hit"] > 0
+    assert warm["aotautograd_cache_hit"] > 0

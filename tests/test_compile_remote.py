@@ -66,7 +66,7 @@ async def _restore(remote: RemoteCompileCaches, tmp_path: Path) -> set[str]:
     """Every file the manifest's archives hold, each archive checked against its digest."""
     manifest = await remote.read_manifest(KEY)
     assert manifest is not None
-    tmp_path.mkdir(exist_ok=True)
+    await asyncio.to_thread(tmp_path.mkdir, exist_ok=True)
     paths: set[str] = set()
     for number, entry in enumerate(manifest.archives):
         download, dest = tmp_path / f"dl{number}.tar.zst", tmp_path / f"restored{number}"

@@ -21,7 +21,6 @@ from pathlib import Path
 from watchfiles import watch
 
 from agent.client import Client, InvalidRequest, PrewarmError
-from agent.client._compile_calls import compile_ready
 
 from . import _render as render
 
@@ -142,7 +141,7 @@ def ready_waiter(url: str | None, file: Path | None) -> ReadyWaiter | None:
 def report_ready(client: Client, key: str) -> None:
     """The engine is ready: one stderr line with the launch's verdict and the upload."""
     try:
-        ready = client._run(compile_ready(key, client_name=f"prewarm exec ({key[:12]})"))
+        ready = client.compile_ready(key, client_name=f"prewarm exec ({key[:12]})")
     except PrewarmError as exc:
         sys.stderr.write(f"prewarm: warning: could not report the engine ready: {exc}\n")
         return

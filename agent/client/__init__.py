@@ -27,7 +27,7 @@ from agent._exceptions import (
 )
 
 from ._async import AsyncClient
-from ._compile import detect_key_parts
+from ._compile import detect_key_parts, megacache
 from ._compile_types import (
     CompileCacheHandle,
     CompileCacheInfo,
@@ -35,6 +35,8 @@ from ._compile_types import (
     CompileEvictResult,
     CompileKeyParts,
     CompileLockGrant,
+    CompileReady,
+    CompileVerdict,
 )
 from ._convert import DEFAULT_LEASE_SOCKET_PATH, DEFAULT_SOCKET_PATH, SOCKET_ENV
 from ._hold import AsyncLeaseHold, LeaseHold
@@ -76,6 +78,8 @@ __all__ = [
     "CompileEvictResult",
     "CompileKeyParts",
     "CompileLockGrant",
+    "CompileReady",
+    "CompileVerdict",
     "Conflict",
     "DataPlaneName",
     "EvictResult",
@@ -108,4 +112,5 @@ __all__ = [
     "detect_key_parts",
     "ensure",
     "load_safetensors",
+    "megacache",
 ]

@@ -112,4 +112,5 @@ class AsyncClient(Endpoint, ClosedOnAsyncExit):
     evict_compile_cache = coroutine_method(compile_calls.evict_compile_cache, _run)
     push_compile_cache = coroutine_method(compile_calls.push_compile_cache, _run)
     pull_compile_cache = coroutine_method(compile_calls.pull_compile_cache, _run)
+    compile_ready = coroutine_method(compile_calls.compile_ready, _run)
     compile_lock = method(compile_calls.compile_lock, _streaming)

@@ -109,4 +109,5 @@ class Client(Endpoint, ClosedOnExit):
     evict_compile_cache = method(compile_calls.evict_compile_cache, _run)
     push_compile_cache = method(compile_calls.push_compile_cache, _run)
     pull_compile_cache = method(compile_calls.pull_compile_cache, _run)
+    compile_ready = method(compile_calls.compile_ready, _run)
     compile_lock = method(compile_calls.compile_lock, _streaming)

@@ -49,7 +49,9 @@ NODE_ONLY_METHODS = frozenset(
     }
 )
 # RPCs that read or write the compile-cache prefix in S3.
-_COMPILE_S3_METHODS = frozenset({"EnsureCompileCache", "PushCompileCache", "PullCompileCache"})
+_COMPILE_S3_METHODS = frozenset(
+    {"EnsureCompileCache", "PushCompileCache", "PullCompileCache", "CompileReady"}
+)
 # Bigger than any real key (AKIA/ASIA ids are 20 characters, secrets 40, STS
 # session tokens a few KiB), small enough that no request can carry a flood.
 _KEY_LIMITS = {"access_key_id": 128, "secret_access_key": 256, "session_token": 8192}

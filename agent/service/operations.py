@@ -6,7 +6,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from agent._config import Settings
@@ -15,17 +14,26 @@ from agent._snapshot import check_globs
 from agent._uri import parse_uri
 from agent._version import __version__
 from agent._vocabulary import PullOptions, TierName
-from agent.check.hashes import FileProblem, verify_files
+from agent.check.hashes import verify_files
 from agent.obs.logs import bind_request
-from agent.obs.metrics import CACHE_LOOKUPS, EVICTIONS, PHASE_SECONDS
+from agent.obs.metrics import EVICTIONS
 from agent.pull.flight import Flight, PullProgress
 from agent.pull.puller import Puller
 from agent.pull.resolver import Unchecked, resolve_or_fall_back
 from agent.service import access
+from agent.service.results import (
+    AgentStatus,
+    EnsureResult,
+    EvictResult,
+    RequestTimings,
+    Verification,
+    observe_lookup,
+    pull_seconds,
+)
 from agent.source.interface import ObjectSource
 from agent.store.eviction import Evictor
 from agent.store.leases import LeaseRecord, LeaseTable
-from agent.store.store import CachedModel, Store, TierUsage, Usage
+from agent.store.store import CachedModel, Store, Usage
 
 __all__ = [
     "AgentService",
@@ -37,53 +45,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class RequestTimings:
-    resolve: float = 0.0
-    wait: float = 0.0
-    download: float = 0.0
-    verify: float = 0.0
-    publish: float = 0.0
-    total: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class EnsureResult:
-    model: CachedModel
-    hit: bool
-    resolved_offline: bool
-    timings: RequestTimings
-    lease: LeaseRecord | None = None
-    resumed_bytes: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class EvictResult:
-    evicted: tuple[CachedModel, ...]
-    bytes_freed: int
-
-
-@dataclass(frozen=True, slots=True)
-class Verification:
-    model: CachedModel
-    problems: tuple[FileProblem, ...]
-    evicted: bool
-    seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class AgentStatus:
-    version: str
-    tiers: tuple[TierUsage, ...]
-    leased_per_tier: dict[TierName, int]
-    pulls: tuple[Flight, ...]
-    model_count: int
-    lease_count: int
-    uptime_seconds: float
-    data_plane: str
-    default_tier: TierName
 
 
 class AgentService:
@@ -227,7 +188,7 @@ class AgentService:
                     await self._evictor.enforce_watermarks([model.tier])
             done = time.monotonic()
             pulled = flight.timings
-            waited = 0.0 if started_it else max(0.0, (done - joined) - _pull_seconds(flight))
+            waited = 0.0 if started_it else max(0.0, (done - joined) - pull_seconds(flight))
             yield await self._answer(
                 model,
                 hit=False,
@@ -274,7 +235,7 @@ class AgentService:
             await self._store.set_pinned(model.key, True)
         if hit:
             await self._store.record_use(model.key, hit=True)
-        _observe(timings, "offline" if offline else "hit" if hit else "miss")
+        observe_lookup(timings, "offline" if offline else "hit" if hit else "miss")
         return EnsureResult(model, hit, offline, timings, granted, resumed_bytes)
 
     # -- inspection -----------------------------------------------------------------------
@@ -379,22 +340,3 @@ class AgentService:
             return [f for f in self._puller.flights() if str(f.snapshot.uri) == uri]
         key = ref.lower()
         return [f for f in self._puller.flights() if key and f.key.startswith(key)]
-
-
-def _observe(timings: RequestTimings, lookup: str) -> None:
-    CACHE_LOOKUPS.labels(lookup).inc()
-    phases = {"resolve": timings.resolve, "total": timings.total}
-    if lookup == "miss":
-        phases |= {
-            "wait": timings.wait,
-            "download": timings.download,
-            "verify": timings.verify,
-            "publish": timings.publish,
-        }
-    for phase, seconds in phases.items():
-        PHASE_SECONDS.labels(phase, lookup).observe(seconds)
-
-
-def _pull_seconds(flight: Flight) -> float:
-    t = flight.timings
-    return t.download + t.verify + t.publish

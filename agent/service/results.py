@@ -1,0 +1,90 @@
+"""What the service's operations answer, and the metrics each answered lookup adds to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agent._vocabulary import TierName
+from agent.check.hashes import FileProblem
+from agent.obs.metrics import CACHE_LOOKUPS, PHASE_SECONDS
+from agent.pull.flight import Flight
+from agent.store.leases import LeaseRecord
+from agent.store.store import CachedModel, TierUsage
+
+__all__ = [
+    "AgentStatus",
+    "EnsureResult",
+    "EvictResult",
+    "RequestTimings",
+    "Verification",
+    "observe_lookup",
+    "pull_seconds",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTimings:
+    resolve: float = 0.0
+    wait: float = 0.0
+    download: float = 0.0
+    verify: float = 0.0
+    publish: float = 0.0
+    total: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class EnsureResult:
+    model: CachedModel
+    hit: bool
+    resolved_offline: bool
+    timings: RequestTimings
+    lease: LeaseRecord | None = None
+    resumed_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EvictResult:
+    evicted: tuple[CachedModel, ...]
+    bytes_freed: int
+
+
+@dataclass(frozen=True, slots=True)
+class Verification:
+    model: CachedModel
+    problems: tuple[FileProblem, ...]
+    evicted: bool
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class AgentStatus:
+    version: str
+    tiers: tuple[TierUsage, ...]
+    leased_per_tier: dict[TierName, int]
+    pulls: tuple[Flight, ...]
+    model_count: int
+    lease_count: int
+    uptime_seconds: float
+    data_plane: str
+    default_tier: TierName
+
+
+def observe_lookup(timings: RequestTimings, lookup: str) -> None:
+    """Count one answered lookup (hit, miss, offline) and its phases' seconds."""
+    CACHE_LOOKUPS.labels(lookup).inc()
+    phases = {"resolve": timings.resolve, "total": timings.total}
+    if lookup == "miss":
+        phases |= {
+            "wait": timings.wait,
+            "download": timings.download,
+            "verify": timings.verify,
+            "publish": timings.publish,
+        }
+    for phase, seconds in phases.items():
+        PHASE_SECONDS.labels(phase, lookup).observe(seconds)
+
+
+def pull_seconds(flight: Flight) -> float:
+    """The seconds a flight spent moving, checking and publishing bytes (not waiting)."""
+    t = flight.timings
+    return t.download + t.verify + t.publish

@@ -83,7 +83,7 @@ _INTS = {
 
 
 def _value(field: FieldDescriptor, depth: int) -> st.SearchStrategy[Any]:
-    if field.type == FieldDescriptor.TYPE_MESSAGE:
+    if field.message_type is not None:
         return _message(field.message_type, depth + 1)
     if field.type == FieldDescriptor.TYPE_STRING:
         return _STRINGS
@@ -144,7 +144,8 @@ def _code_of(agent: RunningAgent, method: str, payload: bytes) -> grpc.StatusCod
     with grpc.insecure_channel(agent.target) as channel:
         try:
             if _SERVICE.methods_by_name[method].server_streaming:
-                stream: Any = channel.unary_stream(path)(payload, timeout=20)
+                streaming: Any = channel.unary_stream(path)
+                stream = streaming(payload, timeout=20)
                 for _ in stream:
                     if method == "CompileLock":
                         stream.cancel()

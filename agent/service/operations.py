@@ -98,9 +98,12 @@ class AgentService:
 
         ``cached_only`` answers from the cache without any S3 call: the newest
         cached snapshot of the URI and filters, or NotFound. ``requester`` names
-        who asks (the API socket), for the per-peer lease cap.
+        who asks (the API socket) when no tenant is bound: a lease belongs to
+        the asking socket, which alone may renew or release it, and counts
+        against its cap.
         """
         started = time.monotonic()
+        requester = _calling_socket(requester) or ""
         uri = parse_uri(raw_uri)
         access.check_source(uri)  # before any S3 call, cached_only included
         includes = check_globs(include, what="Include")
@@ -251,7 +254,12 @@ class AgentService:
         return self._store.usage(key) or Usage(last_used=0.0)
 
     def leases_for(self, key: str) -> list[LeaseRecord]:
-        return self._leases.for_key(key)
+        """The leases on ``key`` the calling socket may see: all on the node's, else its own."""
+        leases = self._leases.for_key(key)
+        caller = _calling_socket(None)
+        if caller is None or caller == access.NODE_TENANT:
+            return leases
+        return [lease for lease in leases if lease.grantee == caller]
 
     def status(self) -> AgentStatus:
         leased = self._leases.leased_keys()
@@ -298,10 +306,11 @@ class AgentService:
         return await self._store.set_pinned(self.get(ref).key, pinned)
 
     def renew_lease(self, lease_id: str, ttl: float | None) -> LeaseRecord:
-        return self._leases.renew(lease_id, ttl)
+        """AccessDenied unless the calling socket is the one its lease was granted on."""
+        return self._leases.renew(lease_id, ttl, grantee=_calling_socket(None))
 
     def release_lease(self, lease_id: str) -> None:
-        self._leases.release(lease_id)
+        self._leases.release(lease_id, grantee=_calling_socket(None))
 
     async def verify(self, ref: str, *, every: bool, report_only: bool) -> list[Verification]:
         """Re-hash cached files; a snapshot that changed is evicted unless report_only."""
@@ -340,3 +349,9 @@ class AgentService:
             return [f for f in self._puller.flights() if str(f.snapshot.uri) == uri]
         key = ref.lower()
         return [f for f in self._puller.flights() if key and f.key.startswith(key)]
+
+
+def _calling_socket(unbound: str | None) -> str | None:
+    """The tenant (socket) the current request came in on; ``unbound`` when none is bound."""
+    bound = access.current_requester()
+    return bound.tenant.name if bound is not None else unbound

@@ -17,8 +17,10 @@ of two ways:
 A lease id is a capability, returned only to the requester of EnsureModel and
 never listed. The first process to hold a lease binds it: another process's
 hello for it is AccessDenied, and nobody can renew or release it over the API
-while it is held. A grantee (the API socket a request came in on) may have
-``max_per_peer`` live leases, a uid may hold that many open; more is NoSpace.
+while it is held. A lease belongs to its grantee, the socket (tenant) whose
+EnsureModel asked for it: renewing or releasing it from another socket is
+AccessDenied. A grantee may have ``max_per_peer`` live leases, a uid may hold
+that many open; more is NoSpace.
 
 A *claim* protects a snapshot key from eviction while a request is in
 progress, from before its pull publishes to the grant of its lease. Claims and
@@ -42,10 +44,10 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TypeVar
 
 from agent._exceptions import AccessDenied, Conflict, InvalidRequest, NoSpace, NotFound
+from agent.store.lease_records import LeaseRecord, PeerCredentials
 
 __all__ = [
     "MAX_LEASES_PER_PEER",
@@ -62,33 +64,6 @@ _ECHOED_ID = 48
 _Item = TypeVar("_Item")
 
 log = logging.getLogger("agent.leases")
-
-
-@dataclass(frozen=True, slots=True)
-class PeerCredentials:
-    """The process on the other end of a Unix socket, as the kernel reports it."""
-
-    pid: int
-    uid: int
-    gid: int
-
-
-@dataclass(frozen=True, slots=True)
-class LeaseRecord:
-    """One lease, as of the moment it was read from the table."""
-
-    id: str
-    key: str
-    client_name: str
-    # Seconds since the epoch (the table's clock).
-    acquired: float
-    # When the lease ends unless renewed; None while a connection holds it.
-    expires: float | None
-    # Who holds the lease connection; None while nobody does.
-    holder: PeerCredentials | None = None
-    held: bool = False
-    # Who asked for it: the API socket the EnsureModel came in on ("" in-process).
-    grantee: str = ""
 
 
 class LeaseTable:
@@ -183,22 +158,28 @@ class LeaseTable:
         )
         return record
 
-    def renew(self, lease_id: str, ttl: float | None = None) -> LeaseRecord:
+    def renew(
+        self, lease_id: str, ttl: float | None = None, *, grantee: str | None = None
+    ) -> LeaseRecord:
         """Push the expiry of a lease to ``ttl`` seconds from now (None or 0: the default).
 
         TTLs are clamped as in ``grant``. A lease held open by a connection
-        belongs to that connection: renewing it is AccessDenied.
+        belongs to that connection: renewing it is AccessDenied. ``grantee``
+        (None: anyone) must be the socket that was granted the lease.
         """
         seconds = self._ttl(ttl)
-        record = self._get(lease_id)
+        record = self._granted_to(lease_id, grantee)
         _refuse_if_held(record, "renewed")
         record = dataclasses.replace(record, expires=self._clock() + seconds)
         self._replace(record)
         return record
 
-    def release(self, lease_id: str) -> LeaseRecord:
-        """End a timed lease now and return it as it was; a held one is AccessDenied."""
-        record = self._get(lease_id)
+    def release(self, lease_id: str, *, grantee: str | None = None) -> LeaseRecord:
+        """End a timed lease now and return it as it was; a held one is AccessDenied.
+
+        ``grantee`` as in ``renew``.
+        """
+        record = self._granted_to(lease_id, grantee)
         _refuse_if_held(record, "released")
         self._remove(lease_id)
         log.info("lease released", extra={"lease": lease_id, "key": record.key})
@@ -326,6 +307,16 @@ class LeaseTable:
                 f"Lease {_echo(lease_id)} does not exist or has expired; ask for a new one with "
                 "EnsureModel(lease=true), and renew it before it expires or hold it open on "
                 "the lease socket."
+            )
+        return record
+
+    def _granted_to(self, lease_id: str, grantee: str | None) -> LeaseRecord:
+        record = self._get(lease_id)
+        if grantee is not None and record.grantee != grantee:
+            raise AccessDenied(
+                "This lease was granted to a request on another socket, and only that socket "
+                "may renew or release it; ask for a lease of your own with "
+                "EnsureModel(lease=true) on this socket."
             )
         return record
 

@@ -22,6 +22,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from agent._exceptions import printable
 from agent._version import __version__
 from agent._vocabulary import DataPlaneName, TierName
 from agent.client import (
@@ -35,8 +36,9 @@ from agent.client import Progress as PullProgress
 
 from . import _render as render
 from ._compile import compile_app
-from ._exec import CachedOnlyOption, exec_command
+from ._exec import exec_command
 from ._health import health_command
+from ._options import AsRequesterOption, CachedOnlyOption
 
 __all__ = ["app"]
 
@@ -90,7 +92,8 @@ def _stdout() -> Console:
 
 
 def _fail(exc: PrewarmError, code: int) -> NoReturn:
-    sys.stderr.write(f"error: {exc}\n")
+    # Errors raised on this side quote the caller's input; escape it like agent values.
+    sys.stderr.write(f"error: {printable(str(exc))}\n")
     raise typer.Exit(code)
 
 
@@ -209,6 +212,7 @@ def pull(
         ),
     ] = None,
     cached_only: CachedOnlyOption = False,
+    as_requester: AsRequesterOption = False,
     socket: SocketOption = None,
     json_out: JsonOption = False,
 ) -> None:
@@ -229,6 +233,7 @@ def pull(
             "concurrency": concurrency,
             "chunk_size": chunk_size,
             "cached_only": cached_only,
+            "as_requester": as_requester,
         }
         if json_out:
             handle = client.ensure(uri, **request)  # type: ignore[arg-type]

@@ -26,6 +26,7 @@ from types import TracebackType
 from typing import Self
 
 from agent._exceptions import InvalidRequest, PrewarmError
+from agent.edge.status import status_detail
 from agent.edge.unix_socket import (
     clear_stale_socket,
     owner_only_umask,
@@ -154,7 +155,7 @@ class LeaseServer:
                     extra={"pid": creds.pid, "uid": creds.uid, "gid": creds.gid},
                 )
                 # The status name the API would answer the same failure with.
-                await _reply(writer, {"ok": False, "error": str(exc), "code": exc.status})
+                await _reply(writer, {"ok": False, "error": status_detail(exc), "code": exc.status})
                 return
             held = record.id
             log.info(

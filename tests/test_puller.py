@@ -154,7 +154,7 @@ def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
     mount_point = tmp_path / "tiny"
     mount_point.mkdir()
     mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount_point)],
+        ["mount", "-t", "tmpfs", "-o", "size=2m,mode=0755", "tmpfs", str(mount_point)],
         capture_output=True,
         text=True,
         check=False,

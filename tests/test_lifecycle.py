@@ -1,7 +1,6 @@
-"""The cache lifecycle through the agent's socket: budgets, eviction, leases, pins, resume, verify.
+"""The cache lifecycle through the socket: budgets, eviction, leases, pins, resume, verify.
 
-Its logic is pinned in-process in test_store, test_eviction and test_lease_table;
-crash and signal tests run the daemon as a subprocess."""
+Logic is pinned in-process in test_store, test_eviction, test_lease_table."""
 
 from __future__ import annotations
 
@@ -381,7 +380,8 @@ def test_a_lease_that_is_not_renewed_expires(
         time.sleep(max(0.0, short.lease.expires.timestamp() - time.time()) + 0.05)
         # Ids are never listed (capabilities): the renewed lease is known by its expiry.
         (left,) = client.get(uri).leases
-        assert left.expires is not None and left.expires.timestamp() > time.time() + 500
+        assert left.expires is not None
+        assert left.expires.timestamp() > time.time() + 500
 
 
 def test_reconcile_drops_manifests_whose_files_are_gone(

@@ -195,11 +195,8 @@ def test_sigkill_mid_pull_resumes_and_fetches_only_what_was_missing(
         handle = client.ensure(model.uri)
     gets = object_gets(s3_server.requests(bucket=bucket))
     fetched_after = sum(g.bytes_sent for g in gets)
-    print(
-        f"\nresume: model {model.total_bytes} B, fetched before kill {fetched_before} B, "
-        f"journaled {journaled} B, resumed {handle.resumed_bytes} B, "
-        f"fetched after restart {fetched_after} B"
-    )
+    print(f"\nresume: model {model.total_bytes} B, before kill {fetched_before} B, ", end="")
+    print(f"journaled {journaled}, resumed {handle.resumed_bytes}, after restart {fetched_after}")
     assert handle.resumed_bytes == journaled
     assert fetched_after == model.total_bytes - handle.resumed_bytes
     assert fetched_after < model.total_bytes

@@ -27,6 +27,8 @@ read from the command itself (``_engine_flags``).
 With ``--cached-only`` (or ``PREWARM_CACHED_ONLY=1``) the agent makes no S3
 call: the newest cached snapshot is used even if S3 has changed since, and a
 model not cached on this node fails (NOT_FOUND) instead of being pulled.
+With ``--as-requester`` (or ``PREWARM_AS_REQUESTER=1``) the pod's own AWS
+credentials go with the request (see ``Client.ensure``).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ from agent.client._compile import key_parts as key_parts_from
 
 from . import _render as render
 from ._engine_flags import detect_engine, engine_key_fields, merged_key_fields
+from ._options import AsRequesterOption, CachedOnlyOption
 from ._ready import ReadyWatch, ready_waiter, report_ready
 
 __all__ = ["CachedOnlyOption", "exec_command"]
@@ -82,18 +85,6 @@ EXIT_CANNOT_RUN = 126
 
 PLACEHOLDER = "{model}"
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
-
-# Shared with `prewarm pull`; the env var lets a pod spec turn it on without new args.
-CachedOnlyOption = Annotated[
-    bool,
-    typer.Option(
-        "--cached-only",
-        envvar="PREWARM_CACHED_ONLY",
-        help="Answer from this node's cache with no S3 call: the newest cached snapshot, "
-        "possibly stale; fail (NOT_FOUND) if none is cached.",
-    ),
-]
 
 
 class _Tier(StrEnum):
@@ -159,6 +150,7 @@ def exec_command(
         ),
     ] = None,
     cached_only: CachedOnlyOption = False,
+    as_requester: AsRequesterOption = False,
     name: Annotated[
         str | None,
         typer.Option(
@@ -210,6 +202,7 @@ def exec_command(
                         client_name=client_name,
                         progress=show,
                         cached_only=cached_only,
+                        as_requester=as_requester,
                     )
                 )
         except AgentUnavailable as exc:

@@ -129,6 +129,7 @@ def ensure_request(
     concurrency: int | None = None,
     chunk_size: int | None = None,
     cached_only: bool = False,
+    requester: pb.RequesterCredentials | None = None,
 ) -> pb.EnsureModelRequest:
     if lease_ttl is not None and not lease:
         raise InvalidRequest("lease_ttl only applies to a lease; pass lease=True with it.")
@@ -148,6 +149,7 @@ def ensure_request(
         strict_tier=strict_tier,
         pull_options=pull_options_to_proto(options),
         cached_only=cached_only,
+        requester_credentials=requester,
     )
 
 

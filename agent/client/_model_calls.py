@@ -14,6 +14,7 @@ from agent._proto.prewarm.v1 import prewarm_pb2 as pb
 
 from . import _convert as convert
 from ._errors import missing_handle
+from ._requester import requester_credentials
 from ._spec import Leased, Streamed, Unary
 from ._types import (
     AgentStatus,
@@ -80,6 +81,7 @@ def ensure(
     concurrency: int | None = None,
     chunk_size: int | None = None,
     cached_only: bool = False,
+    as_requester: bool = False,
 ) -> Streamed[ModelHandle]:
     """Make sure ``uri`` is cached on this node, pulling it if needed, and return it.
 
@@ -98,6 +100,12 @@ def ensure(
     S3 call at all: the newest cached snapshot of ``uri`` with the same
     include/exclude, even if S3 has changed since (``handle.resolved_offline``
     is then True), or ``NotFound`` when none is cached; nothing is pulled.
+
+    ``as_requester=True`` sends this process's own AWS credentials (botocore's
+    standard chain: web-identity token, Pod Identity, profile, environment;
+    read now, in the calling thread): the agent checks that they may list and
+    read the snapshot, hit or miss, and pulls a miss with them. A
+    requester-scoped socket refuses requests without them.
     """
     request = convert.ensure_request(
         uri,
@@ -113,6 +121,7 @@ def ensure(
         concurrency=concurrency,
         chunk_size=chunk_size,
         cached_only=cached_only,
+        requester=requester_credentials() if as_requester else None,
     )
     return Streamed("EnsureModel", request, _EnsureReader(uri, progress))
 
@@ -129,6 +138,7 @@ def leased(
     pin: bool = False,
     strict_tier: bool = False,
     cached_only: bool = False,
+    as_requester: bool = False,
 ) -> Leased:
     """``ensure(uri, lease=True)``, with the lease held for the life of the block::
 
@@ -137,7 +147,7 @@ def leased(
 
     (``async with`` on ``AsyncClient``.) The snapshot is not evicted while
     the block runs; the lease ends when it exits, or when this process dies,
-    whichever comes first. ``cached_only`` is ``ensure``'s.
+    whichever comes first. ``cached_only`` and ``as_requester`` are ``ensure``'s.
     """
     call = ensure(
         uri,
@@ -151,6 +161,7 @@ def leased(
         pin=pin,
         strict_tier=strict_tier,
         cached_only=cached_only,
+        as_requester=as_requester,
     )
     return Leased(call, client_name)
 

@@ -27,6 +27,7 @@ def ensure(
     client_name: str = "",
     progress: Callable[[Progress], None] | None = None,
     cached_only: bool = False,
+    as_requester: bool = False,
 ) -> ModelHandle:
     """Open a client, ensure ``uri`` is cached, close the client; see ``Client.ensure``."""
     with Client(socket_path, timeout=timeout) as client:
@@ -38,6 +39,7 @@ def ensure(
             client_name=client_name,
             progress=progress,
             cached_only=cached_only,
+            as_requester=as_requester,
         )
 
 
@@ -51,6 +53,7 @@ async def aensure(
     client_name: str = "",
     progress: Callable[[Progress], None] | None = None,
     cached_only: bool = False,
+    as_requester: bool = False,
 ) -> ModelHandle:
     """Open an async client, ensure ``uri`` is cached, close the client.
 
@@ -65,6 +68,7 @@ async def aensure(
             client_name=client_name,
             progress=progress,
             cached_only=cached_only,
+            as_requester=as_requester,
         )
 
 

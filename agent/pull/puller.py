@@ -7,11 +7,17 @@ Streamer) from the config and the
 request that started it; requests that join a flight get that flight's.
 Completed ranges are journaled, so a pull interrupted by a crash or a shutdown
 resumes instead of starting over, as long as it asks for the same chunk size.
+
+A flight may pull through a source of its own (a requester's credentials,
+``join(..., source=...)``): it is opened when the flight's task starts and
+closed when it ends, so no client outlives its pull, and only the aiobotocore
+plane can use it (the threads plane and the streamer sign with the node's role).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import replace
@@ -35,9 +41,12 @@ from agent.source.threads_plane import ThreadsPlane
 from agent.source.transfer import Tuning
 from agent.store.store import CachedFile, CachedModel, Store
 
-__all__ = ["Puller"]
+__all__ = ["Puller", "ScopedSource"]
 
 log = logging.getLogger(__name__)
+
+# A source of a flight's own, not yet opened (S3Source.with_credentials(...)).
+ScopedSource = contextlib.AbstractAsyncContextManager[ObjectSource]
 
 
 class Puller:
@@ -55,7 +64,7 @@ class Puller:
         self._settings = settings
         self._integrity = integrity or IntegritySettings()
         self._flights: dict[str, Flight] = {}
-        self._pulls: dict[str, tuple[DataPlane, Tuning]] = {}
+        self._pulls: dict[str, tuple[DataPlane, Tuning, ScopedSource | None]] = {}
         self._tasks: asyncio.TaskGroup | None = None
         self._ranged = AiobotocorePlane(source)
         self._streamer: StreamerPlane | None = None
@@ -127,29 +136,36 @@ class Puller:
         return self._flights.get(key)
 
     def join(
-        self, snapshot: Snapshot, tier: TierName, options: PullOptions | None = None
+        self,
+        snapshot: Snapshot,
+        tier: TierName,
+        options: PullOptions | None = None,
+        *,
+        source: ScopedSource | None = None,
     ) -> tuple[Flight, bool]:
         """The flight for this snapshot, started if needed; True if this call started it.
 
-        ``options`` apply only to a flight this call starts: a request that
-        joins a pull in progress gets that pull's data plane and tuning.
+        ``options`` and ``source`` (what to pull through instead of the
+        agent's own source) apply only to a flight this call starts: a request
+        that joins a pull in progress gets that pull's data plane, tuning and source.
         """
         flight = self._flights.get(snapshot.key)
         if flight is not None:
             return flight, False
         assert self._tasks is not None, "Puller used outside its context"
         options = options or PullOptions()
-        plane = self._plane(options.data_plane or self._settings.data_plane)
+        plane = self._plane_for(options, scoped=source is not None)
         tuning = tune(self._settings, snapshot.total_bytes, options, plane=plane.name)
         flight = Flight(snapshot, tier)
         self._flights[snapshot.key] = flight
-        self._pulls[snapshot.key] = (plane, tuning)
+        self._pulls[snapshot.key] = (plane, tuning, source)
         log.info(
-            "pulling %s with %s: concurrency %d, %d-byte chunks",
+            "pulling %s with %s: concurrency %d, %d-byte chunks%s",
             snapshot.uri,
             plane.name,
             tuning.concurrency,
             tuning.chunk_size,
+            ", with the requester's credentials" if source is not None else "",
         )
         # Counted against the tier from now on, so concurrent placements see it.
         superseded = self._store.begin_staging(tier, snapshot.key, snapshot.total_bytes)
@@ -201,8 +217,16 @@ class Puller:
         flight._settle(None, asyncio.CancelledError())
 
     async def _pull(self, flight: Flight) -> CachedModel:
+        plane, tuning, scoped = self._pulls[flight.key]
+        if scoped is None:
+            return await self._pull_through(flight, plane, tuning, self._source)
+        async with scoped as source:  # closed when this pull ends, however it ends
+            return await self._pull_through(flight, AiobotocorePlane(source), tuning, source)
+
+    async def _pull_through(
+        self, flight: Flight, plane: DataPlane, tuning: Tuning, source: ObjectSource
+    ) -> CachedModel:
         snapshot = flight.snapshot
-        plane, tuning = self._pulls[flight.key]
         chunk = tuning.chunk_size
         root = self._store.staging_path(flight.tier, snapshot.key)
         staging = await asyncio.to_thread(open_staging, root, snapshot, chunk, flight.tier)
@@ -226,7 +250,7 @@ class Puller:
             downloaded = time.monotonic()
             flight.timings = replace(flight.timings, download=downloaded - started)
             flight.set_phase("verify")
-            digests = await self._verify(flight, staging)
+            digests = await self._verify(flight, staging, source)
             verified = time.monotonic()
             flight.timings = replace(flight.timings, verify=verified - downloaded)
             flight.set_phase("publish")
@@ -239,7 +263,9 @@ class Puller:
         finally:
             staging.close()
 
-    async def _verify(self, flight: Flight, staging: StagingFiles) -> dict[str, str]:
+    async def _verify(
+        self, flight: Flight, staging: StagingFiles, source: ObjectSource
+    ) -> dict[str, str]:
         await asyncio.to_thread(
             verify_before_publish,
             staging,
@@ -247,16 +273,18 @@ class Puller:
             durable=flight.tier == "disk",
         )
         if self._integrity.s3_checksums:
-            await self._check_s3_checksums(flight, staging)
+            await self._check_s3_checksums(flight, staging, source)
         return staging.file_digests()
 
-    async def _check_s3_checksums(self, flight: Flight, staging: StagingFiles) -> None:
+    async def _check_s3_checksums(
+        self, flight: Flight, staging: StagingFiles, source: ObjectSource
+    ) -> None:
         """Compare full-object checksums S3 holds with what landed on disk."""
         bucket = flight.snapshot.uri.bucket
         for obj in flight.snapshot.objects:
             if not obj.checksum_algorithm:
                 continue
-            head = await self._source.head_object(bucket, obj.key, etag=obj.etag)
+            head = await source.head_object(bucket, obj.key, etag=obj.etag)
             if head is None or head.checksum is None:
                 continue
             await asyncio.to_thread(
@@ -267,9 +295,21 @@ class Puller:
                 origin=f"s3://{bucket}/{obj.key}",
             )
 
-    def check(self, options: PullOptions) -> None:
-        """Raise InvalidRequest if a pull with these options could not start."""
-        self._plane(options.data_plane or self._settings.data_plane)
+    def check(self, options: PullOptions, *, scoped: bool = False) -> None:
+        """Raise InvalidRequest if a pull with these options (and a source of its own) could
+        not start."""
+        self._plane_for(options, scoped=scoped)
+
+    def _plane_for(self, options: PullOptions, *, scoped: bool) -> DataPlane:
+        if not scoped:
+            return self._plane(options.data_plane or self._settings.data_plane)
+        if options.data_plane not in (None, "auto", self._ranged.name):
+            raise InvalidRequest(
+                f"The {options.data_plane} data plane signs with the agent's own credentials, "
+                "so it cannot pull with the requester's; ask for the aiobotocore data plane "
+                "or auto."
+            )
+        return self._ranged  # the configured plane gives way: only this one takes a source
 
     def _wants_streamer(self, choice: DataPlaneName) -> bool:
         return choice == "streamer" or (choice == "auto" and AUTO_DATA_PLANE == "streamer")

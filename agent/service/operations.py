@@ -18,7 +18,7 @@ from agent.check.hashes import verify_files
 from agent.obs.logs import bind_request
 from agent.obs.metrics import EVICTIONS
 from agent.pull.flight import Flight, PullProgress
-from agent.pull.puller import Puller
+from agent.pull.puller import Puller, ScopedSource
 from agent.pull.resolver import Unchecked, resolve_or_fall_back
 from agent.service import access
 from agent.service.results import (
@@ -108,8 +108,9 @@ class AgentService:
         access.check_source(uri)  # before any S3 call, cached_only included
         includes = check_globs(include, what="Include")
         excludes = check_globs(exclude, what="Exclude")
+        scoped = _requester_source(self._source)
         if options is not None:
-            self._puller.check(options)
+            self._puller.check(options, scoped=scoped is not None)
         found = await resolve_or_fall_back(
             self._source,
             self._store,
@@ -171,7 +172,9 @@ class AgentService:
                         snapshot, tier or self.default_tier, strict=strict_tier
                     )
                     stale = self._store.discard_leftovers_of(str(snapshot.uri), keep=snapshot.key)
-                    flight, _ = self._puller.join(snapshot, placed, options)
+                    # The requester's own credentials pull what it starts; one who joins a
+                    # pull in progress has passed its own check (list + HEAD) above.
+                    flight, _ = self._puller.join(snapshot, placed, options, source=scoped)
             await self._store.purge(stale)  # outside the lock: deleting can take a while
             log.info(
                 "%s pull of %s (%s) on %s for %s",
@@ -355,3 +358,15 @@ def _calling_socket(unbound: str | None) -> str | None:
     """The tenant (socket) the current request came in on; ``unbound`` when none is bound."""
     bound = access.current_requester()
     return bound.tenant.name if bound is not None else unbound
+
+
+def _requester_source(source: ObjectSource) -> ScopedSource | None:
+    """The source a pull this request starts goes through: the requester's keys, if it sent any.
+
+    Not opened here: the puller opens it when the pull starts and closes it when it ends.
+    """
+    bound = access.current_requester()
+    keys = bound.keys if bound is not None else None
+    if keys is None or not isinstance(source, access.CredentialScopedSource):
+        return None  # no keys, or a source check_snapshot already refused them for
+    return source.with_credentials(keys.access_key_id, keys.secret_access_key, keys.session_token)

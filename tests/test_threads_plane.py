@@ -13,16 +13,25 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from botocore.exceptions import ClientError, EndpointConnectionError
 from test_data_planes import assert_identical, published, running_agent, shards
 
-from agent import SourceChanged
+from agent import AccessDenied, SourceChanged
+from agent._config import S3Settings
 from agent._vocabulary import PullOptions, TierName
+from agent.pull.tuning import THREADS_PER_STREAM, tune
 from agent.service.operations import EnsureResult
+from agent.source.interface import RangeReadError
+from agent.source.s3 import S3Source, SourceUnreachable
+from agent.source.sync_s3 import translate
+from agent.source.threads_plane import ThreadsPlane
 from agent.testing import Fault, FaultProxy, S3Server, SampleModel
 
 THREADS = PullOptions(data_plane="threads")
+GB = 10**9
 
 
 @pytest.fixture
@@ -100,3 +109,51 @@ async def test_stopping_a_threads_pull_cuts_its_reads_at_once(
     for worker in [t for t in threading.enumerate() if t.name.startswith("prewarm-get")]:
         worker.join(timeout=10)
         assert not worker.is_alive(), worker.name
+
+
+def test_auto_concurrency_runs_threads_per_stream_up_to_the_maximum() -> None:
+    """Automatic tuning gives the threads plane THREADS_PER_STREAM workers per stream, capped."""
+    settings = S3Settings()
+    assert THREADS_PER_STREAM == 16
+    assert tune(settings, 2 * GB, plane="threads", cpus=2).concurrency == 16
+    assert tune(settings, 9 * GB, plane="threads", cpus=192).concurrency == 48
+    assert tune(settings, 900 * GB, plane="threads", cpus=192).concurrency == 64
+    assert tune(S3Settings(concurrency=3), GB, plane="threads").concurrency == 3
+
+
+def _client_error(code: str, status: int) -> ClientError:
+    answer: Any = {"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}
+    return ClientError(answer, "GetObject")
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (_client_error("InvalidToken", 400), AccessDenied),
+        (_client_error("AllAccessDisabled", 400), AccessDenied),
+        (_client_error("PreconditionFailed", 412), SourceChanged),
+        (_client_error("SlowDown", 503), RangeReadError),
+        (EndpointConnectionError(endpoint_url="http://127.0.0.1:9"), SourceUnreachable),
+        (ConnectionResetError("reset by peer"), RangeReadError),
+    ],
+)
+async def test_both_clients_read_an_s3_answer_alike(
+    error: Exception, expected: type[Exception]
+) -> None:
+    """The threads plane's translation of a failure is the aiobotocore source's, same class."""
+    async with S3Source(S3Settings(endpoint_url="http://127.0.0.1:9")) as source:
+        from_source = source._translate(error, "reading s3://b/k")
+    from_threads = translate(error, "reading s3://b/k", "http://127.0.0.1:9")
+    assert type(from_threads) is type(from_source) is expected
+    assert str(from_threads) == str(from_source)
+
+
+def test_a_closed_threads_plane_builds_no_client() -> None:
+    """Closing the plane while it builds its client ahead of the first pull leaves no client."""
+    plane = ThreadsPlane(S3Settings(endpoint_url="http://127.0.0.1:9", data_plane="threads"))
+    plane.close()
+    for builder in [t for t in threading.enumerate() if t.name == "prewarm-threads-client"]:
+        builder.join(timeout=10)
+    assert plane._client is None
+    with pytest.raises(RuntimeError, match="closed"):
+        plane._s3()

@@ -25,7 +25,7 @@ from agent.source.transfer import (
     concurrency_ceiling,
 )
 
-__all__ = ["GB_PER_STREAM", "GETS_PER_STREAM", "auto_concurrency", "tune"]
+__all__ = ["GB_PER_STREAM", "GETS_PER_STREAM", "THREADS_PER_STREAM", "auto_concurrency", "tune"]
 
 # Decimal gigabytes, as in the guidance (145 GB -> 37 streams).
 GB_PER_STREAM = 4 * 10**9
@@ -33,6 +33,13 @@ GB_PER_STREAM = 4 * 10**9
 # CRT client with several parts in flight; a GET is one connection read in order.
 # Measured here (docs/data-planes.md): 2 or 4 GETs per stream beat 1 by about 30 %.
 GETS_PER_STREAM = 4
+# Worker threads the threads plane runs per automatic stream. A worker spends its
+# time blocked in recv with the GIL released, and the pull's CPU spreads over the
+# workers: at about 1 CPU-s per GiB in all, 16 of them keep the busiest thread
+# near 0.06 CPU-s per GiB (under the 0.1 target) where 4 leave it near 0.27, and
+# 16 were also the fastest on the wall clock here (docs/data-planes.md). Each
+# costs a connection and one io_block window of mapped pages.
+THREADS_PER_STREAM = 16
 
 
 def auto_concurrency(total_bytes: int, *, cpus: int, maximum: int) -> int:
@@ -53,7 +60,8 @@ def tune(
 
     A pinned or requested concurrency is taken as is: streamer threads (one CRT
     client each) or parallel ranged GETs. The automatic one is counted in
-    streams, and the aiobotocore plane runs GETS_PER_STREAM GETs per stream.
+    streams: the aiobotocore plane runs GETS_PER_STREAM GETs per stream and the
+    threads plane THREADS_PER_STREAM worker threads.
     """
     options = options or PullOptions()
     ceiling = concurrency_ceiling(settings)
@@ -65,11 +73,8 @@ def tune(
         streams = auto_concurrency(
             total_bytes, cpus=cpus or os.cpu_count() or 1, maximum=settings.max_concurrency
         )
-        concurrency = (
-            streams
-            if plane == "streamer"
-            else min(streams * GETS_PER_STREAM, settings.max_concurrency)
-        )
+        per_stream = {"streamer": 1, "threads": THREADS_PER_STREAM}.get(plane, GETS_PER_STREAM)
+        concurrency = min(streams * per_stream, settings.max_concurrency)
     return Tuning(
         concurrency=concurrency,
         chunk_size=options.chunk_size or int(settings.chunk_size),

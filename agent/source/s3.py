@@ -1,26 +1,22 @@
 """S3 behind the ObjectSource interface: list, ranged reads, HEAD, small objects.
 
-This is the only module that knows botocore's error shapes; it translates them
-into the prewarm error tree with ``raise ... from exc``.
+botocore's error shapes are translated into the prewarm error tree by
+agent.source.s3_errors (shared with the threads plane), with ``raise ... from exc``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterable, AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import TracebackType
 from typing import Any, Self
 
-import aiohttp
 from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
-from botocore import exceptions as boto
 
 from agent._config import S3Settings
-from agent._exceptions import AccessDenied, Conflict, NotFound, SourceChanged, SourceUnavailable
+from agent._exceptions import Conflict, SourceChanged, SourceUnavailable
 from agent._uri import ModelUri
 from agent.source.checksums import s3_checksum_of
 from agent.source.interface import (
@@ -31,34 +27,18 @@ from agent.source.interface import (
     RangeReadError,
     StoredObject,
 )
+from agent.source.s3_errors import (
+    MISSING_CODES,
+    SourceUnreachable,
+    error_code,
+    translate_s3_error,
+)
 from agent.source.transfer import connection_pool_size
 
 __all__ = ["S3Source", "SourceUnreachable"]
 
-_DENIED_CODES = frozenset(
-    {
-        "AccessDenied",
-        "AllAccessDisabled",
-        "InvalidAccessKeyId",
-        "SignatureDoesNotMatch",
-        "ExpiredToken",
-        "InvalidToken",
-        "403",
-    }
-)
-_CHANGED_CODES = frozenset({"PreconditionFailed", "412", "NoSuchKey", "InvalidRange", "416"})
-# HEAD answers have no body, so a missing key there is only "404".
-_MISSING_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
 # A conditional PUT that lost to another writer (409: two conditional writes at once).
 _LOST_RACE_CODES = frozenset({"PreconditionFailed", "412", "ConditionalRequestConflict", "409"})
-
-
-class SourceUnreachable(SourceUnavailable):
-    """No connection to S3 at all (refused, no route, DNS, TLS, connect timeout).
-
-    Unlike a slow or failing answer this is known at once, so a listing that
-    meets it is not retried: a cached snapshot can be served immediately.
-    """
 
 
 class S3Source:
@@ -189,7 +169,7 @@ class S3Source:
                 Bucket=bucket, Key=key, ChecksumMode="ENABLED", **condition
             )
         except Exception as exc:
-            if _error_code(exc) in _MISSING_CODES:
+            if error_code(exc) in MISSING_CODES:
                 if etag is None:
                     return None
                 raise SourceChanged(
@@ -209,7 +189,7 @@ class S3Source:
         try:
             response = await self._client.get_object(Bucket=bucket, Key=key)
         except Exception as exc:
-            if _error_code(exc) in _MISSING_CODES:
+            if error_code(exc) in MISSING_CODES:
                 return None
             raise self._translate(exc, doing, bucket=bucket) from exc
         try:
@@ -244,9 +224,9 @@ class S3Source:
                 Bucket=bucket, Key=key, Body=body, ContentType=content_type, **condition
             )
         except Exception as exc:
-            code = _error_code(exc)
+            code = error_code(exc)
             # If-Match on a key deleted meanwhile is a 404: also a lost race.
-            lost = code in _LOST_RACE_CODES or (if_match is not None and code in _MISSING_CODES)
+            lost = code in _LOST_RACE_CODES or (if_match is not None and code in MISSING_CODES)
             if condition and lost:
                 raise Conflict(
                     f"s3://{bucket}/{key} was changed by another writer first ({code})."
@@ -298,85 +278,9 @@ class S3Source:
             raise
         return str(completed.get("ETag", ""))
 
-    def _translate(self, exc: Exception, doing: str, *, bucket: str = "") -> Exception:
-        """Map a botocore/aiohttp failure onto the prewarm error tree."""
-        if isinstance(exc, boto.ClientError):
-            error = exc.response.get("Error", {})
-            code = str(error.get("Code", ""))
-            status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
-            if code == "NoSuchBucket":
-                return NotFound(
-                    f"Bucket {bucket!r} does not exist at {self.endpoint} ({doing}). "
-                    "Check the URI, and AWS_ENDPOINT_URL / region if you use a custom endpoint."
-                )
-            if code in _DENIED_CODES or status == 403:
-                return AccessDenied(
-                    f"S3 denied {doing} ({code}). Grant the node's role s3:ListBucket and "
-                    "s3:GetObject on it, or check the credentials the agent runs with."
-                )
-            if code in _CHANGED_CODES or status in (412, 416):
-                return SourceChanged(
-                    f"The object changed or disappeared while {doing} ({code}). "
-                    "Request the model again to pull the new snapshot."
-                )
-            if status >= 500 or code in ("SlowDown", "RequestTimeout", "InternalError"):
-                return RangeReadError(f"S3 kept failing while {doing}: {code} (HTTP {status}).")
-            return SourceUnavailable(f"S3 refused {doing}: {code} (HTTP {status}).")
-        if isinstance(exc, boto.NoCredentialsError | boto.PartialCredentialsError):
-            return AccessDenied(
-                f"No usable AWS credentials for {doing}. Give the agent a role or set "
-                "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)."
-            )
-        if _is_unreachable(exc):
-            return SourceUnreachable(
-                f"Cannot reach S3 at {self.endpoint} while {doing}: {exc}. "
-                "Check the node's network, DNS and AWS_ENDPOINT_URL."
-            )
-        if isinstance(exc, boto.ConnectionClosedError):
-            return SourceUnavailable(
-                f"S3 at {self.endpoint} closed the connection while {doing}: {exc}. "
-                "Check the network and AWS_ENDPOINT_URL."
-            )
-        if isinstance(
-            exc,
-            boto.IncompleteReadError
-            | boto.ResponseStreamingError
-            | boto.ReadTimeoutError
-            | boto.HTTPClientError
-            | aiohttp.ClientError
-            | ConnectionError
-            | TimeoutError
-            | asyncio.IncompleteReadError,
-        ):
-            return RangeReadError(f"Transfer broke off while {doing}: {exc}.")
-        if isinstance(exc, boto.BotoCoreError):
-            return SourceUnavailable(f"S3 client error while {doing}: {exc}.")
-        return exc
-
-
-def _is_unreachable(exc: BaseException) -> bool:
-    """True when no connection was made: refused, no route, DNS, TLS handshake, connect timeout.
-
-    botocore's ConnectionError covers its endpoint, connect-timeout, proxy and
-    TLS errors; aiobotocore wraps aiohttp's connector errors into them, and the
-    raw aiohttp/socket forms are checked too in case one comes through unwrapped.
-    """
-    return isinstance(
-        exc,
-        boto.ConnectionError
-        | aiohttp.ClientConnectorError
-        | socket.gaierror
-        | ConnectionRefusedError,
-    )
-
-
-def _error_code(exc: BaseException) -> str:
-    """S3's error code of a client error (its HTTP status when it sent none), else ""."""
-    if isinstance(exc, boto.ClientError):
-        error = exc.response.get("Error", {})
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        return str(error.get("Code") or status)
-    return ""
+    def _translate(self, exc: Exception, doing: str, *, bucket: str = "") -> BaseException:
+        """Map a botocore/aiohttp failure onto the prewarm error tree (agent.source.s3_errors)."""
+        return translate_s3_error(exc, doing, endpoint=self.endpoint, bucket=bucket)
 
 
 class _BodyReader:

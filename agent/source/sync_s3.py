@@ -18,13 +18,11 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from botocore import exceptions as boto
 from botocore.config import Config
 from botocore.session import get_session
 
 from agent._config import S3Settings
-from agent._exceptions import AccessDenied, NotFound, SourceChanged, SourceUnavailable
-from agent.source.interface import RangeReadError
+from agent.source.s3_errors import translate_s3_error
 from agent.source.transfer import connection_pool_size
 
 __all__ = ["THREADS_USER_AGENT", "body_reader", "body_socket", "make_sync_client", "translate"]
@@ -32,20 +30,9 @@ __all__ = ["THREADS_USER_AGENT", "body_reader", "body_socket", "make_sync_client
 # Sent with every GET of the threads plane, so a server's log tells the planes apart.
 THREADS_USER_AGENT = "prewarm-threads"
 
-_DENIED_CODES = frozenset(
-    {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "403"}
-)
-_CHANGED_CODES = frozenset({"PreconditionFailed", "412", "NoSuchKey", "InvalidRange", "416"})
 # OSError covers resets, timeouts and TLS errors; ValueError a read on a response
 # whose socket was shut down under it.
-_BROKEN_OFF = (
-    boto.HTTPClientError,
-    boto.IncompleteReadError,
-    boto.ResponseStreamingError,
-    http.client.HTTPException,
-    OSError,
-    ValueError,
-)
+_BROKEN_OFF = (http.client.HTTPException, OSError, ValueError)
 
 
 def make_sync_client(settings: S3Settings) -> Any:
@@ -103,38 +90,9 @@ def body_socket(body: Any) -> socket.socket | None:
 
 
 def translate(exc: BaseException, doing: str, endpoint: str) -> BaseException:
-    """Map a botocore / http.client / socket failure onto the prewarm error tree."""
-    if isinstance(exc, boto.ClientError):
-        error = exc.response.get("Error", {})
-        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
-        code = str(error.get("Code") or status)
-        if code == "NoSuchBucket":
-            return NotFound(f"The bucket does not exist at {endpoint} ({doing}).")
-        if code in _DENIED_CODES or status == 403:
-            return AccessDenied(
-                f"S3 denied {doing} ({code}). Grant the node's role s3:GetObject on it, or "
-                "check the credentials the agent runs with."
-            )
-        if code in _CHANGED_CODES or status in (412, 416):
-            return SourceChanged(
-                f"The object changed or disappeared while {doing} ({code}). "
-                "Request the model again to pull the new snapshot."
-            )
-        if status >= 500 or code in ("SlowDown", "RequestTimeout", "InternalError"):
-            return RangeReadError(f"S3 kept failing while {doing}: {code} (HTTP {status}).")
-        return SourceUnavailable(f"S3 refused {doing}: {code} (HTTP {status}).")
-    if isinstance(exc, boto.NoCredentialsError | boto.PartialCredentialsError):
-        return AccessDenied(
-            f"No usable AWS credentials for {doing}. Give the agent a role or set "
-            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)."
-        )
-    if isinstance(exc, boto.EndpointConnectionError | boto.ConnectTimeoutError):
-        return SourceUnavailable(
-            f"Cannot reach S3 at {endpoint} while {doing}: {exc}. "
-            "Check the network and AWS_ENDPOINT_URL."
-        )
-    if isinstance(exc, _BROKEN_OFF):
-        return RangeReadError(f"Transfer broke off while {doing}: {exc}.")
-    if isinstance(exc, boto.BotoCoreError):
-        return SourceUnavailable(f"S3 client error while {doing}: {exc}.")
-    return exc
+    """Map a botocore / http.client / socket failure onto the prewarm error tree.
+
+    The same translation as the aiobotocore source's (agent.source.s3_errors),
+    plus what a body read with ``http.client`` raises when it breaks off.
+    """
+    return translate_s3_error(exc, doing, endpoint=endpoint, broken_off=_BROKEN_OFF)

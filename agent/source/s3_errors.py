@@ -1,0 +1,139 @@
+"""What S3's failures mean, for every client the source runs: one translation.
+
+The aiobotocore source (agent.source.s3) and the threads plane's synchronous
+botocore client (agent.source.sync_s3) meet the same S3 answers in different
+wrappers: aiohttp's errors on one side, ``http.client``'s and raw sockets' on
+the other. Both map them here onto the prewarm error tree, so an answer means
+the same whichever plane met it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import aiohttp
+from botocore import exceptions as boto
+
+from agent._exceptions import AccessDenied, NotFound, SourceChanged, SourceUnavailable
+from agent.source.interface import RangeReadError
+
+__all__ = ["MISSING_CODES", "SourceUnreachable", "error_code", "translate_s3_error"]
+
+_DENIED_CODES = frozenset(
+    {
+        "AccessDenied",
+        "AllAccessDisabled",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "403",
+    }
+)
+_CHANGED_CODES = frozenset({"PreconditionFailed", "412", "NoSuchKey", "InvalidRange", "416"})
+# HEAD answers have no body, so a missing key there is only "404".
+MISSING_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
+_BROKEN_OFF = (
+    boto.IncompleteReadError,
+    boto.ResponseStreamingError,
+    boto.ReadTimeoutError,
+    boto.HTTPClientError,
+    aiohttp.ClientError,
+    ConnectionError,
+    TimeoutError,
+    asyncio.IncompleteReadError,
+)
+
+
+class SourceUnreachable(SourceUnavailable):
+    """No connection to S3 at all (refused, no route, DNS, TLS, connect timeout).
+
+    Unlike a slow or failing answer this is known at once, so a listing that
+    meets it is not retried: a cached snapshot can be served immediately.
+    """
+
+
+def translate_s3_error(
+    exc: BaseException,
+    doing: str,
+    *,
+    endpoint: str,
+    bucket: str = "",
+    broken_off: tuple[type[BaseException], ...] = (),
+) -> BaseException:
+    """Map a botocore / aiohttp / socket failure onto the prewarm error tree.
+
+    ``doing`` says what the agent was doing ("reading s3://b/k bytes 0-9");
+    ``broken_off`` adds the failures that mean "the transfer broke off, try
+    again" for the caller's own reader (http.client's, say). Anything not
+    recognised is returned as is.
+    """
+    if isinstance(exc, boto.ClientError):
+        error = exc.response.get("Error", {})
+        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+        code = str(error.get("Code") or status)
+        if code == "NoSuchBucket":
+            named = f"Bucket {bucket!r}" if bucket else "The bucket"
+            return NotFound(
+                f"{named} does not exist at {endpoint} ({doing}). "
+                "Check the URI, and AWS_ENDPOINT_URL / region if you use a custom endpoint."
+            )
+        if code in _DENIED_CODES or status == 403:
+            return AccessDenied(
+                f"S3 denied {doing} ({code}). Grant the node's role s3:ListBucket and "
+                "s3:GetObject on it, or check the credentials the agent runs with."
+            )
+        if code in _CHANGED_CODES or status in (412, 416):
+            return SourceChanged(
+                f"The object changed or disappeared while {doing} ({code}). "
+                "Request the model again to pull the new snapshot."
+            )
+        if status >= 500 or code in ("SlowDown", "RequestTimeout", "InternalError"):
+            return RangeReadError(f"S3 kept failing while {doing}: {code} (HTTP {status}).")
+        return SourceUnavailable(f"S3 refused {doing}: {code} (HTTP {status}).")
+    if isinstance(exc, boto.NoCredentialsError | boto.PartialCredentialsError):
+        return AccessDenied(
+            f"No usable AWS credentials for {doing}. Give the agent a role or set "
+            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)."
+        )
+    if _is_unreachable(exc):
+        return SourceUnreachable(
+            f"Cannot reach S3 at {endpoint} while {doing}: {exc}. "
+            "Check the node's network, DNS and AWS_ENDPOINT_URL."
+        )
+    if isinstance(exc, boto.ConnectionClosedError):
+        return SourceUnavailable(
+            f"S3 at {endpoint} closed the connection while {doing}: {exc}. "
+            "Check the network and AWS_ENDPOINT_URL."
+        )
+    if isinstance(exc, _BROKEN_OFF + broken_off):
+        return RangeReadError(f"Transfer broke off while {doing}: {exc}.")
+    if isinstance(exc, boto.BotoCoreError):
+        return SourceUnavailable(f"S3 client error while {doing}: {exc}.")
+    return exc
+
+
+def _is_unreachable(exc: BaseException) -> bool:
+    """True when no connection was made: refused, no route, DNS, TLS handshake, connect timeout.
+
+    botocore's ConnectionError covers its endpoint, connect-timeout, proxy and
+    TLS errors; aiobotocore wraps aiohttp's connector errors into them, and the
+    raw aiohttp/socket forms are checked too in case one comes through unwrapped.
+    """
+    return isinstance(
+        exc,
+        boto.ConnectionError
+        | aiohttp.ClientConnectorError
+        | socket.gaierror
+        | ConnectionRefusedError,
+    )
+
+
+def error_code(exc: BaseException) -> str:
+    """S3's error code of a client error (its HTTP status when it sent none), else ""."""
+    if isinstance(exc, boto.ClientError):
+        error = exc.response.get("Error", {})
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        return str(error.get("Code") or status)
+    return ""

@@ -95,4 +95,8 @@ class AccessSettings(BaseModel):
         paths = [s.path for s in self.sockets]
         if len(set(names)) != len(names) or len(set(paths)) != len(paths):
             raise ValueError("each [[access.sockets]] entry needs its own name and path")
+        if "node" in names:
+            # "node" is the API socket's identity: a tenant by that name could renew
+            # or release the node's leases.
+            raise ValueError('"node" names the node\'s own API socket; name the tenant otherwise')
         return self

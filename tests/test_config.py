@@ -130,3 +130,11 @@ def test_prewarmd_reports_a_bad_config_and_exits_2(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert "default_tier" in result.stderr
+
+
+def test_a_tenant_named_node_is_refused(tmp_path: Path) -> None:
+    """A tenant socket may not take the name of the node's own API socket (it owns its leases)."""
+    config = tmp_path / "agent.toml"
+    config.write_text('[[access.sockets]]\nname = "node"\npath = "/run/prewarm/t.sock"\n')
+    with pytest.raises(ConfigError, match="own API socket"):
+        load_settings(config)

@@ -18,16 +18,21 @@ from typing import Any
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
 from test_data_planes import assert_identical, published, running_agent, shards
+from test_puller import tiny_tmpfs  # noqa: F401  (a fixture, used by name)
 
-from agent import AccessDenied, SourceChanged
+from agent import AccessDenied, NoSpace, SourceChanged
 from agent._config import S3Settings
+from agent._uri import parse_uri
 from agent._vocabulary import PullOptions, TierName
+from agent.pull.puller import Puller
+from agent.pull.resolver import resolve
 from agent.pull.tuning import THREADS_PER_STREAM, tune
 from agent.service.operations import EnsureResult
 from agent.source.interface import RangeReadError
 from agent.source.s3 import S3Source, SourceUnreachable
 from agent.source.sync_s3 import translate
 from agent.source.threads_plane import ThreadsPlane
+from agent.store.store import Store
 from agent.testing import Fault, FaultProxy, S3Server, SampleModel
 
 THREADS = PullOptions(data_plane="threads")
@@ -58,6 +63,34 @@ async def test_threads_plane_fills_either_tier_byte_for_byte(
     assert result.model.tier == tier
     assert_identical(result, small_model)
     assert check.problems == ()
+
+
+async def test_a_full_tier_is_no_space_and_leaves_no_staging(
+    tiny_tmpfs: Path,  # noqa: F811  (the fixture imported above)
+    tmp_path: Path,
+    s3_server: S3Server,
+    small_model: SampleModel,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Workers writing into a tier that fills up fail the pull with NoSpace (no SIGBUS)."""
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    settings = S3Settings(
+        endpoint_url=s3_server.endpoint_url,
+        addressing_style="path",
+        data_plane="threads",
+        chunk_size=1024**2,
+    )
+    store = Store({"shm": tiny_tmpfs, "disk": tmp_path / "disk"})
+    await store.open()
+    async with S3Source(settings) as source, Puller(store, source, settings) as puller:
+        # Straight to the puller, past the budget check: the filesystem itself says no.
+        snapshot = await resolve(source, parse_uri(small_model.uri), (), ())
+        flight, _ = puller.join(snapshot, "shm")
+        with pytest.raises(NoSpace, match="ran out of space"):
+            await flight.result()
+    assert list((tiny_tmpfs / "snapshots").iterdir()) == []
+    assert list((tiny_tmpfs / "staging").iterdir()) == []
 
 
 async def test_an_object_replaced_mid_pull_fails_with_source_changed(

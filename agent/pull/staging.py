@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import errno
 import logging
-import mmap
 import os
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,7 +48,9 @@ class StagingFiles:
     def is_done(self, path: str, offset: int) -> bool:
         return offset // self.chunk_size in self.digests.get(path, {})
 
-    def write_at(self, path: str, buffers: list[bytes], offset: int, hasher: ChunkHasher) -> None:
+    def write_at(
+        self, path: str, buffers: Sequence[bytes | memoryview], offset: int, hasher: ChunkHasher
+    ) -> None:
         """Write buffers at offset and feed them to the range's hasher (in a worker thread)."""
         for buffer in buffers:
             hasher.update(buffer)
@@ -61,32 +62,6 @@ class StagingFiles:
                 done += os.pwrite(fd, b"".join(buffers)[done:], offset + done)
         except OSError as exc:
             raise _no_space_or(exc, self.snapshot, self.root) from exc
-
-    def map_range(self, path: str, offset: int, length: int) -> tuple[mmap.mmap, int]:
-        """A shared, writable mapping of ``length`` bytes of ``path`` from ``offset``.
-
-        Returns the mapping and where the range starts in it (mappings start on
-        a page boundary). The range's pages are reserved first: a store through
-        a mapping into a full tmpfs or disk is a SIGBUS that kills the daemon,
-        while a refused ``fallocate`` is a clean NoSpace. On tmpfs, where
-        ``open_staging`` reserves nothing up front, this costs no extra work:
-        a page is zero-filled once either way, by ``fallocate`` or by the fault.
-        The mapping holds its own duplicate of the descriptor.
-        """
-        fd = self.fds[path]
-        lead = offset % mmap.ALLOCATIONGRANULARITY
-        try:
-            os.posix_fallocate(fd, offset, length)
-            mapping = mmap.mmap(
-                fd,
-                lead + length,
-                flags=mmap.MAP_SHARED,
-                prot=mmap.PROT_READ | mmap.PROT_WRITE,
-                offset=offset - lead,
-            )
-        except OSError as exc:
-            raise _no_space_or(exc, self.snapshot, self.root) from exc
-        return mapping, lead
 
     def complete_range(self, path: str, offset: int, length: int, digest: bytes) -> None:
         self.digests.setdefault(path, {})[offset // self.chunk_size] = digest

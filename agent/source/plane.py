@@ -22,7 +22,6 @@ docs/data-planes.md.
 from __future__ import annotations
 
 import asyncio
-import mmap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeVar
@@ -86,13 +85,10 @@ class RangeSink(Protocol):
         """Whether the range at ``offset`` of ``path`` is journaled already."""
         ...
 
-    def write_at(self, path: str, buffers: list[bytes], offset: int, hasher: ChunkHasher) -> None:
+    def write_at(
+        self, path: str, buffers: Sequence[bytes | memoryview], offset: int, hasher: ChunkHasher
+    ) -> None:
         """Write ``buffers`` at ``offset`` and feed them to ``hasher`` (blocking)."""
-        ...
-
-    def map_range(self, path: str, offset: int, length: int) -> tuple[mmap.mmap, int]:
-        """A shared writable mapping holding the range, its pages reserved; and where
-        the range starts in it (blocking; NoSpace when the tier is full)."""
         ...
 
     def complete_range(self, path: str, offset: int, length: int, digest: bytes) -> None:

@@ -100,13 +100,13 @@ class PullState:
                     socket.socket.shutdown(body.sock, socket.SHUT_RDWR)
 
     def stop(self, reason: str) -> None:
-        """No new range, no new mapping; cut every body being read."""
+        """No new range, no new write; cut every body being read."""
         self.stopped.set()
         for body in self.bodies():
             self.cut(body, reason)
 
     def wait_idle(self) -> None:
-        """Block until no worker holds a mapping (called after ``stop``)."""
+        """Block until no worker is in the section that writes (called after ``stop``)."""
         with self._idle:
             self._idle.wait_for(lambda: self._holders == 0)
 

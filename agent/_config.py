@@ -160,6 +160,9 @@ class LeaseSettings(BaseModel):
     default_ttl_seconds: float = Field(default=60.0, gt=0)
     # Longest TTL a request may ask for (longer ones are clamped).
     max_ttl_seconds: float = Field(default=24 * 3600.0, gt=0)
+    # Live leases one requesting socket may have, and leases one uid may hold open:
+    # excess is RESOURCE_EXHAUSTED, so no client can grow the table without bound.
+    max_per_peer: int = Field(default=256, ge=1, le=100_000)
 
 
 class CompileCacheSettings(BaseModel):

@@ -65,7 +65,11 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
     await store.open()
     api = _api_server(settings, node, tenants)
     api.claim()
-    leases = LeaseTable(settings.leases.default_ttl_seconds, settings.leases.max_ttl_seconds)
+    leases = LeaseTable(
+        settings.leases.default_ttl_seconds,
+        settings.leases.max_ttl_seconds,
+        max_per_peer=settings.leases.max_per_peer,
+    )
 
     async with (
         S3Source(settings.s3) as source,

@@ -27,7 +27,7 @@ from agent._uri import parse_uri
 from agent.client import Client
 from agent.edge.lease_socket import LeaseServer
 from agent.store.eviction import Evictor
-from agent.store.leases import MAX_LEASES_PER_PEER, LeaseTable, PeerCredentials
+from agent.store.leases import LeaseTable, PeerCredentials
 from agent.testing import S3Server, make_safetensors_model, upload_model
 
 MiB = 1024 * 1024
@@ -192,13 +192,13 @@ def test_lease_ids_are_shown_only_to_the_requester(
 def test_leases_per_socket_are_capped(
     start_agent: AgentFactory, s3_server: S3Server, bucket: str, tmp_path: Path
 ) -> None:
-    """Past MAX_LEASES_PER_PEER live leases on one API socket, ensure(lease=True) is
+    """Past [leases] max_per_peer live leases on one API socket, ensure(lease=True) is
     RESOURCE_EXHAUSTED (NoSpace) with what to do; releasing one makes room again."""
     tensors = make_safetensors_model(tmp_path / "m", total_bytes=MiB, shards=1)
     model = upload_model(s3_server.client(), bucket, "models/m", tmp_path / "m", tensors)
-    agent = start_agent()
+    agent = start_agent("[leases]\nmax_per_peer = 5\n")
     with Client(agent.socket_path) as client:
-        granted = [client.ensure(model.uri, lease=True) for _ in range(MAX_LEASES_PER_PEER)]
+        granted = [client.ensure(model.uri, lease=True) for _ in range(5)]
         with pytest.raises(NoSpace, match="release leases it no longer uses"):
             client.ensure(model.uri, lease=True)
         assert client.ensure(model.uri).path.is_dir()  # no lease asked: still served

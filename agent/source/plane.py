@@ -13,7 +13,7 @@ puller's ``Flight`` is the progress sink and its ``StagingFiles`` the range
 sink, both by shape.
 
 Three implementations: ``ThreadsPlane`` (threads_plane: ranged GETs in worker
-threads, each body read straight into the file's pages), ``AiobotocorePlane``
+threads, each body read into a worker's buffer and written at its offset), ``AiobotocorePlane``
 (ranged_plane: ranged GETs in the event loop) and ``StreamerPlane``
 (streamer_plane: the Run:ai Model Streamer's C++ client in a thread). See
 docs/data-planes.md.
@@ -45,7 +45,7 @@ __all__ = [
 T = TypeVar("T")
 
 # What data_plane = "auto" means, chosen by measurement (docs/data-planes.md).
-AUTO_DATA_PLANE: Literal["threads", "streamer", "aiobotocore"] = "aiobotocore"
+AUTO_DATA_PLANE: Literal["threads", "streamer", "aiobotocore"] = "threads"
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from source_helpers import SOURCES, object_source
 
 from agent import IntegrityError
 from agent._uri import parse_uri
-from agent.compile.archive import PackResult, content_digest, pack, unpack
+from agent.compile.archive import FileFacts, PackResult, content_digest, pack, unpack
 from agent.compile.remote import MANIFEST_MAX_BYTES, RemoteCompileCaches
 from agent.source.interface import ObjectSource
 from agent.testing import MemorySource
@@ -53,11 +53,14 @@ def _node(tmp_path: Path, name: str, *files: str, size: int = 4096) -> Path:
 
 
 async def _upload(remote: RemoteCompileCaches, directory: Path, tmp_path: Path) -> bool:
-    local = frozenset(f[0] for f in content_digest(directory).files)
+    """Upload what ``directory`` holds that the manifest lacks, as the agent's packer does."""
+    local = content_digest(directory).files
 
-    async def pack_delta(known: frozenset[str]) -> tuple[Path, PackResult] | None:
-        archive = tmp_path / f"{directory.name}-{len(known)}.tar.zst"
-        return archive, await asyncio.to_thread(pack, directory, archive, skip=known)
+    async def pack_delta(wanted: tuple[FileFacts, ...]) -> tuple[Path, PackResult]:
+        sent = {facts[0] for facts in wanted}
+        skip = {facts[0] for facts in local} - sent
+        archive = tmp_path / f"{directory.name}-{len(sent)}-{len(skip)}.tar.zst"
+        return archive, await asyncio.to_thread(pack, directory, archive, skip=skip)
 
     return (await remote.upload(KEY, local, pack_delta, {})).uploaded
 
@@ -110,6 +113,21 @@ async def test_a_second_upload_sends_only_what_the_manifest_lacks(
     assert [entry.file_count for entry in manifest.archives] == [1, 1]
     assert manifest.archives[1].files is not None
     assert manifest.archives[1].files[0][0] == "inductor/two.so"
+
+
+async def test_a_file_listed_with_other_content_is_sent_again_and_listed_newest(
+    remote: RemoteCompileCaches, tmp_path: Path
+) -> None:
+    """Same path, new bytes (a kernel uploaded half-written): re-sent, and the union shows it."""
+    directory = _node(tmp_path, "a", "kernel.so", size=0)
+    assert await _upload(remote, directory, tmp_path)
+    (directory / "inductor" / "kernel.so").write_bytes(os.urandom(4096))
+    assert await _upload(remote, directory, tmp_path)
+    assert not await _upload(remote, directory, tmp_path)  # now S3 has it as it is
+    manifest = await remote.read_manifest(KEY)
+    assert manifest is not None
+    assert [entry.content_bytes for entry in manifest.archives] == [0, 4096]
+    assert manifest.union_files() == list(content_digest(directory).files)
 
 
 async def test_a_legacy_pointer_is_read_and_kept_when_the_first_manifest_is_written(

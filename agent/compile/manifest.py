@@ -2,9 +2,11 @@
 
 Nodes that compile the same key add archives to one manifest instead of
 replacing each other's: each archive holds the files its uploader had that the
-manifest did not list yet, and is named by the digest of those files. A
-restore unpacks every archive in manifest order; when two archives hold the
-same path, the first one listed wins.
+manifest did not list yet *with that content* (path and sha256), and is named
+by the digest of those files. Archives are listed in the order they were
+added; when two hold the same path, the newest wins, so a file uploaded while
+a compiler was still writing it (empty, cut short) is replaced by the finished
+copy its node sends once it differs from what the manifest lists.
 
 Caches uploaded by agents before manifests existed have only
 ``<key>/pointer.json`` naming one archive whose file list is unknown; they are
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,11 +69,12 @@ class Manifest:
     etag: str = ""
     # Read from a legacy pointer.json: no manifest.json exists yet.
     legacy: bool = False
-    known: frozenset[str] = field(init=False)
+    # Each listed path's facts as the newest archive holding it lists them.
+    latest: Mapping[str, FileFacts] = field(init=False)
 
     def __post_init__(self) -> None:
-        paths = {f[0] for entry in self.archives for f in entry.files or ()}
-        object.__setattr__(self, "known", frozenset(paths))
+        newest = {f[0]: f for entry in self.archives for f in entry.files or ()}
+        object.__setattr__(self, "latest", newest)
 
     @property
     def digest(self) -> str:
@@ -93,22 +97,29 @@ class Manifest:
         return max((entry.uploaded for entry in self.archives), default=0.0)
 
     def union_files(self) -> list[FileFacts]:
-        """Every listed file once; the first archive that lists a path wins."""
-        seen: dict[str, FileFacts] = {}
-        for entry in self.archives:
-            for facts in entry.files or ():
-                seen.setdefault(facts[0], facts)
-        return list(seen.values())
+        """Every listed file once, as a restore leaves it: the newest archive wins a path."""
+        return list(self.latest.values())
+
+    def lacking(self, local: Iterable[FileFacts]) -> tuple[FileFacts, ...]:
+        """The ``local`` files S3 lacks: a path not listed, or listed newest with other content.
+
+        A legacy archive's file list is unknown: what only it holds counts as lacking.
+        """
+        return tuple(facts for facts in local if self.latest.get(facts[0]) != facts)
 
     def with_archive(self, entry: ArchiveEntry) -> Manifest:
-        """This manifest with ``entry`` added at the end (once)."""
-        if any(existing.name == entry.name for existing in self.archives):
-            return self
-        return Manifest(self.key, (*self.archives, entry), self.parts, self.etag, self.legacy)
+        """This manifest with ``entry`` last (the newest), moved there if already listed.
+
+        Archives are named by their content, so a node re-sending files an older
+        archive holds (over a newer, different copy) names that archive again:
+        moving it last is what makes its copy the one restored.
+        """
+        older = tuple(existing for existing in self.archives if existing.name != entry.name)
+        return Manifest(self.key, (*older, entry), self.parts, self.etag, self.legacy)
 
     def covers(self, entry: ArchiveEntry) -> bool:
-        """True when every file of ``entry`` is already listed (by path)."""
-        return entry.files is not None and all(f[0] in self.known for f in entry.files)
+        """True when a restore would already give every file of ``entry`` as it holds it."""
+        return entry.files is not None and not self.lacking(entry.files)
 
     def to_bytes(self) -> bytes:
         document = {

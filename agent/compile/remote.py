@@ -7,8 +7,10 @@ Layout under ``compile_cache.uri`` (``s3://bucket/prefix``)::
     <prefix>/<key>/pointer.json, archives/...      written by older agents; still read
 
 An upload never replaces what another node uploaded. The uploader reads the
-manifest and its ETag, packs only the files the manifest does not list yet,
-stores that archive under the digest of its files (the same files give the
+manifest and its ETag, packs only the files the manifest does not list yet
+with the same content (a path listed with other bytes, say a kernel caught
+half-written by an earlier upload, is sent again and, being newer, wins the
+restore), stores that archive under the digest of its files (the same files give the
 same name, so a second upload of them changes nothing), and then adds it to
 the manifest with a conditional PUT (``If-Match`` the ETag read, or
 ``If-None-Match: *`` when there was none). If another node changed the
@@ -34,7 +36,7 @@ from typing import Any
 
 from agent._exceptions import Conflict, IntegrityError, NotFound, SourceChanged
 from agent._uri import ModelUri
-from agent.compile.archive import DIGEST_PREFIX, PackResult
+from agent.compile.archive import DIGEST_PREFIX, FileFacts, PackResult
 from agent.compile.manifest import (
     ArchiveEntry,
     Manifest,
@@ -57,9 +59,9 @@ PART_SIZE = 128 * 1024**2
 _MERGE_ATTEMPTS = 10
 _READ_BLOCK = 1024 * 1024
 
-# Packs the files whose paths are not in the set given into an archive; None when
-# every file is already there.
-DeltaPacker = Callable[[frozenset[str]], Awaitable[tuple[Path, PackResult] | None]]
+# Packs exactly the files given (as hashed before the manifest was read) into an
+# archive; raises ChangedDuringPack when the directory no longer holds them so.
+DeltaPacker = Callable[[tuple[FileFacts, ...]], Awaitable[tuple[Path, PackResult]]]
 
 
 class ArchiveGone(NotFound):
@@ -147,18 +149,19 @@ class RemoteCompileCaches:
                 raise ArchiveGone(f"{name} was replaced while it was read.") from exc
 
     async def upload(
-        self, key: str, local_paths: frozenset[str], pack_delta: DeltaPacker, parts: dict[str, Any]
+        self,
+        key: str,
+        local: tuple[FileFacts, ...],
+        pack_delta: DeltaPacker,
+        parts: dict[str, Any],
     ) -> UploadOutcome:
-        """Add the files of ``local_paths`` that S3 lacks to ``key``'s manifest."""
+        """Add the ``local`` files S3 lacks (by path and content) to ``key``'s manifest."""
         uri = self.uri_of(key)
         manifest = await self._manifest_for_update(key, parts)
-        if manifest.archives and not manifest.legacy and local_paths <= manifest.known:
+        wanted = manifest.lacking(local)
+        if not wanted:
             return UploadOutcome(False, uri, "S3 already has this content")
-        # A legacy archive's files are unknown: send everything, it only costs bytes.
-        delta = await pack_delta(frozenset() if manifest.legacy else manifest.known)
-        if delta is None:
-            return UploadOutcome(False, uri, "S3 already has this content")
-        archive, packed = delta
+        archive, packed = await pack_delta(wanted)
         entry = ArchiveEntry(
             name=f"artifacts/{packed.digest.removeprefix(DIGEST_PREFIX)[:32]}.tar.zst",
             digest=packed.digest,

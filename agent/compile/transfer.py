@@ -2,11 +2,13 @@
 
 A restore downloads every archive the key's manifest names, unpacks each into
 its own scratch directory in ``.tmp/`` (checked against its digest) and merges
-them into one, the first archive winning a path two hold; the caller
-publishes that directory into the index. An upload packs the files of the
-key's directory that the manifest does not list yet and hands them to
-``RemoteCompileCaches``, which adds them to the manifest. The caller holds the
-key's lock around both.
+them into one, the newest archive winning a path two hold; the caller
+publishes that directory into the index. An upload hashes the key's
+directory, packs the files the manifest does not list with that content, and
+hands them to ``RemoteCompileCaches``, which adds them to the manifest. A file
+whose bytes changed between the hash and the pack is still being written: the
+upload stops and the watcher tries again once the directory is quiet. The
+caller holds the key's lock around both.
 """
 
 from __future__ import annotations
@@ -23,7 +25,14 @@ from pathlib import Path
 
 from agent._exceptions import Conflict, IntegrityError, InvalidRequest, NoSpace, PrewarmError
 from agent._fs import remove_tree
-from agent.compile.archive import ChangedDuringPack, PackResult, content_digest, pack, unpack
+from agent.compile.archive import (
+    ChangedDuringPack,
+    FileFacts,
+    PackResult,
+    content_digest,
+    pack,
+    unpack,
+)
 from agent.compile.index import CacheIndex, CacheRecord
 from agent.compile.keys import (
     CompileKeyParts,
@@ -131,7 +140,8 @@ class CompileCacheTransfer:
             staging = self._index.scratch(key)
             try:
                 await asyncio.to_thread(staging.mkdir)
-                for entry in manifest.archives:
+                # Newest first, each keeping the paths already there: the newest copy wins.
+                for entry in reversed(manifest.archives):
                     await self._fetch_into(key, manifest, entry.name, staging)
                 digest = (await asyncio.to_thread(content_digest, staging)).digest
             except ArchiveGone:
@@ -189,15 +199,18 @@ class CompileCacheTransfer:
         archives: list[Path] = []
         local = frozenset(facts[0] for facts in current.files)
 
-        async def pack_delta(known: frozenset[str]) -> tuple[Path, PackResult] | None:
-            if local <= known:
-                return None
+        async def pack_delta(wanted: tuple[FileFacts, ...]) -> tuple[Path, PackResult]:
             archive = self._index.scratch(key, ".tar.zst")
             archives.append(archive)
-            return archive, await asyncio.to_thread(pack, directory, archive, skip=known)
+            others = local - {facts[0] for facts in wanted}
+            packed = await asyncio.to_thread(pack, directory, archive, skip=others)
+            _check_unchanged(wanted, packed)
+            return archive, packed
 
         try:
-            outcome = await self._remote.upload(key, local, pack_delta, parts_to_dict(record.parts))
+            outcome = await self._remote.upload(
+                key, current.files, pack_delta, parts_to_dict(record.parts)
+            )
         except ChangedDuringPack as exc:
             return PushOutcome(False, uri, "", 0, f"still being written ({exc})")
         finally:
@@ -212,8 +225,17 @@ class CompileCacheTransfer:
         return PushOutcome(outcome.uploaded, outcome.uri, current.digest, sent, outcome.reason)
 
 
+def _check_unchanged(wanted: tuple[FileFacts, ...], packed: PackResult) -> None:
+    """Refuse a pack whose files differ from those hashed before (a file being written)."""
+    differing = sorted(set(wanted).symmetric_difference(packed.files))
+    if differing:
+        raise ChangedDuringPack(
+            f"{differing[0][0]} changed between hashing and packing; it is still being written."
+        )
+
+
 def _merge_into(part: Path, staging: Path) -> None:
-    """Move ``part``'s files into ``staging``; a path already there keeps its first copy."""
+    """Move ``part``'s files into ``staging``; a path already there (a newer archive's) stays."""
     for base, dirs, names in os.walk(part):
         target = staging / Path(base).relative_to(part)
         if not target.is_dir():

@@ -139,7 +139,7 @@ def published(tmp_path: Path) -> list[str]:
     ]
 
 
-def _sent_by(user_agent: str) -> str:
+def sent_by(user_agent: str) -> str:
     """The data plane a GET's User-Agent names (the streamer's CRT is neither botocore)."""
     if THREADS_USER_AGENT in user_agent:
         return "threads"
@@ -176,7 +176,7 @@ async def test_plane_publishes_byte_identical_files(
     ]
     # The bytes really came through the plane asked for.
     assert agents
-    assert all(_sent_by(agent) == plane for agent in agents), agents
+    assert all(sent_by(agent) == plane for agent in agents), agents
 
 
 @needs_streamer

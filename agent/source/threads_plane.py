@@ -51,7 +51,7 @@ _MIN_STEP = 64 * 1024
 
 
 class ThreadsPlane:
-    """Ranged GETs on botocore's synchronous client, read into the staging files' pages."""
+    """Ranged GETs on botocore's synchronous client, each body written by its worker thread."""
 
     name = "threads"
 

@@ -38,7 +38,8 @@ class Tuning:
     # Bytes per range: one GET on the aiobotocore plane, one delivered chunk on the
     # streamer's, one journal line either way.
     chunk_size: int
-    # aiobotocore: bytes gathered from a body before one positional write.
+    # aiobotocore: bytes gathered from a body before one positional write; threads:
+    # the most bytes one read takes, and how often progress goes to the loop.
     io_block: int
     # A GET under low_speed_limit bytes/s for this long is abandoned and retried.
     request_timeout: float

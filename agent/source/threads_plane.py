@@ -48,6 +48,10 @@ __all__ = ["ThreadsPlane"]
 log = logging.getLogger(__name__)
 
 _MIN_STEP = 64 * 1024
+# Reads of 256 KiB, 512 KiB and 1.5 MiB measured alike here (CPU per GiB and wall
+# time, 2 GiB, 16 workers); the buffer is per worker, so the smaller keeps the
+# daemon's memory nearly flat as automatic concurrency adds workers.
+_MAX_STEP = 512 * 1024
 
 
 class ThreadsPlane:
@@ -233,13 +237,13 @@ def _get(pull: PullState, cursor: _Cursor, buffer: memoryview) -> None:
 
 
 def read_step(tuning: Tuning) -> int:
-    """Bytes per read of a body: at most half a low-speed window's worth, and io_block.
+    """Bytes per read of a body: at most half a low-speed window's worth, and 512 KiB.
 
     The watchdog sees only finished reads, so with steps of half the bytes a
     window needs it never cuts a GET that keeps the pace.
     """
     needed = max(1, int(tuning.low_speed_limit * tuning.request_timeout))
-    return max(_MIN_STEP, min(tuning.io_block, needed // 2))
+    return max(_MIN_STEP, min(tuning.io_block, _MAX_STEP, needed // 2))
 
 
 def _read_body(

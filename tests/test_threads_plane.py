@@ -31,7 +31,7 @@ from agent.service.operations import EnsureResult
 from agent.source.interface import RangeReadError
 from agent.source.s3 import S3Source, SourceUnreachable
 from agent.source.sync_s3 import translate
-from agent.source.threads_plane import ThreadsPlane
+from agent.source.threads_plane import ThreadsPlane, read_step
 from agent.store.store import Store
 from agent.testing import Fault, FaultProxy, S3Server, SampleModel
 
@@ -172,6 +172,19 @@ def test_auto_concurrency_runs_threads_per_stream_up_to_the_maximum() -> None:
     assert tune(settings, 9 * GB, plane="threads", cpus=192).concurrency == 48
     assert tune(settings, 900 * GB, plane="threads", cpus=192).concurrency == 64
     assert tune(S3Settings(concurrency=3), GB, plane="threads").concurrency == 3
+
+
+@pytest.mark.parametrize(
+    ("timeout_ms", "limit"), [(3000, 1024**2), (500, 100_000), (60_000, 1024**2), (100, 10)]
+)
+def test_a_read_never_outlasts_half_a_low_speed_window(timeout_ms: int, limit: int) -> None:
+    """Reads take at most half a window's bytes (so the watchdog never cuts a GET keeping
+    the pace), at most 512 KiB per worker, and never less than 64 KiB."""
+    settings = S3Settings(request_timeout_ms=timeout_ms, low_speed_limit=limit)
+    step = read_step(tune(settings, GB, plane="threads"))
+    needed = limit * timeout_ms / 1000
+    assert 64 * 1024 <= step <= 512 * 1024
+    assert step <= needed / 2 or step == 64 * 1024
 
 
 def _client_error(code: str, status: int) -> ClientError:

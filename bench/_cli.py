@@ -34,7 +34,7 @@ from ._targets import judge_targets
 
 MiB = 1024**2
 GiB = 1024**3
-PLANES = ("aiobotocore", "streamer")
+PLANES = ("threads", "aiobotocore", "streamer")
 # The agent as installed: its own plane choice and tuning (concurrency from model size).
 DEFAULTS = "prewarm cold (agent defaults)"
 DEFAULT_SCALING = "1GiB,2GiB,4GiB,8GiB"

@@ -77,12 +77,12 @@ def test_status_names_the_configured_streamer(start_agent: AgentFactory) -> None
         assert client.status().data_plane == "streamer"
 
 
-def test_auto_without_the_streamer_extra_pulls_with_aiobotocore(
+def test_auto_without_the_streamer_extra_pulls_with_the_auto_plane(
     tmp_path: Path, s3_server: S3Server, small_model: SampleModel
 ) -> None:
-    """Without the streamer installed, "auto" falls back to aiobotocore and the pull succeeds."""
+    """Without the streamer installed, "auto" is still the measured plane and the pull succeeds."""
     with _without_streamer(tmp_path, s3_server) as agent, Client(agent.socket_path) as client:
-        assert client.status().data_plane == "aiobotocore"
+        assert client.status().data_plane == AUTO_DATA_PLANE
         handle = client.ensure(small_model.uri)
         assert tree_digest(Path(handle.path)) == tree_digest(small_model.source_dir)
 

@@ -61,6 +61,7 @@ MANIFEST_FORMAT = 1
 CRASH_POINT_VARIABLE = "PREWARM_TEST_CRASH_AT"
 _FILE_MODE, _DIRECTORY_MODE = 0o444, 0o555
 SUBDIRECTORIES = ("snapshots", "manifests", "usage", "staging", "trash")
+_USAGE_LIMIT = 64 * 1024
 
 
 def snapshot_dir(root: Path, key: str) -> Path:
@@ -200,11 +201,16 @@ def _chmod_dir(path: Path, mode: int) -> None:
 
 
 def _chmod_file(path: Path, mode: int) -> os.stat_result | None:
-    """Change a regular file's mode without following a link; None if it is not regular."""
+    """Change the mode of a file that is the agent's alone, without following a link.
+
+    None (and the mode untouched) if it is not a regular file of the agent's
+    uid with one link: a hard link to another file (``/etc/shadow``) must not
+    be made readable before it is refused.
+    """
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1 or info.st_uid != os.geteuid():
             return None
         os.fchmod(fd, mode)
         return info
@@ -233,7 +239,8 @@ def write_usage(root: Path, key: str, usage: Usage, *, durable: bool) -> None:
 def read_usage(root: Path, key: str, created: float) -> Usage:
     """The recorded use of a snapshot; a missing or damaged record: unused since ``created``."""
     try:
-        document = json.loads(usage_path(root, key).read_text())
+        # Never followed or read if it is a link or a FIFO: a hint must not hang the start-up scan.
+        document = json.loads(read_bytes_nofollow(usage_path(root, key), limit=_USAGE_LIMIT))
         return Usage(
             last_used=float(document["last_used"]),
             hit_count=int(document["hit_count"]),

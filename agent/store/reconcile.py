@@ -39,6 +39,8 @@ __all__ = ["Found", "scan_tiers"]
 
 log = logging.getLogger(__name__)
 
+_WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
+
 
 @dataclass(frozen=True, slots=True)
 class Found:
@@ -77,7 +79,10 @@ def _scan_published(tier: TierName, root: Path, secret: bytes) -> list[tuple[Cac
             manifest.unlink(missing_ok=True)
             continue
         if not _files_present(model):
-            log.warning("dropping snapshot %s: its files are missing or resized", model.key)
+            log.warning(
+                "dropping snapshot %s: its files are missing, resized, or not the agent's alone",
+                model.key,
+            )
             manifest.unlink(missing_ok=True)
             continue
         published.append((model, read_usage(root, model.key, model.created)))
@@ -130,13 +135,35 @@ def _scan_staging(tier: TierName, root: Path, published: set[str], secret: bytes
     return leftovers
 
 
+def _agents_alone(directory: int) -> bool:
+    """Whether everything under ``directory`` is the agent's and writable by nobody else.
+
+    A published snapshot that another uid owns or may write (or a file with a
+    second hard link, writable wherever that link lives) could change under
+    the pods that map it, so it is not served.
+    """
+    euid = os.geteuid()
+    for _, _, files, fd in os.fwalk(".", dir_fd=directory, follow_symlinks=False):
+        entries = [os.fstat(fd)]
+        entries += [os.stat(name, dir_fd=fd, follow_symlinks=False) for name in files]
+        for info in entries:
+            if info.st_uid != euid or info.st_mode & _WRITABLE_BY_OTHERS:
+                return False
+            if not stat.S_ISDIR(info.st_mode) and info.st_nlink != 1:
+                return False
+    return True
+
+
 def _files_present(model: CachedModel) -> bool:
-    """Every file at its size, a regular file reached without following a link."""
+    """Every file at its size, a regular file reached without following a link, the agent's
+    alone (see ``_agents_alone``)."""
     try:
         directory = open_dir(model.path)
     except OSError:
         return False
     try:
+        if not _agents_alone(directory):
+            return False
         for cached in model.files:
             fd = open_beneath(directory, cached.path, os.O_RDONLY | os.O_NONBLOCK)
             try:

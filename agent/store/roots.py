@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 JOURNAL_KEY_NAME = "journal.key"
 _KEY_BYTES = 32
 _WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
+# Path components (links expanded) walked before giving up, as the kernel gives up on a loop.
+_MAX_COMPONENTS = 4096
 
 
 class UnsafeTierRoot(PrewarmError):
@@ -48,6 +50,7 @@ def prepare_root(root: Path, subdirectories: Iterable[str]) -> None:
     its top-level directories or an ancestor is not safe.
     """
     root = Path.cwd() / root  # an absolute root stays as it is
+    _check_links_on_the_way(root.parent)
     _check_ancestors(root.parent)
     root.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
     with contextlib.suppress(FileExistsError):  # a dangling link too: refused below
@@ -138,6 +141,39 @@ def _check_owned(fd: int, path: Path) -> None:
     if info.st_mode & _WRITABLE_BY_OTHERS:
         mode = stat.S_IMODE(info.st_mode)
         raise _refusal(path, f"is writable by group or others (mode {mode:o})")
+
+
+def _check_links_on_the_way(path: Path) -> None:
+    """Every link the path to the root goes through must be root's or the agent's.
+
+    ``realpath`` shows where a link points now; another user who owns a link
+    (even in a sticky directory such as ``/dev/shm``) can point it elsewhere
+    after the check, so the link itself is checked, and so is every link its
+    target goes through.
+    """
+    pending = list(path.parts[1:])
+    current = Path(path.anchor)
+    for _ in range(_MAX_COMPONENTS):
+        if not pending:
+            return
+        candidate = current / pending.pop(0)
+        try:
+            info = candidate.lstat()
+        except FileNotFoundError:
+            return  # created by the agent below, so its own
+        if not stat.S_ISLNK(info.st_mode):
+            current = candidate
+            continue
+        if info.st_uid not in (0, os.geteuid()):
+            raise _refusal(
+                candidate,
+                f"is a symlink owned by uid {info.st_uid}, who can point it elsewhere at any "
+                "time, and a tier root is reached through it",
+            )
+        target = candidate.readlink()
+        pending[:0] = target.parts[1:] if target.is_absolute() else target.parts
+        current = Path(target.anchor) if target.is_absolute() else current
+    raise _refusal(path, "is reached through too many symlinks")
 
 
 def _check_ancestors(parent: Path) -> None:

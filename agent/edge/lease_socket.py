@@ -21,11 +21,12 @@ import json
 import logging
 import socket
 import struct
+from collections import Counter
 from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from agent._exceptions import InvalidRequest, PrewarmError
+from agent._exceptions import InvalidRequest, NoSpace, PrewarmError
 from agent.edge.status import status_detail
 from agent.edge.unix_socket import (
     clear_stale_socket,
@@ -36,12 +37,26 @@ from agent.edge.unix_socket import (
 )
 from agent.store.leases import LeaseTable, PeerCredentials
 
-__all__ = ["HELLO_LIMIT", "HELLO_TIMEOUT_SECONDS", "LeaseServer"]
+__all__ = [
+    "HELLO_LIMIT",
+    "HELLO_TIMEOUT_SECONDS",
+    "MAX_PENDING",
+    "MAX_PENDING_PER_UID",
+    "POST_HELLO_LIMIT",
+    "LeaseServer",
+]
 
 # The hello is one short JSON line; anything longer is not a prewarm client.
 HELLO_LIMIT = 4096
 # A client that connects and says nothing must not pin a connection forever.
 HELLO_TIMEOUT_SECONDS = 5.0
+# Connections still owing their hello, per uid and in all: each holds a descriptor
+# of the agent's, and silent peers must not use them all up before their timeout.
+MAX_PENDING_PER_UID = 32
+MAX_PENDING = 256
+# Bytes a holder may send after its hello (room for keep-alives): every byte is read
+# on the event loop that answers the API, so a flood ends the connection.
+POST_HELLO_LIMIT = 64 * 1024
 
 log = logging.getLogger("agent.leases")
 
@@ -75,6 +90,7 @@ class LeaseServer:
         self._server: asyncio.Server | None = None
         self._inode: int | None = None
         self._handlers: set[asyncio.Task[None]] = set()
+        self._pending: Counter[int] = Counter()
         self._closing = False
 
     @property
@@ -146,7 +162,14 @@ class LeaseServer:
                 return
             creds = _peer_credentials(writer)
             try:
-                lease_id, name = await _read_hello(reader, self._hello_timeout)
+                self._admit(creds)
+                self._pending[creds.uid] += 1
+                try:
+                    lease_id, name = await _read_hello(reader, self._hello_timeout)
+                finally:
+                    self._pending[creds.uid] -= 1
+                    if self._pending[creds.uid] <= 0:
+                        del self._pending[creds.uid]
                 record = self._table.hold(lease_id, creds, name)
             except PrewarmError as exc:
                 log.info(
@@ -170,7 +193,12 @@ class LeaseServer:
                 },
             )
             await _reply(writer, {"ok": True, "key": record.key})
-            await _until_eof(reader)
+            if not await _until_eof(reader):
+                log.warning(
+                    "lease connection cut off: it sent more than %d bytes after its hello",
+                    POST_HELLO_LIMIT,
+                    extra={"lease": record.id, "pid": creds.pid, "uid": creds.uid},
+                )
         except ConnectionError:
             pass  # the peer went away mid-reply: the same as closing
         finally:
@@ -194,6 +222,17 @@ class LeaseServer:
                     await writer.wait_closed()
             finally:
                 self._handlers.discard(task)
+
+    def _admit(self, creds: PeerCredentials) -> None:
+        """NoSpace when too many connections, of this uid or in all, still owe their hello."""
+        mine, total = self._pending[creds.uid], self._pending.total()
+        if mine >= MAX_PENDING_PER_UID or total >= MAX_PENDING:
+            raise NoSpace(
+                f"Too many lease connections are waiting to send their hello ({mine} of uid "
+                f"{creds.uid}, {total} in all; at most {MAX_PENDING_PER_UID} per uid and "
+                f"{MAX_PENDING} in all). Send the hello right after connecting, and close "
+                "connections you do not use."
+            )
 
     def _remove_socket_file(self) -> None:
         remove_own_socket(self._path, self._inode)
@@ -240,8 +279,13 @@ async def _reply(writer: asyncio.StreamWriter, document: dict[str, object]) -> N
     await writer.drain()
 
 
-async def _until_eof(reader: asyncio.StreamReader) -> None:
+async def _until_eof(reader: asyncio.StreamReader) -> bool:
+    """Wait for the peer's end to close: True then, False once it sent too much."""
     # Bytes after the hello are read and dropped (room for future keep-alives);
     # the lease lives until the peer's end closes.
-    while await reader.read(HELLO_LIMIT):
-        pass
+    received = 0
+    while chunk := await reader.read(HELLO_LIMIT):
+        received += len(chunk)
+        if received > POST_HELLO_LIMIT:
+            return False
+    return True

@@ -5,10 +5,19 @@ Kept apart from agent._config only for size; agent._config re-exports it.
 
 from __future__ import annotations
 
+import fnmatch
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, BeforeValidator, ByteSize, Field, PlainSerializer, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ByteSize,
+    Field,
+    PlainSerializer,
+    model_validator,
+)
 
 __all__ = ["AccessLimits", "AccessSettings", "FileMode", "SourcePatterns", "TenantSocketSettings"]
 
@@ -36,7 +45,32 @@ def _check_source_patterns(value: object) -> object:
                 )
             if len(pattern) > 1024:
                 raise ValueError(f"the source pattern {pattern[:64]!r}... is over 1024 characters")
+            if _matches_every_bucket(pattern):
+                raise ValueError(
+                    f"{pattern!r} matches every bucket the node's role can read; name the "
+                    "buckets (e.g. 's3://models-prod/*'), or leave the list empty to allow any "
+                    "source (the daemon then warns at every start)"
+                )
     return value
+
+
+def _matches_every_bucket(pattern: str) -> bool:
+    # Two bucket names that share no character: a pattern matching both covers any bucket.
+    return all(
+        fnmatch.fnmatchcase(f"s3://{bucket}/model/", pattern)
+        or fnmatch.fnmatchcase(f"s3://{bucket}/", pattern)
+        for bucket in ("abc", "x-y.9z")
+    )
+
+
+def _check_tenant_socket_mode(mode: int) -> int:
+    if mode & 0o002:
+        raise ValueError(
+            f"mode {mode:04o} lets any local user connect to this tenant's socket and act as "
+            "the tenant; give the tenant's pods a group (mode 0660 and group = ...) or mount "
+            "the socket into its pods only with mode 0600"
+        )
+    return mode
 
 
 # Globs on the normalised URI (s3://bucket/prefix/); a pattern without * ? [ is a prefix.
@@ -63,7 +97,8 @@ class TenantSocketSettings(BaseModel):
     # Names the tenant in logs and errors.
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")]
     path: Path
-    mode: FileMode = 0o660
+    # Connecting needs write permission: others-write (0666) would make every local user the tenant.
+    mode: Annotated[FileMode, AfterValidator(_check_tenant_socket_mode)] = 0o660
     # Group that owns the socket (name); empty keeps the daemon's group.
     group: str = ""
     # The sources this tenant may cache, within [access].sources when that is set.

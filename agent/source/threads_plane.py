@@ -25,11 +25,11 @@ worker still waiting for S3's answer then never writes anything.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,8 +108,7 @@ class ThreadsPlane:
         client = await asyncio.to_thread(self._s3)
         pull = PullState(ranges, tuning, client=client, flight=flight, staging=staging)
         count = min(tuning.concurrency, len(ranges))
-        executor = ThreadPoolExecutor(max_workers=count, thread_name_prefix="prewarm-get")
-        workers = [pull.loop.run_in_executor(executor, self._work, pull) for _ in range(count)]
+        workers = [_start_worker(pull.loop, self._work, pull, i) for i in range(count)]
         for worker in workers:
             worker.add_done_callback(_retrieve)
         watchdog = asyncio.create_task(watch_speed(pull))
@@ -128,9 +127,8 @@ class ThreadsPlane:
                 await asyncio.wait([waiting])
                 raise
             finally:
-                pull.closed = True
                 # Workers still waiting on S3's answer end on their own, writing nothing.
-                executor.shutdown(wait=False, cancel_futures=True)
+                pull.closed = True
         if pull.failure is not None:
             raise pull.failure
 
@@ -306,3 +304,36 @@ def _retrieve(worker: asyncio.Future[None]) -> None:
     """Mark a worker's error as seen: after the first failure, the rest are not news."""
     if not worker.cancelled():
         worker.exception()
+
+
+def _start_worker(
+    loop: asyncio.AbstractEventLoop, work: Callable[[PullState], None], pull: PullState, index: int
+) -> asyncio.Future[None]:
+    """Run ``work(pull)`` on a daemon thread; its outcome lands in a future of ``loop``.
+
+    Not a ThreadPoolExecutor: the interpreter joins executor threads at exit, so
+    a worker still waiting on a silent S3's answer after the pull gave up would
+    hold a stopping daemon for a whole read timeout. Such a worker writes
+    nothing (the pull is closed), so it may be abandoned at exit.
+    """
+    outcome: asyncio.Future[None] = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if outcome.done():
+            return
+        if error is None:
+            outcome.set_result(None)
+        else:
+            outcome.set_exception(error)
+
+    def run() -> None:
+        error: BaseException | None = None
+        try:
+            work(pull)
+        except BaseException as exc:  # handed to the loop, re-raised there
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+            loop.call_soon_threadsafe(settle, error)
+
+    threading.Thread(target=run, name=f"prewarm-get-{index}", daemon=True).start()
+    return outcome

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ByteSize,
@@ -18,7 +19,13 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from agent._config_access import AccessLimits, AccessSettings, FileMode, TenantSocketSettings
+from agent._config_access import (
+    AccessLimits,
+    AccessSettings,
+    FileMode,
+    TenantSocketSettings,
+    check_api_socket_mode,
+)
 from agent._exceptions import InvalidRequest
 from agent._vocabulary import DataPlaneName, TierName
 
@@ -225,7 +232,7 @@ class Settings(BaseSettings):
 
     socket_path: Path = Path("/run/prewarm/agent.sock")
     # Mode of the socket file; group members may call the agent.
-    socket_mode: FileMode = 0o660
+    socket_mode: Annotated[FileMode, AfterValidator(check_api_socket_mode)] = 0o660
     # Group that owns the socket (name); empty keeps the daemon's group.
     socket_group: str = ""
     # Tier for requests that give no hint.

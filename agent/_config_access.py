@@ -73,6 +73,16 @@ def _check_tenant_socket_mode(mode: int) -> int:
     return mode
 
 
+def check_api_socket_mode(mode: int) -> int:
+    """The node's API socket may evict, pin and read every snapshot: never world-connectable."""
+    if mode & 0o002:
+        raise ValueError(
+            f"mode {mode:04o} lets any local user evict, pin and list the whole cache; use 0660 "
+            "with socket_group for the node's tools, and [[access.sockets]] for pods"
+        )
+    return mode
+
+
 # Globs on the normalised URI (s3://bucket/prefix/); a pattern without * ? [ is a prefix.
 SourcePatterns = Annotated[list[str], BeforeValidator(_check_source_patterns)]
 

@@ -28,6 +28,13 @@ def test_a_tenant_socket_others_may_connect_to_is_refused(tmp_path: Path, mode: 
         _load(tmp_path, text)
 
 
+@pytest.mark.parametrize("mode", ["0666", "0777", "0602"])
+def test_an_api_socket_others_may_connect_to_is_refused(tmp_path: Path, mode: str) -> None:
+    """The node's API socket (evict, pin, list everything) is never world-connectable."""
+    with pytest.raises(ConfigError, match=r"socket_mode: .*any local user"):
+        _load(tmp_path, f'socket_mode = "{mode}"\n')
+
+
 @pytest.mark.parametrize("mode", ["0660", "0600", "0664"])
 def test_a_tenant_socket_for_its_owner_and_group_is_accepted(tmp_path: Path, mode: str) -> None:
     """Owner and group modes (0664: others may not connect without write) stay allowed."""

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Callable
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import pytest
 
 from agent.testing import AgentProcess, InProcessAgent, RecordedRequest
 
@@ -41,3 +45,25 @@ def cache_entries(agent: RunningAgent) -> dict[str, list[str]]:
 def object_gets(requests: list[RecordedRequest]) -> list[RecordedRequest]:
     """The object GETs among ``requests`` (listings and HEADs left out)."""
     return [r for r in requests if r.method == "GET" and r.key is not None]
+
+
+@contextlib.contextmanager
+def small_tmpfs(mount_point: Path, size: str, mode: str = "0755") -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``mount_point`` (made if missing), to fill a tier for real.
+
+    ``mode`` must not be group/world-writable: the agent refuses such tier roots.
+    Skips the test where mounting is refused (it needs root).
+    """
+    mount_point.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode={mode}", "tmpfs", str(mount_point)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()}); needs root")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=False)

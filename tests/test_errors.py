@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import subprocess
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -14,7 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
-from agent_helpers import AgentFactory, RunningAgent, cache_entries
+from agent_helpers import AgentFactory, RunningAgent, cache_entries, small_tmpfs
 
 from agent._config import ConfigError
 from agent._exceptions import Conflict, PrewarmError, error_type_for_status
@@ -156,22 +155,14 @@ def test_denied_credentials_are_permission_denied(start_agent: AgentFactory) -> 
 def tiny_shm_agent(s3_server: S3Server) -> Iterator[AgentProcess]:
     """An agent whose shm tier is a 1 MiB tmpfs (needs root to mount)."""
     agent = AgentProcess(env=s3_server.env())
-    agent.shm_root.mkdir(parents=True)
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(agent.shm_root)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if mounted.returncode != 0:
-        agent.close()
-        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()}); needs root")
     try:
-        yield agent.start()
+        with small_tmpfs(agent.shm_root, "1m", mode="0700"):
+            try:
+                yield agent.start()
+            finally:
+                with contextlib.suppress(Exception):
+                    agent.stop()
     finally:
-        with contextlib.suppress(Exception):
-            agent.stop()
-        subprocess.run(["umount", str(agent.shm_root)], check=False)
         agent.close()
 
 

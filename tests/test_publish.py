@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import stat
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from agent_helpers import small_tmpfs
 from store_helpers import MiB, open_store, publish, stage
 
 from agent import IntegrityError, NoSpace, PrewarmError
@@ -87,20 +87,8 @@ async def test_a_manifest_that_cannot_be_written_leaves_nothing_behind(tmp_path:
 @pytest.fixture
 def full_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A 1 MiB tmpfs (0755, so the agent accepts it as a root); skips where mount is refused."""
-    mount_point = tmp_path / "tiny"
-    mount_point.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m,mode=0755", "tmpfs", str(mount_point)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()}); needs root")
-    try:
+    with small_tmpfs(tmp_path / "tiny", "1m") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", str(mount_point)], check=False)
 
 
 async def test_enospc_at_the_manifest_is_no_space_and_leaves_nothing_behind(

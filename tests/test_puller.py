@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from agent_helpers import small_tmpfs
 
 from agent import NoSpace, SourceChanged, SourceUnavailable
 from agent._config import S3Settings, Settings
@@ -151,20 +151,8 @@ async def test_a_watcher_leaving_does_not_cancel_the_pull(
 @pytest.fixture
 def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A 2 MiB tmpfs (needs root to mount)."""
-    mount_point = tmp_path / "tiny"
-    mount_point.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m,mode=0755", "tmpfs", str(mount_point)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()}); needs root")
-    try:
+    with small_tmpfs(tmp_path / "tiny", "2m") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", str(mount_point)], check=False)
 
 
 async def test_disk_full_mid_pull_is_no_space_and_leaves_other_models_intact(

@@ -5,12 +5,17 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import subprocess
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
+import watchfiles
 
 from agent.testing import AgentProcess, InProcessAgent, RecordedRequest
+
+T = TypeVar("T")
 
 # An agent serving on its socket: in this process, or a daemon subprocess.
 RunningAgent = InProcessAgent | AgentProcess
@@ -67,3 +72,38 @@ def small_tmpfs(mount_point: Path, size: str, mode: str = "0755") -> Iterator[Pa
         yield mount_point
     finally:
         subprocess.run(["umount", str(mount_point)], check=False)
+
+
+def when_logged(
+    agent: RunningAgent, condition: Callable[[], T | None], what: str, timeout: float = 60.0
+) -> T:
+    """``condition()``'s first non-None answer, asked again each time the agent writes its log.
+
+    Whatever a test waits for from the agent (an upload, a restore, a pin) ends
+    with a log line, so a write to its log file is the moment to look again. The
+    watch starts before the first look, and a quiet second looks once more, so
+    no line can slip between.
+    """
+    stop = threading.Event()
+    timer = threading.Timer(timeout, stop.set)
+    timer.start()
+    try:
+        changes: Iterator[object] = watchfiles.watch(
+            agent.log_path,
+            watch_filter=None,
+            debounce=50,
+            rust_timeout=1000,
+            stop_event=stop,
+            yield_on_timeout=True,
+        )
+        answer = condition()
+        for _ in changes:
+            if answer is not None:
+                break
+            answer = condition()
+    finally:
+        timer.cancel()
+    if answer is None:
+        answer = condition()
+    assert answer is not None, f"{what} within {timeout:g} s"
+    return answer

@@ -21,16 +21,14 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
-from agent_helpers import AgentFactory, RunningAgent
-from watchfiles._rust_notify import RustNotify
+from agent_helpers import AgentFactory, when_logged
 
 from agent.client import (
     Client,
@@ -45,8 +43,6 @@ from agent.testing import InProcessAgent, S3Server, SampleModel
 
 PROBE = Path(__file__).with_name("compile_probe.py")
 UPLOAD_DEADLINE = 90.0
-
-T = TypeVar("T")
 
 
 def _config(bucket: str) -> str:
@@ -91,28 +87,6 @@ def _pointer(s3_client: Any, bucket: str, key: str) -> dict[str, Any] | None:
         return None
     document: dict[str, Any] = json.loads(body.read())
     return document
-
-
-def _once(agent: RunningAgent, condition: Callable[[], T | None], what: str) -> T:
-    """``condition()``'s first non-None answer, asked again each time the agent logs.
-
-    Whatever the agent does that a test waits for here (an upload, a restore)
-    ends with a log line, so a change of its log file is the moment to look
-    again. The watch starts before the first look, so no line can slip between.
-    """
-    deadline = time.monotonic() + UPLOAD_DEADLINE
-    with RustNotify([str(agent.log_path)], False, False, 0, False, False) as log_changes:
-        while (answer := condition()) is None:
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            assert left_ms > 0, f"{what} within {UPLOAD_DEADLINE} s"
-            changes = log_changes.watch(50, 10, left_ms, None)
-            if changes == "signal":
-                raise KeyboardInterrupt
-            if changes == "timeout":
-                answer = condition()
-                assert answer is not None, f"{what} within {UPLOAD_DEADLINE} s"
-                break
-    return answer
 
 
 def _parts() -> CompileKeyParts:
@@ -291,10 +265,11 @@ def test_a_manifest_entry_restores_its_compile_cache_with_the_model(
     )
     agent = start_agent(f'[manifests]\ndirectory = "{manifests}"\n')
     with Client(agent.socket_path) as client:
-        caches = _once(
+        caches = when_logged(
             agent,
             lambda: client.list_compile_caches() or None,
-            "the manifest's compile cache never appeared",
+            "the manifest's compile cache",
+            UPLOAD_DEADLINE,
         )
         (model,) = client.list_models()
     (cache,) = caches

@@ -4,16 +4,13 @@ a watched directory (in process, over the in-memory source), and the real daemon
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
-import watchfiles
-from agent_helpers import AgentFactory, RunningAgent
+from agent_helpers import AgentFactory, when_logged
 
 from agent._config import ManifestSettings, S3Settings, Settings
 from agent.client import Client
@@ -354,37 +351,6 @@ async def test_a_compile_cache_named_by_an_entry_is_restored_once_its_model_is_c
 # -- the real daemon ----------------------------------------------------------------------
 
 
-def daemon_log_line(
-    agent: RunningAgent, matches: Callable[[dict[str, object]], bool]
-) -> dict[str, object]:
-    """The first JSON line of the daemon's log that ``matches``, woken by writes to the log."""
-
-    def found() -> dict[str, object] | None:
-        lines = (json.loads(line) for line in agent.log_text().splitlines() if line[:1] == "{")
-        return next((line for line in lines if matches(line)), None)
-
-    stop = threading.Event()
-    timer = threading.Timer(WAIT_SECONDS, stop.set)
-    timer.start()
-    try:
-        # A line written before the watch began is found at the first timeout.
-        changes: Iterator[object] = watchfiles.watch(
-            agent.log_path,
-            watch_filter=None,
-            debounce=100,
-            rust_timeout=1000,
-            stop_event=stop,
-            yield_on_timeout=True,
-        )
-        for _ in changes:
-            line = found()
-            if line is not None:
-                return line
-    finally:
-        timer.cancel()
-    raise AssertionError(f"no matching log line in {WAIT_SECONDS} s")
-
-
 def test_the_daemon_prefetches_and_pins_what_its_manifest_directory_lists(
     start_agent: AgentFactory, manifest_dir: Path, small_model: SampleModel
 ) -> None:
@@ -394,7 +360,8 @@ def test_the_daemon_prefetches_and_pins_what_its_manifest_directory_lists(
         manifest_dir / "llama.toml",
         f'[[model]]\nuri = "{small_model.uri}"\ntier = "disk"\npin = true\n',
     )
-    daemon_log_line(agent, lambda line: str(line["msg"]).startswith(f"pinned {small_model.uri}"))
+    pinned = f"pinned {small_model.uri}"
+    when_logged(agent, lambda: pinned in agent.log_text() or None, pinned, WAIT_SECONDS)
     with Client(agent.socket_path) as client:
         [model] = client.list_models()
     assert (model.uri, model.tier, model.pinned) == (small_model.uri, "disk", True)

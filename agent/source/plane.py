@@ -36,6 +36,7 @@ __all__ = [
     "ByteRange",
     "DataPlane",
     "ProgressSink",
+    "RangeCursor",
     "RangeSink",
     "plan_ranges",
     "root_cause",
@@ -59,6 +60,23 @@ class ByteRange:
     @property
     def where(self) -> str:
         return f"{self.obj.relative_path} bytes {self.start}-{self.start + self.length - 1}"
+
+
+@dataclass(slots=True)
+class RangeCursor:
+    """How far a plane got into one range, and the hash of what it wrote: a retry resumes here."""
+
+    range: ByteRange
+    hasher: ChunkHasher
+    written: int = 0
+
+    @property
+    def offset(self) -> int:
+        return self.range.start + self.written
+
+    @property
+    def missing(self) -> int:
+        return self.range.length - self.written
 
 
 class ProgressSink(Protocol):

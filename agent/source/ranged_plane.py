@@ -18,12 +18,18 @@ import asyncio
 import logging
 import random
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 from agent._exceptions import SourceUnavailable
 from agent.check.hashes import ChunkHasher
 from agent.source.interface import ObjectSource, RangeReader, RangeReadError
-from agent.source.plane import ByteRange, ProgressSink, RangeSink, root_cause, write_in_thread
+from agent.source.plane import (
+    ByteRange,
+    ProgressSink,
+    RangeCursor,
+    RangeSink,
+    root_cause,
+    write_in_thread,
+)
 from agent.source.transfer import Tuning
 
 __all__ = ["AiobotocorePlane"]
@@ -39,21 +45,6 @@ def backoff_delay(failures: int) -> float:
     """Full jitter: uniform in [0, min(cap, base x 2^(failures-1))]."""
     ceiling = min(BACKOFF_CAP_SECONDS, BACKOFF_BASE_SECONDS * 2 ** (failures - 1))
     return random.uniform(0, ceiling)
-
-
-@dataclass(slots=True)
-class _Cursor:
-    range: ByteRange
-    hasher: ChunkHasher
-    written: int = 0
-
-    @property
-    def offset(self) -> int:
-        return self.range.start + self.written
-
-    @property
-    def missing(self) -> int:
-        return self.range.length - self.written
 
 
 class AiobotocorePlane:
@@ -93,7 +84,7 @@ class AiobotocorePlane:
         """Write one range at its offset, resuming after the last good byte on retry."""
         obj = byte_range.obj
         bucket = flight.snapshot.uri.bucket
-        cursor = _Cursor(byte_range, ChunkHasher())
+        cursor = RangeCursor(byte_range, ChunkHasher())
         failures = 0
         while cursor.missing:
             try:
@@ -124,7 +115,7 @@ class AiobotocorePlane:
         flight: ProgressSink,
         staging: RangeSink,
         reader: RangeReader,
-        cursor: _Cursor,
+        cursor: RangeCursor,
         tuning: Tuning,
     ) -> None:
         """Copy a response body into the file, gathering ``io_block`` bytes per write.

@@ -30,14 +30,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from agent._config import S3Settings
 from agent._exceptions import PrewarmError, SourceUnavailable
 from agent.check.hashes import ChunkHasher
 from agent.source.interface import RangeReadError
-from agent.source.plane import AUTO_DATA_PLANE, ByteRange, ProgressSink, RangeSink
+from agent.source.plane import AUTO_DATA_PLANE, ByteRange, ProgressSink, RangeCursor, RangeSink
 from agent.source.ranged_plane import backoff_delay
 from agent.source.sync_s3 import body_reader, body_socket, make_sync_client, translate
 from agent.source.thread_pull import Body, PullState, Stopped, watch_speed
@@ -147,7 +146,7 @@ class ThreadsPlane:
         """Write one range, resuming after the last good byte on retry; then journal it."""
         obj = byte_range.obj
         bucket = pull.flight.snapshot.uri.bucket
-        cursor = _Cursor(byte_range, ChunkHasher())
+        cursor = RangeCursor(byte_range, ChunkHasher())
         failures = 0
         while cursor.missing:
             try:
@@ -176,18 +175,7 @@ class ThreadsPlane:
         )
 
 
-@dataclass(slots=True)
-class _Cursor:
-    range: ByteRange
-    hasher: ChunkHasher
-    written: int = 0
-
-    @property
-    def missing(self) -> int:
-        return self.range.length - self.written
-
-
-def _get(pull: PullState, cursor: _Cursor, buffer: memoryview) -> None:
+def _get(pull: PullState, cursor: RangeCursor, buffer: memoryview) -> None:
     """One GET for the rest of the range, advancing the cursor past every good byte."""
     obj = cursor.range.obj
     start = cursor.range.start + cursor.written
@@ -245,7 +233,13 @@ def read_step(tuning: Tuning) -> int:
 
 
 def _read_body(
-    pull: PullState, tracked: Body, body: Any, cursor: _Cursor, *, where: str, buffer: memoryview
+    pull: PullState,
+    tracked: Body,
+    body: Any,
+    cursor: RangeCursor,
+    *,
+    where: str,
+    buffer: memoryview,
 ) -> int:
     """Read the body into the range's place in the staging file, one step at a time.
 

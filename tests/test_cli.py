@@ -315,3 +315,16 @@ def test_a_16_kib_uri_exits_2_with_a_short_message(agent_daemon: AgentProcess) -
     assert done.returncode == 2, done.stderr
     assert "over the limit of 1100 bytes" in done.stderr
     assert len(done.stderr) < 400
+
+
+def test_cached_only_pull_with_s3_up_says_cached_only_not_unreachable(
+    agent_daemon: AgentProcess, small_model: SampleModel
+) -> None:
+    """`pull --cached-only` with S3 up says the answer is from the cache without asking S3; it
+    never claims S3 was unreachable."""
+    sock = agent_daemon.socket_path
+    assert prewarm("pull", small_model.uri, socket=sock).returncode == 0
+    done = prewarm("pull", small_model.uri, "--cached-only", socket=sock)
+    assert done.returncode == 0, done.stderr
+    assert "(cached only: the newest cached snapshot, S3 not asked" in done.stdout
+    assert "unreachable" not in done.stdout

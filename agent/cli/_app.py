@@ -240,7 +240,7 @@ def pull(
             sys.stdout.write(render.to_json(handle) + "\n")
         else:
             handle = _pull_with_bar(client, uri, **request)
-            _stdout().print(render.pull_summary(handle), soft_wrap=True)
+            _stdout().print(render.pull_summary(handle, cached_only=cached_only), soft_wrap=True)
 
 
 @app.command("ls")

@@ -217,7 +217,8 @@ def exec_command(
             _fail(str(exc), EXIT_INVALID)
         except PrewarmError as exc:
             _fail(str(exc), EXIT_ERROR)
-        sys.stderr.write(f"prewarm: {render.pull_summary(handle)}\n")
+        summary = render.pull_summary(handle, cached_only=cached_only)
+        sys.stderr.write(f"prewarm: {summary}\n")
         env = dict(os.environ)
         watch: ReadyWatch | None = None
         if key_parts:

@@ -92,18 +92,26 @@ def _uptime(seconds: float) -> str:
     return f"{minutes}m {secs}s" if minutes else f"{seconds:.1f}s"
 
 
-def pull_summary(handle: ModelHandle) -> Text:
-    """One line: what happened, where the time went, where the model is."""
-    return plain(_pull_line(handle))
+def pull_summary(handle: ModelHandle, *, cached_only: bool = False) -> Text:
+    """One line: what happened, where the time went, where the model is.
+
+    ``cached_only``: the request asked S3 nothing, so an unchecked answer says
+    that rather than blaming S3 (the handle is ``resolved_offline`` either way).
+    """
+    return plain(_pull_line(handle, cached_only))
 
 
-def _pull_line(handle: ModelHandle) -> str:
+def _unchecked_note(handle: ModelHandle, cached_only: bool) -> str:
+    if not handle.resolved_offline:
+        return ""
+    if cached_only:
+        return " (cached only: the newest cached snapshot, S3 not asked whether it is current)"
+    return " (S3 unreachable: served the newest cached snapshot without checking it is current)"
+
+
+def _pull_line(handle: ModelHandle, cached_only: bool) -> str:
     t = handle.timings
-    offline = (
-        " (S3 unreachable: served the newest cached snapshot without checking it is current)"
-        if handle.resolved_offline
-        else ""
-    )
+    offline = _unchecked_note(handle, cached_only)
     if handle.hit:
         return f"hit: {handle.uri} in {t.total:.3f} s{offline} -> {handle.path}"
     phases = [f"resolve {t.resolve:.2f} s"]

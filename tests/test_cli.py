@@ -102,13 +102,28 @@ def test_ls_json_lists_the_pulled_model(
 def test_ls_shows_a_table_with_the_short_key(
     agent_daemon: AgentProcess, small_model: SampleModel
 ) -> None:
-    """`ls` prints a table whose rows start with the 12-character key, URI and tier."""
+    """`ls` prints a table whose rows start with the 12-character key, URI, filters and tier."""
     handle = prewarm_json("pull", small_model.uri, socket=agent_daemon.socket_path)
     listing = prewarm("ls", socket=agent_daemon.socket_path)
     assert listing.returncode == 0, listing.stderr
     header, row = listing.stdout.splitlines()
-    assert header.split()[:3] == ["key", "uri", "tier"]
-    assert row.split()[:3] == [handle["key"][:12], small_model.uri, "shm"]
+    assert header.split()[:4] == ["key", "uri", "filters", "tier"]
+    assert row.split()[:4] == [handle["key"][:12], small_model.uri, "-", "shm"]
+
+
+def test_ls_tells_apart_snapshots_of_one_uri_with_other_filters(
+    agent_daemon: AgentProcess, small_model: SampleModel
+) -> None:
+    """Two snapshots of one URI pulled with different globs are two rows showing their filters."""
+    sock = agent_daemon.socket_path
+    whole = prewarm_json("pull", small_model.uri, socket=sock)
+    some = prewarm_json(
+        "pull", small_model.uri, "--include", "*.json", "--exclude", "*index*", socket=sock
+    )
+    listing = prewarm("ls", socket=sock)
+    assert listing.returncode == 0, listing.stderr
+    rows = {line.split()[0]: line.split()[2:4] for line in listing.stdout.splitlines()[1:]}
+    assert rows == {whole["key"][:12]: ["-", "shm"], some["key"][:12]: ["+*.json", "-*index*"]}
 
 
 def test_show_finds_a_model_by_key_prefix(
@@ -302,11 +317,19 @@ def test_verify_reports_a_changed_file_and_exits_1(
     assert prewarm_json("ls", socket=sock) == []
 
 
-def test_verify_needs_a_model_or_all(agent_daemon: AgentProcess) -> None:
-    """`verify` with neither a model nor --all exits 2."""
-    done = prewarm("verify", socket=agent_daemon.socket_path)
-    assert done.returncode == 2
-    assert "not neither" in done.stderr
+def test_verify_needs_a_model_or_all_in_the_commands_own_words(
+    agent_daemon: AgentProcess,
+) -> None:
+    """`verify` with neither a model nor --all, or with both, exits 2 naming --all (not the
+    client's all=True)."""
+    neither = prewarm("verify", socket=agent_daemon.socket_path)
+    both = prewarm("verify", "s3://b/m/", "--all", socket=agent_daemon.socket_path)
+    assert (neither.returncode, both.returncode) == (2, 2)
+    assert neither.stderr == (
+        "error: give one model to verify (a URI or a key) or --all, e.g. `prewarm verify --all`.\n"
+    )
+    assert both.stderr.endswith("or --all, not both.\n")
+    assert "all=True" not in neither.stderr + both.stderr
 
 
 def test_a_16_kib_uri_exits_2_with_a_short_message(agent_daemon: AgentProcess) -> None:

@@ -245,7 +245,11 @@ def pull(
 
 @app.command("ls")
 def list_models(socket: SocketOption = None, json_out: JsonOption = False) -> None:
-    """List the models in the node cache."""
+    """List the models in the node cache.
+
+    FILTERS shows a snapshot's include (+GLOB) and exclude (-GLOB) globs: one URI pulled
+    with other filters is another snapshot, on a row of its own.
+    """
     with _agent_errors(), Client(socket) as client:
         models = client.list_models()
     if json_out:
@@ -326,6 +330,15 @@ def verify(
     json_out: JsonOption = False,
 ) -> None:
     """Re-hash cached files; snapshots that fail are evicted. Exits 1 if any failed."""
+    if all_models == bool(ref):
+        # Said in the command's own terms (the client's check names its all=True).
+        _fail(
+            InvalidRequest(
+                "give one model to verify (a URI or a key) or --all, "
+                + ("not both." if all_models else "e.g. `prewarm verify --all`.")
+            ),
+            EXIT_INVALID,
+        )
     with _agent_errors(), Client(socket) as client:
         results = client.verify(ref, all=all_models, report_only=report_only)
     if json_out:

@@ -31,6 +31,7 @@ from agent.client import (
 
 __all__ = [
     "evict_summary",
+    "filters_text",
     "gc_summary",
     "human_bytes",
     "model_detail",
@@ -136,6 +137,8 @@ def models_table(models: list[ModelInfo]) -> Table:
     table = Table(box=None, header_style="bold", pad_edge=False)
     table.add_column("key", no_wrap=True)
     table.add_column("uri", overflow="fold")
+    # Snapshots of one URI with other include/exclude globs are other rows.
+    table.add_column("filters", overflow="fold")
     table.add_column("tier")
     table.add_column("size", justify="right")
     table.add_column("files", justify="right")
@@ -148,6 +151,7 @@ def models_table(models: list[ModelInfo]) -> Table:
         table.add_row(
             plain(m.key[:_KEY_WIDTH]),
             plain(m.uri),
+            plain(filters_text(m.include, m.exclude)),
             m.tier,
             human_bytes(m.total_bytes),
             str(m.file_count),
@@ -158,6 +162,12 @@ def models_table(models: list[ModelInfo]) -> Table:
             "pinned" if m.pinned else "-",
         )
     return table
+
+
+def filters_text(include: tuple[str, ...], exclude: tuple[str, ...]) -> str:
+    """A snapshot's globs in one cell: ``+GLOB`` included, ``-GLOB`` excluded, ``-`` none."""
+    globs = [f"+{glob}" for glob in include] + [f"-{glob}" for glob in exclude]
+    return " ".join(globs) or "-"
 
 
 def _fields(rows: list[tuple[str, str]]) -> Table:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -10,7 +11,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.progress import Progress
+
 from agent import __version__
+from agent.cli import _render as render
 from agent.client import Client
 from agent.testing import AgentProcess, SampleModel
 
@@ -47,7 +52,7 @@ def test_pull_prints_phase_timings_then_a_hit(
     match = re.fullmatch(
         rf"cold pull of {re.escape(small_model.uri)} in {_NUMBER} s "
         rf"\(resolve {_NUMBER} s, download {_NUMBER} s, verify {_NUMBER} s, "
-        rf"publish {_NUMBER} s\), {_NUMBER} MiB at {_NUMBER} MB/s -> (?P<path>\S+)\n",
+        rf"publish {_NUMBER} s\), {_NUMBER} MiB at {_NUMBER} [KMG]iB/s -> (?P<path>\S+)\n",
         cold.stdout,
     )
     assert match, cold.stdout
@@ -351,3 +356,16 @@ def test_cached_only_pull_with_s3_up_says_cached_only_not_unreachable(
     assert done.returncode == 0, done.stderr
     assert "(cached only: the newest cached snapshot, S3 not asked" in done.stdout
     assert "unreachable" not in done.stdout
+
+
+def test_sizes_and_speeds_share_one_unit_system() -> None:
+    """The summary's rate and the progress bar's speed are binary (MiB/s) like the sizes beside
+    them, never decimal MB/s next to MiB."""
+    size = int(87.4 * 1024**2)
+    assert (render.human_bytes(size), render.rate(size, 0.5)) == ("87.4 MiB", "174.8 MiB/s")
+    progress = Progress(console=Console(file=io.StringIO()))
+    task_id = progress.add_task("download", total=size)
+    task = progress.tasks[0]
+    assert task.id == task_id
+    task.finished_speed = 3 * 1024**3
+    assert render.BinarySpeedColumn().render(task).plain == "3.0 GiB/s"

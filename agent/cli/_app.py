@@ -19,7 +19,6 @@ from rich.progress import (
     TaskID,
     TextColumn,
     TimeRemainingColumn,
-    TransferSpeedColumn,
 )
 
 from agent._exceptions import printable
@@ -160,7 +159,7 @@ def _pull_with_bar(client: Client, uri: str, **kwargs: object) -> ModelHandle:
         TextColumn("{task.description:<8}"),
         BarColumn(),
         DownloadColumn(binary_units=True),
-        TransferSpeedColumn(),
+        render.BinarySpeedColumn(),
         TextColumn("{task.fields[files]}"),
         TimeRemainingColumn(),
         console=console,

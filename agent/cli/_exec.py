@@ -52,7 +52,6 @@ from rich.progress import (
     Progress,
     TextColumn,
     TimeRemainingColumn,
-    TransferSpeedColumn,
 )
 
 from agent.client import (
@@ -350,7 +349,7 @@ def _progress_display(uri: str) -> Iterator[Callable[[PullProgress], None]]:
         TextColumn("{task.description:<8}"),
         BarColumn(),
         DownloadColumn(binary_units=True),
-        TransferSpeedColumn(),
+        render.BinarySpeedColumn(),
         TimeRemainingColumn(),
         console=console,
         transient=True,

@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from rich.console import Group, RenderableType
+from rich.progress import ProgressColumn, Task
 from rich.table import Table
 from rich.text import Text
 
@@ -30,6 +31,7 @@ from agent.client import (
 )
 
 __all__ = [
+    "BinarySpeedColumn",
     "evict_summary",
     "filters_text",
     "gc_summary",
@@ -67,11 +69,23 @@ def human_bytes(n: int) -> str:
 
 
 def rate(n: int, seconds: float) -> str:
-    """Decimal MB/s, the unit network and S3 throughput is quoted in."""
+    """Bytes per second in the binary units of the sizes printed beside it (MiB/s, GiB/s)."""
     if seconds <= 0:
-        return "- MB/s"
-    mb_per_s = n / seconds / 1e6
-    return f"{mb_per_s:.0f} MB/s" if mb_per_s >= 10 else f"{mb_per_s:.2f} MB/s"
+        return "- MiB/s"
+    return f"{human_bytes(int(n / seconds))}/s"
+
+
+class BinarySpeedColumn(ProgressColumn):
+    """A progress bar's transfer speed in binary units, like its DownloadColumn(binary_units).
+
+    rich's TransferSpeedColumn is decimal only, which put "MiB" and "MB/s" on one line.
+    """
+
+    def render(self, task: Task) -> Text:
+        speed = task.finished_speed or task.speed
+        if speed is None:
+            return Text("?", style="progress.data.speed")
+        return Text(f"{human_bytes(int(speed))}/s", style="progress.data.speed")
 
 
 def _when(moment: datetime) -> str:

@@ -8,9 +8,11 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from agent_helpers import outside_the_socket_group
 from rich.console import Console
 from rich.progress import Progress
 
@@ -22,11 +24,14 @@ from agent.testing import AgentProcess, SampleModel
 _NUMBER = r"\d+(?:\.\d+)?"
 
 
-def prewarm(*args: str, socket: Path) -> subprocess.CompletedProcess[str]:
+def prewarm(
+    *args: str, socket: Path, prefix: Sequence[str] = ()
+) -> subprocess.CompletedProcess[str]:
+    """``prewarm ARGS`` on ``socket``; ``prefix`` runs it through another program (setpriv)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}
     env["PREWARM_SOCKET_PATH"] = str(socket)
     return subprocess.run(
-        [sys.executable, "-m", "agent.cli", *args],
+        [*prefix, sys.executable, "-m", "agent.cli", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -369,3 +374,19 @@ def test_sizes_and_speeds_share_one_unit_system() -> None:
     assert task.id == task_id
     task.finished_speed = 3 * 1024**3
     assert render.BinarySpeedColumn().render(task).plain == "3.0 GiB/s"
+
+
+def test_a_user_outside_the_sockets_group_is_told_which_group_to_join(
+    agent_daemon: AgentProcess,
+) -> None:
+    """On a socket the user may not open, every command exits 3 with the client's sentence naming
+    the socket's group, never click's "path ... is not readable" box (exit 2)."""
+    sock = agent_daemon.socket_path
+    outsider = outside_the_socket_group(sock)
+    for command in (["ls"], ["status"], ["compile", "ls"]):
+        done = prewarm(*command, socket=sock, prefix=outsider)
+        assert done.returncode == 3, (command, done.stderr)
+        assert done.stderr == (
+            f"error: permission denied on the prewarm agent's socket {sock}: run as a member of "
+            "the socket's group (see socket_group in /etc/prewarm/agent.toml) or as root.\n"
+        ), command

@@ -6,7 +6,10 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+
+from agent_helpers import outside_the_socket_group
 
 from agent.client import Client
 from agent.testing import AgentProcess, SampleModel
@@ -14,11 +17,12 @@ from agent.testing import AgentProcess, SampleModel
 CHILD = str(Path(__file__).with_name("exec_child.py"))
 
 
-def start_exec(*args: str, socket: Path) -> subprocess.Popen[str]:
+def start_exec(*args: str, socket: Path, prefix: Sequence[str] = ()) -> subprocess.Popen[str]:
+    """``prewarm exec ARGS`` on ``socket``; ``prefix`` runs it through another program."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}
     env["PREWARM_SOCKET_PATH"] = str(socket)
     return subprocess.Popen(
-        [sys.executable, "-m", "agent.cli", "exec", *args],
+        [*prefix, sys.executable, "-m", "agent.cli", "exec", *args],
         env=env,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -125,3 +129,27 @@ def test_exec_without_fallback_exits_3_when_no_agent_answers(tmp_path: Path) -> 
     assert launcher.returncode == 3, stderr
     assert "no-agent.sock" in stderr
     assert not marker.exists()
+
+
+def test_exec_with_fallback_falls_back_when_the_socket_refuses_this_user(
+    agent_daemon: AgentProcess,
+) -> None:
+    """A user outside the socket's group: --fallback runs the command on the URI after a warning
+    that names the group fix (not click's exit 2 for an unreadable path)."""
+    uri = "s3://models/llama/"
+    launcher = start_exec(
+        "--fallback",
+        uri,
+        "--",
+        sys.executable,
+        "-c",
+        "import sys; print(sys.argv[1:])",
+        "{model}",
+        socket=agent_daemon.socket_path,
+        prefix=outside_the_socket_group(agent_daemon.socket_path),
+    )
+    stdout, stderr = launcher.communicate(timeout=60)
+    assert launcher.returncode == 0, stderr
+    assert stdout == f"['{uri}']\n"
+    assert "permission denied on the prewarm agent's socket" in stderr
+    assert "--fallback: running the command against" in stderr

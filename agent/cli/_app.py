@@ -37,7 +37,7 @@ from . import _render as render
 from ._compile import compile_app
 from ._exec import exec_command
 from ._health import health_command
-from ._options import AsRequesterOption, CachedOnlyOption
+from ._options import AsRequesterOption, CachedOnlyOption, SocketOption
 
 __all__ = ["app"]
 
@@ -70,15 +70,6 @@ def _parse_size(text: str) -> int:
     return int(number) * int(base**power)
 
 
-SocketOption = Annotated[
-    Path | None,
-    typer.Option(
-        "--socket",
-        envvar="PREWARM_SOCKET_PATH",
-        help="The agent's socket [default: /run/prewarm/agent.sock].",
-        show_default=False,
-    ),
-]
 JsonOption = Annotated[
     bool, typer.Option("--json", help="Print machine-readable JSON on stdout, nothing else.")
 ]

@@ -69,7 +69,7 @@ from agent.client._compile import key_parts as key_parts_from
 
 from . import _render as render
 from ._engine_flags import detect_engine, engine_key_fields, merged_key_fields
-from ._options import AsRequesterOption, CachedOnlyOption
+from ._options import AsRequesterOption, CachedOnlyOption, SocketOption
 from ._ready import ReadyWatch, ready_waiter, report_ready
 
 __all__ = ["CachedOnlyOption", "exec_command"]
@@ -159,15 +159,7 @@ def exec_command(
             show_default=False,
         ),
     ] = None,
-    socket: Annotated[
-        Path | None,
-        typer.Option(
-            "--socket",
-            envvar="PREWARM_SOCKET_PATH",
-            help="The agent's socket (default: /run/prewarm/agent.sock).",
-            show_default=False,
-        ),
-    ] = None,
+    socket: SocketOption = None,
 ) -> None:
     """Run COMMAND on the node's cached copy of a model, holding a lease while it runs.
 

@@ -22,6 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agent.client._convert import CHANNEL_OPTIONS, channel_target, resolve_socket_path
 
+from ._options import SocketOption
+
 __all__ = ["health_command"]
 
 EXIT_NOT_SERVING = 1
@@ -29,15 +31,7 @@ EXIT_NO_AGENT = 3
 
 
 def health_command(
-    socket: Annotated[
-        Path | None,
-        typer.Option(
-            "--socket",
-            envvar="PREWARM_SOCKET_PATH",
-            help="The agent's socket [default: /run/prewarm/agent.sock].",
-            show_default=False,
-        ),
-    ] = None,
+    socket: SocketOption = None,
     service: Annotated[
         str,
         typer.Option(help="Health service name; empty is the whole agent, or prewarm.v1.Prewarm."),

@@ -1,13 +1,29 @@
-"""Options shared by ``prewarm pull`` and ``prewarm exec``; each env var lets a pod spec turn
-it on without new arguments."""
+"""Options shared by the ``prewarm`` commands; each env var lets a pod spec turn it on without
+new arguments."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
-__all__ = ["AsRequesterOption", "CachedOnlyOption"]
+__all__ = ["AsRequesterOption", "CachedOnlyOption", "SocketOption"]
+
+SocketOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--socket",
+        envvar="PREWARM_SOCKET_PATH",
+        help="The agent's socket [default: /run/prewarm/agent.sock].",
+        show_default=False,
+        # A socket is connected to, never read: click's readable check (os.access R_OK)
+        # would stop a user outside the socket's group with "path ... is not readable",
+        # exit 2, before the client could say which group to join (exit 3), and before
+        # `exec --fallback` could fall back.
+        readable=False,
+    ),
+]
 
 CachedOnlyOption = Annotated[
     bool,

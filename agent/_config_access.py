@@ -6,6 +6,7 @@ Kept apart from agent._config only for size; agent._config re-exports it.
 from __future__ import annotations
 
 import fnmatch
+import json
 from pathlib import Path
 from typing import Annotated
 
@@ -18,6 +19,7 @@ from pydantic import (
     PlainSerializer,
     model_validator,
 )
+from pydantic_settings import NoDecode
 
 __all__ = ["AccessLimits", "AccessSettings", "FileMode", "SourcePatterns", "TenantSocketSettings"]
 
@@ -36,7 +38,27 @@ FileMode = Annotated[
 ]
 
 
+def _patterns_from_text(value: str) -> object:
+    """An environment variable's patterns: a JSON list, or one pattern or several, comma-separated.
+
+    ``PREWARM_ACCESS__SOURCES='s3://models/*'`` is what people write; pydantic-settings
+    would only take JSON (``'["s3://models/*"]'``) and die with a traceback otherwise.
+    """
+    text = value.strip()
+    if text.startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"{value[:200]!r} starts like a JSON list but is not one ({exc.msg}); write "
+                """'["s3://models-prod/*"]' or comma-separated patterns: 's3://a/*,s3://b/x/'"""
+            ) from None
+    return [pattern.strip() for pattern in text.split(",") if pattern.strip()]
+
+
 def _check_source_patterns(value: object) -> object:
+    if isinstance(value, str):
+        value = _patterns_from_text(value)
     if isinstance(value, list):
         for pattern in value:
             if not isinstance(pattern, str) or not pattern.startswith("s3://"):
@@ -84,7 +106,8 @@ def check_api_socket_mode(mode: int) -> int:
 
 
 # Globs on the normalised URI (s3://bucket/prefix/); a pattern without * ? [ is a prefix.
-SourcePatterns = Annotated[list[str], BeforeValidator(_check_source_patterns)]
+# NoDecode: an environment variable reaches the validator as text (JSON or comma-separated).
+SourcePatterns = Annotated[list[str], NoDecode, BeforeValidator(_check_source_patterns)]
 
 
 class AccessLimits(BaseModel):

@@ -11,7 +11,13 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from agent._config import ConfigError, Settings, load_settings, render_toml
+from agent._config import (
+    ConfigError,
+    Settings,
+    load_settings,
+    render_toml,
+    unknown_environment,
+)
 from agent._exceptions import PrewarmError
 from agent._version import __version__
 from agent.compile.cache import CompileCaches
@@ -239,10 +245,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"prewarmd: {exc}", file=sys.stderr)
         return 2
+    ignored = unknown_environment()
     if args.print_config:
+        for sentence in ignored:
+            print(f"prewarmd: warning: {sentence}", file=sys.stderr)
         sys.stdout.write(render_toml(settings))
         return 0
     configure_logging(settings.log_level)
+    for sentence in ignored:
+        log.warning(sentence)
     try:
         asyncio.run(serve(settings))
     except PrewarmError as exc:

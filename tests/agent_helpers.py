@@ -23,7 +23,7 @@ T = TypeVar("T")
 RunningAgent = InProcessAgent | AgentProcess
 # start_agent(config_toml="", s3=None) -> a started agent (see conftest).
 AgentFactory = Callable[..., RunningAgent]
-# start_agent_process(config_toml="", s3=None) -> a started daemon subprocess.
+# start_agent_process(config_toml="", s3=None, env=None) -> a started daemon subprocess.
 ProcessFactory = Callable[..., AgentProcess]
 
 

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -19,6 +20,7 @@ from agent._config import (
     unknown_environment,
 )
 from agent._exceptions import PrewarmError
+from agent._fs import blocking_ancestor
 from agent._version import __version__
 from agent.compile.cache import CompileCaches
 from agent.compile.keys import CompileKeyParts
@@ -56,6 +58,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
     socket_path = settings.socket_path
     tiers = settings.tiers
     _check_access(settings)
+    _check_paths_creatable(settings)
     node, tenants = access_rules.tenants_from_settings(settings)
     # The daemon's own callers (manifests) are the node: its sources, its limits.
     access_rules.bind_requester(access_rules.Requester(node))
@@ -140,6 +143,42 @@ def _check_access(settings: Settings) -> None:
                 access_rules.check_source(compile_uri)
             except PrewarmError as exc:
                 raise ConfigError(f"compile_cache.uri: {exc}") from exc
+
+
+def _check_paths_creatable(settings: Settings) -> None:
+    """Refuse, before anything is created, a start that could not create all it needs.
+
+    Tier roots that exist are checked by the store (owner, mode, links); here only
+    whether the missing ones, and each socket, can be made by this user.
+    """
+    roots = {
+        "the shm tier root": settings.tiers.shm_root,
+        "the disk tier root": settings.tiers.disk_root,
+    }
+    sockets = {
+        "the API socket": settings.socket_path,
+        "the lease socket": settings.lease_socket_path,
+        **{f"the socket of tenant {t.name!r}": t.path for t in settings.access.sockets},
+    }
+    wanted = [
+        *((what, path) for what, path in roots.items() if not path.is_dir()),
+        *sockets.items(),
+    ]
+    blocked = []
+    for what, path in wanted:
+        blocker = blocking_ancestor(path)
+        if blocker is not None:
+            blocked.append(f"{what} {path} ({blocker} is not writable)")
+    if blocked:
+        uid = os.geteuid()
+        raise ConfigError(
+            f"prewarmd cannot create what it needs as uid {uid}: {'; '.join(blocked)}. Run it "
+            "as root (the systemd unit and the DaemonSet do), or give it paths this user may "
+            "create: tiers.shm_root, tiers.disk_root and socket_path in a config file (see "
+            "'Run your own daemon' in the README), or e.g. PREWARM_TIERS__SHM_ROOT="
+            "/dev/shm/prewarm-$USER PREWARM_TIERS__DISK_ROOT=$HOME/.cache/prewarm "
+            "PREWARM_SOCKET_PATH=$XDG_RUNTIME_DIR/prewarm/agent.sock. Nothing was created."
+        )
 
 
 def _api_server(

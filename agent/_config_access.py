@@ -21,6 +21,8 @@ from pydantic import (
 )
 from pydantic_settings import NoDecode
 
+from agent._uri import valid_bucket_name
+
 __all__ = ["AccessLimits", "AccessSettings", "FileMode", "SourcePatterns", "TenantSocketSettings"]
 
 
@@ -38,8 +40,8 @@ FileMode = Annotated[
 ]
 
 
-def _patterns_from_text(value: str) -> object:
-    """An environment variable's patterns: a JSON list, or one pattern or several, comma-separated.
+def _list_from_text(value: str, example: str) -> object:
+    """An environment variable's list: JSON, or one item or several, comma-separated.
 
     ``PREWARM_ACCESS__SOURCES='s3://models/*'`` is what people write; pydantic-settings
     would only take JSON (``'["s3://models/*"]'``) and die with a traceback otherwise.
@@ -50,15 +52,15 @@ def _patterns_from_text(value: str) -> object:
             return json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(
-                f"{value[:200]!r} starts like a JSON list but is not one ({exc.msg}); write "
-                """'["s3://models-prod/*"]' or comma-separated patterns: 's3://a/*,s3://b/x/'"""
+                f"{value[:200]!r} starts like a JSON list but is not one ({exc.msg}); write a "
+                f"JSON list or comma-separated items, e.g. {example}"
             ) from None
-    return [pattern.strip() for pattern in text.split(",") if pattern.strip()]
+    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 def _check_source_patterns(value: object) -> object:
     if isinstance(value, str):
-        value = _patterns_from_text(value)
+        value = _list_from_text(value, "'s3://models-prod/*,s3://shared/llama/'")
     if isinstance(value, list):
         for pattern in value:
             if not isinstance(pattern, str) or not pattern.startswith("s3://"):
@@ -105,6 +107,21 @@ def check_api_socket_mode(mode: int) -> int:
     return mode
 
 
+def _check_bucket_names(value: object) -> object:
+    if isinstance(value, str):
+        value = _list_from_text(value, "'one-model-bucket,another'")
+    if isinstance(value, list):
+        for name in value:
+            if not isinstance(name, str) or not valid_bucket_name(name):
+                raise ValueError(
+                    f"{name!r} is not a bucket name; write the bare name, e.g. "
+                    "'one-model-bucket' (no s3://, no prefix)"
+                )
+    return value
+
+
+# Bucket names; NoDecode as for SourcePatterns below.
+BucketNames = Annotated[list[str], NoDecode, BeforeValidator(_check_bucket_names)]
 # Globs on the normalised URI (s3://bucket/prefix/); a pattern without * ? [ is a prefix.
 # NoDecode: an environment variable reaches the validator as text (JSON or comma-separated).
 SourcePatterns = Annotated[list[str], NoDecode, BeforeValidator(_check_source_patterns)]
@@ -156,6 +173,9 @@ class AccessSettings(BaseModel):
     limits: AccessLimits = AccessLimits()
     # Per-tenant sockets; none: the one API socket (socket_path) serves everyone.
     sockets: list[TenantSocketSettings] = Field(default_factory=list)
+    # Buckets a model URI may name whole (s3://bucket, no prefix): each holds one model.
+    # Any other whole-bucket URI is refused (INVALID_ARGUMENT): it caches every object.
+    whole_buckets: BucketNames = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _distinct_sockets(self) -> AccessSettings:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from agent_helpers import outside_the_socket_group
+from agent_helpers import AgentFactory, outside_the_socket_group
 from rich.console import Console
 from rich.progress import Progress
 
@@ -390,3 +390,25 @@ def test_a_user_outside_the_sockets_group_is_told_which_group_to_join(
             f"error: permission denied on the prewarm agent's socket {sock}: run as a member of "
             "the socket's group (see socket_group in /etc/prewarm/agent.toml) or as root.\n"
         ), command
+
+
+def test_a_whole_bucket_uri_is_refused_naming_the_opt_in(
+    agent_daemon: AgentProcess, small_model: SampleModel
+) -> None:
+    """`pull s3://bucket` (no prefix) exits 2 before any S3 call, naming the prefix form and
+    access.whole_buckets; nothing is pulled."""
+    done = prewarm("pull", f"s3://{small_model.bucket}", socket=agent_daemon.socket_path)
+    assert done.returncode == 2, done.stderr
+    assert f"s3://{small_model.bucket}/ names a whole bucket (no prefix)" in done.stderr
+    assert f'access.whole_buckets = ["{small_model.bucket}"]' in done.stderr
+    assert prewarm_json("ls", socket=agent_daemon.socket_path) == []
+
+
+def test_a_bucket_named_in_whole_buckets_may_be_pulled_whole(
+    start_agent: AgentFactory, small_model: SampleModel
+) -> None:
+    """With the bucket in access.whole_buckets, s3://bucket pulls everything in it as one model."""
+    agent = start_agent(f'[access]\nwhole_buckets = ["{small_model.bucket}"]\n')
+    handle = prewarm_json("pull", f"s3://{small_model.bucket}", socket=agent.socket_path)
+    assert handle["uri"] == f"s3://{small_model.bucket}/"
+    assert len(handle["files"]) == len(small_model.keys)

@@ -225,3 +225,11 @@ def test_every_prewarm_variable_the_code_reads_is_a_setting_or_known() -> None:
         for name in re.findall(r"PREWARM_[A-Z0-9_]*[A-Z0-9]", path.read_text())
     }
     assert used - known == set()
+
+
+def test_whole_buckets_take_bare_bucket_names(tmp_path: Path) -> None:
+    """access.whole_buckets refuses a URI where a bucket name belongs, naming the form."""
+    config = tmp_path / "agent.toml"
+    config.write_text('[access]\nwhole_buckets = ["s3://models"]\n')
+    with pytest.raises(ConfigError, match="write the bare name"):
+        load_settings(config)

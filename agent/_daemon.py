@@ -254,7 +254,15 @@ def _state_reading(service: AgentService) -> StateReading:
     status = service.status()
     return StateReading(
         tiers=tuple(
-            TierReading(t.tier, t.used_bytes, t.staging_bytes, t.budget_bytes, t.model_count)
+            TierReading(
+                t.tier,
+                t.used_bytes,
+                t.staging_bytes,
+                t.budget_bytes,
+                t.model_count,
+                free_bytes=t.free_bytes,
+                capacity_bytes=t.capacity_bytes,
+            )
             for t in status.tiers
         ),
         pulls_in_flight=len(status.pulls),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import urllib.request
 
@@ -97,6 +98,25 @@ def test_metrics_show_a_pull_and_a_hit(
     assert meter.now("prewarm_tier_models", tier="shm") == 1
     assert meter.now("prewarm_tier_budget_bytes", tier="shm") > total
     assert meter.now("prewarm_pulls_in_flight") == 0
+
+
+def test_metrics_show_free_space_per_tier_and_the_process(
+    metered_agent: tuple[RunningAgent, Meter],
+) -> None:
+    """Each tier's filesystem free and total bytes (as statvfs says) and the process_* gauges of
+    prometheus-client's process collector are scraped."""
+    agent, meter = metered_agent
+    meter.scrape()
+    for tier, root in (("shm", agent.shm_root), ("disk", agent.disk_root)):
+        fs = os.statvfs(root)
+        capacity = meter.now("prewarm_tier_capacity_bytes", tier=tier)
+        assert capacity == fs.f_blocks * fs.f_frsize
+        free = meter.now("prewarm_tier_free_bytes", tier=tier)
+        # Other tests write to the same filesystems meanwhile: free is a moment's reading.
+        assert 0 < free <= capacity
+    assert meter.now("process_resident_memory_bytes") > 0
+    assert meter.now("process_open_fds") > 0
+    assert meter.now("process_start_time_seconds") > 0
 
 
 def test_metrics_count_a_failed_request_by_its_status_code(

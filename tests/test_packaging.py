@@ -21,7 +21,7 @@ import yaml
 
 from agent._config import Settings, load_settings
 from agent._uri import parse_uri
-from agent.testing import AgentProcess, SampleModel
+from agent.testing import AgentProcess, InProcessAgent, S3Server, SampleModel
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGING = REPO / "packaging"
@@ -236,6 +236,34 @@ def test_health_exits_3_when_nothing_answers(tmp_path: Path) -> None:
     assert result.stderr.startswith(
         f"error: no prewarm agent answered on {tmp_path / 'agent.sock'}"
     )
+
+
+def test_health_with_wait_for_agent_waits_for_an_agent_that_starts_later(
+    s3_server: S3Server,
+) -> None:
+    """`prewarm health --wait-for-agent` (an init container's wait) started before the agent
+    exits 0 once the agent serves, and 3 with a sentence when none comes in time."""
+    agent = InProcessAgent(env=s3_server.env())
+    try:
+        health = [sys.executable, "-m", "agent.cli", "health", "--wait-for-agent", "60"]
+        waiting = subprocess.Popen(
+            [*health, "--socket", str(agent.socket_path)],
+            env=clean_env() | {"PYTHONPATH": str(REPO)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert waiting.stderr is not None
+        said = waiting.stderr.readline()
+        assert said.startswith("prewarm: the agent is not serving yet"), said
+        agent.start()
+        stdout, stderr = waiting.communicate(timeout=60)
+        assert (waiting.returncode, stdout) == (0, "SERVING\n"), stderr
+    finally:
+        agent.close()
+    gone = prewarm_health("--wait-for-agent", "0.5", "--socket", str(agent.socket_path))
+    assert gone.returncode == 3
+    assert f"no prewarm agent answered on {agent.socket_path} within 0.5 s" in gone.stderr
 
 
 # -- the image -----------------------------------------------------------------------------

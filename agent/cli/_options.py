@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-__all__ = ["AsRequesterOption", "CachedOnlyOption", "SocketOption"]
+__all__ = ["AsRequesterOption", "CachedOnlyOption", "SocketOption", "WaitForAgentOption"]
 
 SocketOption = Annotated[
     Path | None,
@@ -42,5 +42,17 @@ AsRequesterOption = Annotated[
         help="Send this pod's own AWS credentials (botocore's chain): the agent checks they "
         "may read the model, and pulls a miss with them. Required on a requester-scoped "
         "socket.",
+    ),
+]
+WaitForAgentOption = Annotated[
+    float,
+    typer.Option(
+        "--wait-for-agent",
+        envvar="PREWARM_WAIT_FOR_AGENT",
+        min=0,
+        metavar="SECONDS",
+        help="How long to wait for the agent to serve on its socket (a pod may start before "
+        "the agent on a new node); 0 fails at once. A socket this user may not open is never "
+        "waited for.",
     ),
 ]

@@ -198,6 +198,7 @@ def test_image_builder_component_installs_validates_and_tests() -> None:
 
     assert "packaging/install.sh" in commands("build")
     assert "prewarmd --version" in commands("validate")
+    assert "pip show --quiet prewarm-agent" in commands("validate")
     assert "systemd-analyze verify /etc/systemd/system/prewarmd.service" in commands("validate")
     assert "prewarm health" in commands("test")
 

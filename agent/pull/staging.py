@@ -63,6 +63,12 @@ class StagingFiles:
         except OSError as exc:
             raise _no_space_or(exc, self.snapshot, self.root) from exc
 
+    def descriptor(self, path: str) -> int:
+        return self.fds[path]
+
+    def write_failed(self, error: OSError) -> Exception:
+        return _no_space_or(error, self.snapshot, self.root)
+
     def complete_range(self, path: str, offset: int, length: int, digest: bytes) -> None:
         self.digests.setdefault(path, {})[offset // self.chunk_size] = digest
         try:

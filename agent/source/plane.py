@@ -46,7 +46,7 @@ __all__ = [
 T = TypeVar("T")
 
 # What data_plane = "auto" means, chosen by measurement (docs/data-planes.md).
-AUTO_DATA_PLANE: Literal["threads", "streamer", "aiobotocore"] = "threads"
+AUTO_DATA_PLANE: Literal["processes", "threads", "streamer", "aiobotocore"] = "threads"
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +111,14 @@ class RangeSink(Protocol):
 
     def complete_range(self, path: str, offset: int, length: int, digest: bytes) -> None:
         """Journal a whole range with its chunk digest."""
+        ...
+
+    def descriptor(self, path: str) -> int:
+        """The open file of ``path``, for a plane that writes it from another process."""
+        ...
+
+    def write_failed(self, error: OSError) -> Exception:
+        """What a failed write into ``path`` means: NoSpace for a full tier, else the error."""
         ...
 
 

@@ -14,6 +14,7 @@ from typing import Any, Self
 
 from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
+from botocore.httpsession import get_cert_path
 
 from agent._config import S3Settings
 from agent._exceptions import Conflict, SourceChanged, SourceUnavailable
@@ -159,6 +160,31 @@ class S3Source:
             yield _BodyReader(body, where, self)
         finally:
             body.close()
+
+    async def presign_get(self, bucket: str, key: str, *, etag: str, expires_seconds: int) -> str:
+        """A GET of the object that anyone holding the URL may send until it expires.
+
+        ``If-Match`` is signed in: the request must carry that exact ETag, so
+        the URL can only ever fetch this version of the object.
+        """
+        params = {"Bucket": bucket, "Key": key, "IfMatch": etag}
+        try:
+            url: str = await self._client.generate_presigned_url(
+                "get_object", Params=params, ExpiresIn=expires_seconds
+            )
+        except Exception as exc:
+            doing = f"signing a GET of s3://{bucket}/{key}"
+            raise self._translate(exc, doing, bucket=bucket) from exc
+        return url
+
+    def transport(self) -> dict[str, object]:
+        """How a client outside botocore must verify S3's certificate to match this source.
+
+        botocore verifies against AWS_CA_BUNDLE (or ``ca_bundle`` in the AWS
+        config) when set, else its own default bundle.
+        """
+        bundle = get_session().get_config_variable("ca_bundle")
+        return {"verify": True, "cafile": str(bundle or get_cert_path(True))}
 
     async def head_object(
         self, bucket: str, key: str, *, etag: str | None = None

@@ -23,9 +23,9 @@ from agent._config import Settings
 from agent._vocabulary import DataPlaneName, PullOptions
 from agent.pull.puller import Puller
 from agent.service.operations import AgentService, EnsureResult
+from agent.source.range_worker import USER_AGENT as PROCESSES_USER_AGENT
 from agent.source.s3 import S3Source
 from agent.source.streamer_plane import streamer_unavailable
-from agent.source.range_worker import USER_AGENT as PROCESSES_USER_AGENT
 from agent.source.sync_s3 import THREADS_USER_AGENT
 from agent.store.leases import LeaseTable
 from agent.store.store import Store

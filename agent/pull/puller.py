@@ -147,6 +147,10 @@ class Puller:
         """The data plane a request that names none gets."""
         return self._plane(self._settings.data_plane).name
 
+    def plane(self, name: DataPlaneName) -> DataPlane:
+        """The data plane a request naming ``name`` gets (InvalidRequest if there is none)."""
+        return self._plane(name)
+
     def flights(self) -> list[Flight]:
         return list(self._flights.values())
 

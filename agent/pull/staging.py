@@ -38,8 +38,13 @@ class StagingFiles:
     chunk_size: int
     journal: Journal
     fds: dict[str, int]
+    tier: TierName = "shm"
     # path -> chunk index -> digest of that chunk, as written (or re-hashed on resume)
     digests: dict[str, dict[int, bytes]] = field(default_factory=dict)
+
+    @property
+    def bypass_page_cache(self) -> bool:
+        return self.tier == "disk"
 
     @property
     def data_dir(self) -> Path:
@@ -148,7 +153,7 @@ def _open_files(
 ) -> StagingFiles:
     journal, completed = resumed
     fds: dict[str, int] = {}
-    staging = StagingFiles(root, snapshot, chunk_size, journal, fds)
+    staging = StagingFiles(root, snapshot, chunk_size, journal, fds, tier)
     try:
         data = _open_data_dir(root)
         try:

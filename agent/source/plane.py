@@ -99,6 +99,12 @@ class RangeSink(Protocol):
     @property
     def chunk_size(self) -> int: ...
 
+    @property
+    def bypass_page_cache(self) -> bool:
+        """Whether a plane should write around the page cache (O_DIRECT): the disk tier,
+        where a 100 GiB pull must not fill RAM with dirty pages."""
+        ...
+
     def is_done(self, path: str, offset: int) -> bool:
         """Whether the range at ``offset`` of ``path`` is journaled already."""
         ...

@@ -29,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.parse
 import urllib.request
 from collections import deque
@@ -40,6 +41,7 @@ from typing import Any, Protocol, runtime_checkable
 import agent
 from agent._config import S3Settings
 from agent._exceptions import PrewarmError, SourceUnavailable
+from agent._snapshot import SourceObject
 from agent.source.interface import RangeReadError
 from agent.source.pacing import read_step
 from agent.source.plane import ByteRange, ProgressSink, RangeSink
@@ -109,8 +111,9 @@ class Worker:
 class WorkerPool:
     """``size`` range-worker processes, started together and replaced when one dies."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, *, stop_grace: float = STOP_GRACE_SECONDS) -> None:
         self.size = size
+        self.stop_grace = stop_grace
         self._workers: list[Worker] = []
         self._handlers: dict[int, _PullRun] = {}  # job id -> the pull it belongs to
         self._tls: dict[str, object] | None = None
@@ -182,13 +185,13 @@ class WorkerPool:
             waits.append((worker, future))
         for worker, future in waits:
             try:
-                await asyncio.wait_for(asyncio.shield(future), STOP_GRACE_SECONDS)
+                await asyncio.wait_for(asyncio.shield(future), self.stop_grace)
             except TimeoutError:
                 log.warning(
-                    "range worker %d (pid %d) did not stop within %.0f s; killing it",
+                    "range worker %d (pid %d) did not stop within %.1f s; killing it",
                     worker.index,
                     worker.process.pid,
-                    STOP_GRACE_SECONDS,
+                    self.stop_grace,
                 )
                 await self._kill(worker)
         await self._reap()
@@ -325,7 +328,8 @@ class ProcessPlane:
 
     async def start(self) -> None:
         """Start the workers that are missing (all of them the first time)."""
-        await self._pool.start(self._source.transport())
+        if len(self._pool.workers) < self._pool.size:
+            await self._pool.start(self._source.transport())
 
     async def aclose(self) -> None:
         await self._pool.aclose()
@@ -368,10 +372,10 @@ class ProcessPlane:
             low_speed_limit=tuning.low_speed_limit,
             connect_timeout=self._settings.connect_timeout_seconds,
             read_timeout=self._settings.read_timeout_seconds,
+            direct=run.staging.bypass_page_cache,
         )
 
-    async def presign(self, bucket: str, byte_range: ByteRange) -> str:
-        obj = byte_range.obj
+    async def presign(self, bucket: str, obj: SourceObject) -> str:
         return await self._source.presign_get(
             bucket, obj.key, etag=obj.etag, expires_seconds=PRESIGN_SECONDS
         )
@@ -392,6 +396,7 @@ class _PullRun:
         self._pending: deque[ByteRange] = deque()
         self._jobs: dict[int, tuple[ByteRange, int, str]] = {}  # id -> range, attempt, url
         self._attempts: dict[ByteRange, int] = {}
+        self._urls: dict[str, tuple[str, float]] = {}  # path -> presigned GET, when signed
         self._wake = asyncio.Event()
         self._failure: BaseException | None = None
 
@@ -410,8 +415,21 @@ class _PullRun:
             await self._wake.wait()
             self._wake.clear()
 
+    async def _url(self, bucket: str, obj: SourceObject) -> str:
+        """A presigned GET of ``obj``, signed again once half its life is gone.
+
+        One per object, not per range: signing costs botocore milliseconds of
+        the event loop's time (its event hooks and endpoint rules).
+        """
+        signed = self._urls.get(obj.relative_path)
+        now = time.monotonic()
+        if signed is None or now - signed[1] > PRESIGN_SECONDS / 2:
+            signed = (await self.plane.presign(bucket, obj), now)
+            self._urls[obj.relative_path] = signed
+        return signed[0]
+
     async def _submit(self, bucket: str, byte_range: ByteRange) -> None:
-        url = await self.plane.presign(bucket, byte_range)
+        url = await self._url(bucket, byte_range.obj)
         await self.plane.start()  # replaces a worker lost meanwhile
         worker = self.plane.pool.least_busy()
         job = self.plane.job_for(self, byte_range, url)

@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import http.client
 import json
+import mmap
 import os
 import re
 import socket
@@ -47,6 +48,9 @@ from agent.source.pacing import Body, backoff_delay, is_transient_answer, slow_b
 
 __all__ = ["USER_AGENT", "GetJob", "decode", "encode", "main"]
 
+# O_DIRECT writes need block-aligned offsets, lengths and memory: 4 KiB covers both
+# 512-byte and 4 KiB logical blocks.
+DIRECT_ALIGNMENT = 4096
 # Sent with every GET, so a server's log tells this plane apart from the others.
 USER_AGENT = "prewarm-processes"
 MAX_MESSAGE = 64 * 1024
@@ -75,6 +79,7 @@ class GetJob:
     low_speed_limit: int
     connect_timeout: float
     read_timeout: float
+    direct: bool  # write around the page cache (O_DIRECT): the disk tier
 
     @property
     def where(self) -> str:
@@ -181,18 +186,28 @@ class JobRun:
     buffer: memoryview
     gate: PullGate
     connections: Connections
+    # The same file opened with O_DIRECT (the disk tier), or None: the page cache then.
+    direct_fd: int | None = None
     hasher: ChunkHasher = field(default_factory=ChunkHasher)
     done: int = 0
     unreported: int = 0
 
     def write(self, piece: memoryview, send: Callable[[dict[str, Any]], None]) -> None:
-        """Hash a piece, write it at its place; report progress once per io_block."""
+        """Hash a piece, write it at its place; report progress once per io_block.
+
+        With O_DIRECT, the whole blocks go straight to the disk and only an
+        unaligned tail (a file's last bytes) through the page cache.
+        """
         self.hasher.update(piece)
         position = self.job.start + self.done
+        direct = 0
+        if self.direct_fd is not None and position % DIRECT_ALIGNMENT == 0:
+            direct = len(piece) - len(piece) % DIRECT_ALIGNMENT
         try:
-            written = os.pwrite(self.fd, piece, position)
-            while written < len(piece):
-                written += os.pwrite(self.fd, piece[written:], position + written)
+            if direct:
+                _write_all(self.direct_fd, piece[:direct], position)
+            if direct < len(piece):
+                _write_all(self.fd, piece[direct:], position + direct)
         except OSError as exc:
             failure = {"kind": "write", "errno": exc.errno or 0, "message": exc.strerror or ""}
             raise Final(failure) from None
@@ -201,6 +216,25 @@ class JobRun:
         if self.unreported >= self.job.io_block or self.done == self.job.length:
             send({"progress": self.job.id, "bytes": self.unreported})
             self.unreported = 0
+
+
+def _write_all(fd: int | None, data: memoryview, position: int) -> None:
+    assert fd is not None
+    written = os.pwrite(fd, data, position)
+    while written < len(data):
+        written += os.pwrite(fd, data[written:], position + written)
+
+
+def open_direct(fd: int) -> int | None:
+    """The file of ``fd`` opened again with O_DIRECT, or None where its filesystem has none.
+
+    Through /proc/self/fd, so the new description is of the same file (no path
+    is looked up), and the daemon's own descriptor keeps the page cache.
+    """
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
+    except OSError:
+        return None  # tmpfs, or a filesystem without direct I/O: the page cache it is
 
 
 class RangeWorker:
@@ -281,13 +315,14 @@ class RangeWorker:
 
     def _run_jobs(self) -> None:
         """A worker thread: one buffer and its own connections, jobs until none is left."""
-        buffer = memoryview(bytearray(0))
+        # mmap: page-aligned memory, as O_DIRECT writes need.
+        buffer = memoryview(mmap.mmap(-1, mmap.PAGESIZE))
         connections: Connections = {}
         try:
             while (taken := self._take_job()) is not None:
                 job, fd = taken
                 if len(buffer) < job.step:
-                    buffer = memoryview(bytearray(job.step))
+                    buffer = memoryview(mmap.mmap(-1, job.step))
                 try:
                     self._run(job, fd, buffer[: job.step], connections)
                 except Exception as exc:  # a bug here must fail the pull, never hang it
@@ -312,7 +347,17 @@ class RangeWorker:
     def _run(self, job: GetJob, fd: int, buffer: memoryview, connections: Connections) -> None:
         """Write one range, resuming after the last good byte on retry; report how it ended."""
         gate = self._pulls.setdefault(job.pull, PullGate())
-        run = JobRun(job, fd, buffer, gate, connections)
+        direct_fd = open_direct(fd) if job.direct else None
+        run = JobRun(job, fd, buffer, gate, connections, direct_fd)
+        try:
+            self._attempts(run)
+        finally:
+            if direct_fd is not None:
+                os.close(direct_fd)
+
+    def _attempts(self, run: JobRun) -> None:
+        """Try the range until it is written, the retries are spent, or the pull stops."""
+        job, gate = run.job, run.gate
         failures = 0
         try:
             while run.done < job.length:
@@ -381,24 +426,7 @@ class RangeWorker:
             "User-Agent": USER_AGENT,
         }
         place = (url.scheme, url.hostname or "", url.port or (443 if url.scheme == "https" else 80))
-        for reused in (place in connections, False):
-            connection = connections.get(place)
-            if connection is None or connection.sock is None:
-                connection = self._connect(place, job, connections)
-            # Taken now: http.client lets go of a connection the server will close.
-            sock = connection.sock
-            assert sock is not None
-            try:
-                connection.request("GET", target, headers=headers)
-                response = connection.getresponse()
-            except _BROKEN_OFF as exc:
-                connection.close()
-                connections.pop(place, None)
-                if reused:
-                    continue  # the server closed a kept connection while it was idle
-                failure = {"kind": "connect", "message": f"{type(exc).__name__}: {exc}"}
-                raise Transient(failure) from None
-            break
+        connection, sock, response = self._exchange(place, job, connections, target, headers)
         if response.status in (200, 206):
             length = response.getheader("Content-Length")
             if length is None or int(length) != wanted:
@@ -415,6 +443,36 @@ class RangeWorker:
         if is_transient_answer(response.status, code):
             raise Transient(report)
         raise Final(report)
+
+    def _exchange(
+        self,
+        place: tuple[str, str, int],
+        job: GetJob,
+        connections: Connections,
+        target: str,
+        headers: dict[str, str],
+    ) -> tuple[http.client.HTTPConnection, socket.socket, http.client.HTTPResponse]:
+        """Send the request and read the answer's head; a kept connection gets one redo."""
+        reused = place in connections
+        while True:
+            connection = connections.get(place)
+            if connection is None or connection.sock is None:
+                connection = self._connect(place, job, connections)
+            # Taken now: http.client lets go of a connection the server will close.
+            sock = connection.sock
+            assert sock is not None
+            # S3's answer must come within the read timeout (the body is read without one).
+            sock.settimeout(job.read_timeout)
+            try:
+                connection.request("GET", target, headers=headers)
+                return connection, sock, connection.getresponse()
+            except _BROKEN_OFF as exc:
+                connection.close()
+                connections.pop(place, None)
+                if not reused:
+                    failure = {"kind": "connect", "message": f"{type(exc).__name__}: {exc}"}
+                    raise Transient(failure) from None
+                reused = False  # the server closed a kept connection while it sat idle
 
     def _connect(
         self, place: tuple[str, str, int], job: GetJob, connections: Connections
@@ -469,33 +527,37 @@ def _read_body(
     *,
     write: Callable[[memoryview], None],
 ) -> int:
-    """Read ``wanted`` body bytes in buffer-sized pieces, handing each to ``write``.
+    """Read ``wanted`` body bytes in buffer-sized pieces, handing each full one to ``write``.
 
     The first bytes may already sit in http.client's buffered reader (read with
     the headers); the rest come straight from the socket, one ``recv_into`` per
-    TLS record, without http.client's three Python layers per record.
+    TLS record, without http.client's three Python layers per record. A body
+    that breaks off loses at most the piece it was filling.
     """
     got = 0
     assert response.fp is not None
-    head = response.fp.readinto1(buffer[: min(len(buffer), wanted)])
-    if head:
-        write(buffer[:head])
-        got = body.received = head
+    # Bytes http.client read with the head go first; the buffer is written only when full
+    # (or at the end of the body), so writes stay aligned for O_DIRECT.
+    filled = response.fp.readinto1(buffer[: min(len(buffer), wanted)])
+    body.received = filled
+    # Blocking, one wake-up per TLS record: with a timeout, each record costs a
+    # poll and more trips through the interpreter lock. A stalled body is cut by
+    # the low-speed watchdog, which shuts the socket down.
+    sock.settimeout(None)
     receive = sock.recv_into
     while got < wanted:
         room = min(len(buffer), wanted - got)
-        filled = 0
         while filled < room:
             count = receive(buffer[filled:room])
             if not count:
                 break
             filled += count
             body.received += count
-        if filled:
-            write(buffer[:filled])
-            got += filled
         if filled < room:
-            break  # the body ended early: the caller judges why
+            break  # the body ended early: the caller judges why, and resumes after ``got``
+        write(buffer[:room])
+        got += room
+        filled = 0
     response.length = 0  # read past http.client: tell it the body is done
     return got
 

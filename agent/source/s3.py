@@ -56,6 +56,7 @@ class S3Source:
         # Makes one attempt only; lists first, so a refused connection is known
         # after one try instead of after botocore's whole retry schedule.
         self._one_try_client: Any = None
+        self._transport: dict[str, object] | None = None
 
     async def __aenter__(self) -> Self:
         settings = self._settings
@@ -65,6 +66,9 @@ class S3Source:
             read_timeout=settings.read_timeout_seconds,
             retries={"max_attempts": settings.max_attempts, "mode": "standard"},
             s3={"addressing_style": settings.addressing_style},
+            # Requests are SigV4 anyway; saying so makes presigned GETs SigV4 too (botocore
+            # presigns SigV2 otherwise, which signs no If-Match and newer regions refuse).
+            signature_version="s3v4",
         )
         kwargs: dict[str, Any] = {}
         if settings.endpoint_url:
@@ -183,8 +187,10 @@ class S3Source:
         botocore verifies against AWS_CA_BUNDLE (or ``ca_bundle`` in the AWS
         config) when set, else its own default bundle.
         """
-        bundle = get_session().get_config_variable("ca_bundle")
-        return {"verify": True, "cafile": str(bundle or get_cert_path(True))}
+        if self._transport is None:
+            bundle = get_session().get_config_variable("ca_bundle")  # a new session: ~15 ms
+            self._transport = {"verify": True, "cafile": str(bundle or get_cert_path(True))}
+        return self._transport
 
     async def head_object(
         self, bucket: str, key: str, *, etag: str | None = None

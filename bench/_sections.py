@@ -71,8 +71,10 @@ def _record(sample: Sample, result: RunResult) -> None:
     sample.extra["served_ratio"] = max(run["served"] for run in runs) / max(result.nbytes, 1)
     hwm = [run["vm_hwm"] for run in runs if "vm_hwm" in run]
     if hwm:
+        # The worst run's peaks: what a node must leave room for.
         sample.extra["peak_vm_hwm"] = max(hwm)
         sample.extra["peak_sampled_rss"] = max(run["sampled_peak_rss"] for run in runs)
+        sample.extra["peak_sampled_pss"] = max(run["sampled_peak_pss"] for run in runs)
 
 
 def attempt(sample: Sample, run: Callable[[], RunResult]) -> None:

@@ -123,8 +123,11 @@ def _hit_mode(agent_median: float, served: float) -> dict[str, float]:
 def _hit_targets(modes: dict[str, object]) -> dict[str, bool | None]:
     targets = judge_targets(
         {},
+        schemes=["https"],
+        preferred="https",
         planes=[],
         default_plane="aiobotocore",
+        concurrent=None,
         model_bytes=GiB,
         scaling={},
         hits={"modes": modes},
@@ -144,8 +147,11 @@ def test_hit_modes_not_measured_are_not_judged() -> None:
     """A skipped mode (a build without the option) is n/a, with the reason kept."""
     targets = judge_targets(
         {},
+        schemes=["https"],
+        preferred="https",
         planes=[],
         default_plane="aiobotocore",
+        concurrent=None,
         model_bytes=GiB,
         scaling={},
         hits={"modes": {NO_S3: {"skipped": "no cached_only option"}}},

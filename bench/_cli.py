@@ -2,7 +2,9 @@
 
 The ceiling, the alternatives and prewarm's cold pulls run over HTTP and over
 HTTPS (one s3rver per scheme on the same store), each row named with its
-scheme; prewarm's CPU and memory count the daemon and its worker processes.
+scheme; prewarm's CPU and memory count the daemon and its worker processes,
+and one more cold pull per cold row under py-spy gives the seconds each of its
+processes holds its interpreter lock per GiB.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from . import _agent as agent
 from . import _contenders as contenders
 from . import _sections as suite
 from ._contenders import Context
+from ._gil import measure_gil
 from ._hits import hits as hit_section
 from ._model import BenchModel, publish_model
 from ._report import markdown_extras, markdown_table, text_table
@@ -82,6 +85,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=("auto", "always", "never"),
         default="auto",
         help="py-spy the daemon during a cold pull (auto: when below 0.9x the ceiling)",
+    )
+    parser.add_argument(
+        "--no-gil",
+        dest="gil",
+        action="store_false",
+        help="skip the extra cold pull of each cold row (each plane and the agent's defaults, "
+        "each scheme) under py-spy --gil that gives the GIL columns and targets",
     )
     parser.add_argument(
         "--planes",
@@ -186,6 +196,8 @@ def _run(args: argparse.Namespace, servers: Servers, scratch: Path, work: Path) 
 
     plan = plan_rows(args, contexts, main_model, default_plane=default_plane, preferred=preferred)
     samples = _rounds(args, plan)
+    if "cold" in sections and args.gil:
+        measure_gil(plan.cold, contexts, samples, main_model)
 
     if "warm" in sections:
         samples.update(suite.warm(args, contexts[preferred], main_model))
@@ -237,6 +249,7 @@ def _run(args: argparse.Namespace, servers: Servers, scratch: Path, work: Path) 
             "schemes": args.schemes,
             "one_scheme_sections": preferred,
             "planes": args.planes,
+            "gil": args.gil,
             "scaling": args.sizes,
             "streamer_env": contenders.streamer_env(args.concurrency, args.chunk),
             "agent_config": agent.agent_config(contexts[preferred], "<plane>"),

@@ -62,13 +62,17 @@ _CPU_COLUMNS = (
     "its CPU-s/GiB",
     "bound GiB/s",
     "main thread CPU-s/GiB",
+    "GIL s/GiB (busiest process)",
+    "GIL busiest in",
+    "GIL bound GiB/s",
+    "GIL s/GiB (daemon process)",
     "peak RSS / PSS MiB (tree)",
     "threads",
 )
 
 
 def _cpu_rows(samples: Mapping[str, Sample]) -> list[tuple[str, ...]]:
-    """CPU per GiB of the best run: the whole tree, its busiest and main threads; memory."""
+    """CPU per GiB of the best run: the whole tree, its busiest and main threads; GIL; memory."""
     rows: list[tuple[str, ...]] = []
     for name, sample in samples.items():
         cpu = sample.extra.get("cpu") if sample.ok else None
@@ -82,11 +86,24 @@ def _cpu_rows(samples: Mapping[str, Sample]) -> list[tuple[str, ...]]:
                 _number(cpu.get("busiest_per_gib"), 3),
                 _number(cpu.get("busiest_bound_gib_per_second"), 1),
                 _number(cpu.get("main_thread_per_gib"), 3),
+                *_gil_cells(sample.extra.get("gil") or {}),
                 _memory_cell(sample),
                 str(cpu.get("threads_seen", "-")),
             )
         )
     return rows
+
+
+def _gil_cells(gil: Mapping[str, Any]) -> tuple[str, str, str, str]:
+    """Busiest process's seconds held per GiB, which process, the bound, the daemon's own."""
+    if "busiest_per_gib" not in gil:
+        return ("failed" if "error" in gil else "-", "-", "-", "-")
+    return (
+        _number(gil["busiest_per_gib"], 3),
+        str(gil["busiest_process"] or "-"),
+        _number(gil.get("bound_gib_per_second"), 1),
+        _number(gil.get("daemon_per_gib"), 3),
+    )
 
 
 def _memory_cell(sample: Sample) -> str:
@@ -136,8 +153,10 @@ def text_table(samples: Mapping[str, Sample], targets: list[Target]) -> str:
 
 _CPU_CAPTION = (
     "CPU per GiB moved (best run; from /proc/<pid>/task/*/stat, over the contender's process "
-    "and its descendants; the daemon's main thread runs its event loop). Peak memory: the "
-    "worst run, summed over the daemon's processes."
+    "and its descendants; the daemon's main thread runs its event loop). Interpreter lock "
+    "(GIL): seconds held per GiB per process, from py-spy --gil during one more cold pull; "
+    "its bound is 1 / the busiest process's figure. Peak memory: the worst run, summed over "
+    "the daemon's processes."
 )
 
 

@@ -4,7 +4,9 @@ The first ones come from issue 4 (cold pull vs the ceiling and the
 alternatives, warm launches, concurrent clients, RSS, linear cost, hit cost);
 ``_node_targets`` adds issue 10's (cold at 2 and 8 GiB, CPU per GiB of the
 daemon and of its busiest thread, RSS at 8 GiB vs 2 GiB, hits with S3 refusing
-connections and with no S3 call). A per-row target is judged over every scheme measured, its
+connections and with no S3 call); ``_line_rate`` issue 15's (prewarm against
+s5cmd over HTTP and HTTPS, interpreter locks, the event loop, memory with
+worker processes). A per-row target is judged over every scheme measured, its
 name ending in the scheme; warm launches, concurrent clients and hits run over
 one scheme. "The daemon" is its process tree: the daemon and its workers.
 """
@@ -15,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ._hits import NO_S3, REFUSED
+from ._line_rate import line_rate_targets
 from ._rows import cold_name
 from ._schemes import row
 from ._stats import Sample
@@ -62,6 +65,9 @@ def judge_targets(
             targets.append(_linear_target(one["fit"], scheme))
     targets += _node_targets(samples, schemes=schemes, planes=planes, scaling=scaling, hits=hits)
     targets += _hit_shape_targets(hits)
+    targets += line_rate_targets(
+        samples, schemes=schemes, cold_rows=[*planes, None], scaling=scaling
+    )
     return targets
 
 

@@ -117,6 +117,10 @@ class TenantSocketSettings(BaseModel):
     # Each request must carry the pod's own AWS credentials; the agent checks with them
     # that the pod may list and read the snapshot before it answers with a path.
     requester_scoped: bool = False
+    # Longest TTL a lease granted or renewed on this socket gets (longer asks are
+    # clamped): a tenant's timed lease must not keep a snapshot for a day. Pods that
+    # need longer hold their lease open on the lease socket (prewarm exec does).
+    max_lease_seconds: float = Field(default=3600.0, gt=0)
 
 
 class AccessSettings(BaseModel):

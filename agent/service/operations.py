@@ -236,7 +236,8 @@ class AgentService:
             )
         granted = None
         if lease:
-            granted = self._leases.grant(model.key, client_name, lease_ttl, grantee=requester)
+            ttl = _capped_ttl(lease_ttl, self._leases.default_ttl)
+            granted = self._leases.grant(model.key, client_name, ttl, grantee=requester)
         if pin:
             await self._store.set_pinned(model.key, True)
         if hit:
@@ -310,7 +311,8 @@ class AgentService:
 
     def renew_lease(self, lease_id: str, ttl: float | None) -> LeaseRecord:
         """AccessDenied unless the calling socket is the one its lease was granted on."""
-        return self._leases.renew(lease_id, ttl, grantee=_calling_socket(None))
+        capped = _capped_ttl(ttl, self._leases.default_ttl)
+        return self._leases.renew(lease_id, capped, grantee=_calling_socket(None))
 
     def release_lease(self, lease_id: str) -> None:
         self._leases.release(lease_id, grantee=_calling_socket(None))
@@ -358,6 +360,12 @@ def _calling_socket(unbound: str | None) -> str | None:
     """The tenant (socket) the current request came in on; ``unbound`` when none is bound."""
     bound = access.current_requester()
     return bound.tenant.name if bound is not None else unbound
+
+
+def _capped_ttl(requested: float | None, default: float) -> float | None:
+    """The lease TTL the calling socket may have: a tenant's is capped (max_lease_seconds)."""
+    bound = access.current_requester()
+    return requested if bound is None else bound.tenant.lease_ttl(requested, default)
 
 
 def _requester_source(source: ObjectSource) -> ScopedSource | None:

@@ -133,6 +133,9 @@ class AccessSettings(BaseModel):
     sources: SourcePatterns = Field(default_factory=list)
     # Largest request message the sockets accept.
     max_request_bytes: ByteSize = Field(default=ByteSize(256 * 1024), ge=1024, le=4 * 1024**2)
+    # Connections each gRPC socket (the API socket, each tenant's) keeps open at once;
+    # past it a new one is closed as it is accepted (the client sees UNAVAILABLE).
+    max_connections_per_socket: int = Field(default=256, ge=8, le=65_536)
     # Limits for the whole agent (max_concurrent_pulls counts every socket's pulls).
     limits: AccessLimits = AccessLimits()
     # Per-tenant sockets; none: the one API socket (socket_path) serves everyone.

@@ -16,6 +16,7 @@ from agent._exceptions import PrewarmError
 from agent._version import __version__
 from agent.compile.cache import CompileCaches
 from agent.compile.keys import CompileKeyParts
+from agent.edge.connection_limits import raise_descriptor_limit
 from agent.edge.lease_socket import LeaseServer
 from agent.edge.server import ApiServer, TenantSocket
 from agent.obs.logs import configure_logging
@@ -65,6 +66,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
     await store.open()
     api = _api_server(settings, node, tenants)
     api.claim()
+    raise_descriptor_limit(api.connection_capacity)
     leases = LeaseTable(
         settings.leases.default_ttl_seconds,
         settings.leases.max_ttl_seconds,
@@ -151,6 +153,7 @@ def _api_server(
             for entry in settings.access.sockets
         ],
         max_request_bytes=int(settings.access.max_request_bytes),
+        max_connections=settings.access.max_connections_per_socket,
         compile_cache_uri=settings.compile_cache.uri,
     )
 

@@ -15,6 +15,7 @@ from agent._config import ConfigError, Settings, load_settings, render_toml
 from agent._exceptions import PrewarmError
 from agent._version import __version__
 from agent.compile.cache import CompileCaches
+from agent.compile.domains import domain_specs
 from agent.compile.keys import CompileKeyParts
 from agent.edge.connection_limits import raise_descriptor_limit
 from agent.edge.lease_socket import LeaseServer
@@ -128,6 +129,7 @@ def _check_access(settings: Settings) -> None:
             "[access] sources is empty: any S3 source may be cached (the behaviour before "
             'access controls). Set e.g. sources = ["s3://models-prod/*"] to allow only yours.'
         )
+    _check_compile_domains(settings)
     compile_uri = settings.compile_cache.uri
     if compile_uri and access.sources:
         node, _ = access_rules.tenants_from_settings(settings)
@@ -136,6 +138,22 @@ def _check_access(settings: Settings) -> None:
                 access_rules.check_source(compile_uri)
             except PrewarmError as exc:
                 raise ConfigError(f"compile_cache.uri: {exc}") from exc
+
+
+def _check_compile_domains(settings: Settings) -> None:
+    """Refuse groups that do not exist; warn where only mounts keep domains' pods apart."""
+    by_group: dict[int, list[str]] = {}
+    for spec in domain_specs(settings).values():
+        by_group.setdefault(spec.gid, []).append(spec.name)
+    for gid, names in by_group.items():
+        if len(names) > 1:
+            log.warning(
+                "compile domains %s share group %d: their pods can write each other's compile "
+                "caches unless each pod mounts only its own domain's directory. Give each "
+                "tenant socket a group of its own.",
+                ", ".join(sorted(names)),
+                gid,
+            )
 
 
 def _api_server(

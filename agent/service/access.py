@@ -104,6 +104,9 @@ class Tenant:
     requester_scoped: bool = False
     # Longest lease TTL this socket's requests get; None: only leases.max_ttl_seconds.
     max_lease_seconds: float | None = None
+    # Whose compile caches this socket's requests get (agent.compile.domains); the
+    # node's socket sees every domain and makes its caches in "node".
+    compile_domain: str = ""
 
     def allows(self, uri: ModelUri) -> bool:
         return _matches(self.node_sources, uri) and _matches(self.sources, uri)
@@ -182,6 +185,7 @@ def tenants_from_settings(settings: Settings) -> tuple[Tenant, dict[str, Tenant]
             gate,
             requester_scoped=s.requester_scoped,
             max_lease_seconds=s.max_lease_seconds,
+            compile_domain=s.domain,
         )
         for s in access.sockets
     }

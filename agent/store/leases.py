@@ -239,10 +239,10 @@ class LeaseTable:
         self._purge()
         return sorted(self._records.values(), key=lambda r: (r.acquired, r.id))
 
-    def count(self) -> int:
-        """How many leases are live."""
+    def count(self, grantee: str | None = None) -> int:
+        """How many leases are live (of ``grantee`` only, when given)."""
         self._purge()
-        return len(self._records)
+        return len(self._records) if grantee is None else self._per_grantee[grantee]
 
     def for_key(self, key: str) -> list[LeaseRecord]:
         """The live leases on one snapshot, oldest first."""

@@ -74,7 +74,6 @@ class Log(logging.Handler):
 
 
 async def main(root: Path, limit: int) -> dict[str, object]:
-    Path("/proc/sys/user/max_inotify_watches").write_text(f"{limit}\n")
     log = Log()
     logging.getLogger().addHandler(log)
     logging.getLogger("agent.compile").setLevel(logging.DEBUG)
@@ -109,4 +108,6 @@ async def main(root: Path, limit: int) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(asyncio.run(main(Path(sys.argv[1]), int(sys.argv[2])))))
+    watch_limit = int(sys.argv[2])
+    Path("/proc/sys/user/max_inotify_watches").write_text(f"{watch_limit}\n")
+    print(json.dumps(asyncio.run(main(Path(sys.argv[1]), watch_limit))))

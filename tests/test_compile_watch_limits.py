@@ -23,9 +23,9 @@ WATCH_LIMIT = 150
 def _run_at_the_watch_limit(root: Path) -> dict[str, object]:
     if shutil.which("unshare") is None:
         pytest.skip("unshare (util-linux) is not installed")
+    in_a_namespace = ["unshare", "--user", "--map-root-user"]
     done = subprocess.run(
-        ["unshare", "--user", "--map-root-user", sys.executable, str(CHILD), str(root)]
-        + [str(WATCH_LIMIT)],
+        [*in_a_namespace, sys.executable, str(CHILD), str(root), str(WATCH_LIMIT)],
         capture_output=True,
         text=True,
         timeout=120,

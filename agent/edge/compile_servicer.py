@@ -219,7 +219,8 @@ class CompileCacheApi:
                         log.info("compile lock %s granted to %s", event.key, name)
                     yield pb.CompileLockEvent(
                         state=_LOCK_STATE[event.state],
-                        key=event.key,
+                        # Locks are named <domain>/<key>; the pod knows its key alone.
+                        key=event.key.rpartition("/")[2],
                         holder=event.holder,
                         warm=event.warm,
                     )

@@ -14,7 +14,7 @@ from pathlib import Path
 from agent._config import ConfigError, Settings, load_settings, render_toml
 from agent._exceptions import PrewarmError
 from agent._version import __version__
-from agent.compile.cache import CompileCaches
+from agent.compile.cache import NODE_SCOPE, CompileCaches, Scope
 from agent.compile.domains import domain_specs
 from agent.compile.keys import CompileKeyParts
 from agent.edge.connection_limits import raise_descriptor_limit
@@ -220,8 +220,9 @@ def _manifest_compile_hook(compile_caches: CompileCaches) -> CompileCacheHook:
     """Restores the compile cache a manifest entry names, once its model is cached."""
 
     async def restore(spec: CompileSpec, model_key: str) -> object:
-        parts = CompileKeyParts(**spec.model_dump(), model_key=model_key)
-        return await compile_caches.ensure(parts, client_name="prefetch manifest")
+        parts = CompileKeyParts(**spec.key_parts(), model_key=model_key)
+        scope = Scope(spec.domain) if spec.domain else NODE_SCOPE
+        return await compile_caches.ensure(parts, scope=scope, client_name="prefetch manifest")
 
     return restore
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_helpers import AgentFactory
+from agent_helpers import AgentFactory, when_logged
 
 from agent._exceptions import NoSpace, NotFound
 from agent.client import Client, CompileKeyParts, Progress
@@ -254,3 +254,24 @@ def test_files_moved_or_linked_in_from_outside_the_domain_are_never_uploaded(
     body = s3_client.get_object(Bucket=bucket, Key=f"cc/team-a/{mine.key}/manifest.json")["Body"]
     listed = [f[0] for archive in json.load(body)["archives"] for f in archive["files"]]
     assert listed == ["inductor/ab/own.so"]
+
+
+def test_a_manifest_entry_restores_its_compile_cache_into_the_domain_it_names(
+    start_agent: AgentFactory, small_model: SampleModel, bucket: str, short_dir: Path
+) -> None:
+    """A prefetch manifest's [model.compile] with domain = "team-a" makes the cache in team-a's
+    domain, where A's pods find it; without a domain it would be the node's, which they do not
+    see."""
+    manifests = short_dir / "models.d"
+    manifests.mkdir()
+    (manifests / "llama.toml").write_text(
+        f'[[model]]\nuri = "{small_model.uri}"\n\n[model.compile]\n'
+        'torch_version = "2.13.0"\ndomain = "team-a"\n'
+    )
+    agent = start_agent(_config(bucket, short_dir) + f'[manifests]\ndirectory = "{manifests}"\n')
+    made = "compile cache team-a/"
+    when_logged(agent, lambda: made in agent.log_text() or None, made)
+    with Client(short_dir / "team-a.sock") as a, Client(short_dir / "team-b.sock") as b:
+        [cache] = a.list_compile_caches()
+        assert cache.parts.model_key == a.ensure(small_model.uri).key
+        assert b.list_compile_caches() == []

@@ -337,24 +337,34 @@ class CompileCaches:
             known = domain.index.get(key)
             if known is None:
                 self._admit_new_key(domain)
-            started = time.monotonic()
-            fetched = await domain.transfer.fetch(key)
-            if fetched is None:
-                raise NotFound(
-                    f"Nothing was uploaded for compile cache {key} at "
-                    f"{domain.transfer.uri_of(key)}."
-                )
+            domain.creating += known is None
             try:
-                parts = known.parts if known is not None else parts_of(fetched.manifest)
-            except IntegrityError:
-                await domain.index.discard(fetched.staging)
-                raise
-            if known is not None:
-                await domain.index.remove(key)
+                started = time.monotonic()
+                record = await self._replace_from_s3(found, known)
+            finally:
+                domain.creating -= known is None
             seconds = time.monotonic() - started
             COMPILE_CACHE_PHASE_SECONDS.labels("restore").observe(seconds)
-            record = await self._publish(found, parts, fetched)
         return await self._ensured(found, record, restored=True, seconds=seconds, note="")
+
+    async def _replace_from_s3(self, ref: CacheRef, known: CacheRecord | None) -> CacheRecord:
+        """Fetch ``ref`` from S3 and put it in place of the local copy (the key's lock held)."""
+        domain = self._domains[ref.domain]
+        assert domain.transfer is not None
+        fetched = await domain.transfer.fetch(ref.key)
+        if fetched is None:
+            raise NotFound(
+                f"Nothing was uploaded for compile cache {ref.key} at "
+                f"{domain.transfer.uri_of(ref.key)}."
+            )
+        try:
+            parts = known.parts if known is not None else parts_of(fetched.manifest)
+        except IntegrityError:
+            await domain.index.discard(fetched.staging)
+            raise
+        if known is not None:
+            await domain.index.remove(ref.key)
+        return await self._publish(ref, parts, fetched)
 
     async def ready(
         self, ref: str, client_name: str = "", scope: Scope = NODE_SCOPE

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent._config import ConfigError
 from agent._exceptions import IntegrityError, InvalidRequest
 from agent._fs import open_dir, remove_tree, retire, write_json_atomic
 from agent.compile.archive import walk_artifacts
@@ -430,7 +431,14 @@ def _prepare_domain_directory(root: Path, gid: int) -> None:
         )
         remove_tree(root)
     root.mkdir(mode=DOMAIN_DIR_MODE, exist_ok=True)
-    os.chown(root, -1, gid, follow_symlinks=False)
+    try:
+        os.chown(root, -1, gid, follow_symlinks=False)
+    except PermissionError as exc:
+        raise ConfigError(
+            f"The agent (uid {os.geteuid()}) may not give compile domain {root.name!r} to its "
+            f"group (gid {gid}): an agent that is not root must be a member of every tenant "
+            "socket's group (systemd: SupplementaryGroups=), or run as root."
+        ) from exc
     root.chmod(DOMAIN_DIR_MODE)
     for sub in _BOOKKEEPING:
         (root / sub).mkdir(mode=PRIVATE_DIR_MODE, exist_ok=True)

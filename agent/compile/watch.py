@@ -102,11 +102,6 @@ class SettleWatcher:
         self._timers.add(timer)
         timer.add_done_callback(self._timers.discard)
 
-    @property
-    def polling(self) -> bool:
-        """Whether the watcher fell back to polling (the inotify watch limit was reached)."""
-        return self._polling
-
     def _key_of(self, path: str) -> str | None:
         try:
             relative = Path(path).relative_to(self._root).as_posix()

@@ -191,6 +191,12 @@ class CompileCacheSettings(BaseModel):
     upload: bool = True
     # A restore that takes longer is abandoned: the pod gets an empty directory and compiles.
     restore_timeout_seconds: float = Field(default=120.0, gt=0)
+    # Keys one compile domain (a tenant, or the node) may hold on this node; a new key
+    # past it is RESOURCE_EXHAUSTED. Bounds directories, inotify watches and S3 reads.
+    max_keys_per_domain: int = Field(default=128, ge=1, le=100_000)
+    # Longest a CompileLock waiter waits for the holder; then it is let go without the
+    # lock (and compiles on its own) rather than wait forever.
+    lock_wait_seconds: float = Field(default=600.0, gt=0)
 
 
 class MetricsSettings(BaseModel):

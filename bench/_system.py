@@ -25,6 +25,7 @@ __all__ = [
     "machine",
     "meminfo",
     "proc_io",
+    "pss",
     "reclaim_counters",
     "reclaim_since",
     "status_fields",
@@ -39,17 +40,27 @@ class RssSampler:
 
     Polling is fine here: this is the benchmark, not the agent. ``VmHWM`` (the
     kernel's own peak) is read too; it is exact but covers one process only.
+
+    RSS summed over a tree counts a page shared by several processes (the
+    interpreter and libraries a worker inherits, a mapping of the same file)
+    once per process; PSS (``smaps_rollup``) splits each shared page between
+    its sharers, so the sum over the tree is what the tree really holds. The
+    kernel walks every mapping to answer ``smaps_rollup``, so it is read every
+    ``pss_every``-th sample only.
     """
 
-    def __init__(self, pid: int, interval: float = 0.005) -> None:
+    def __init__(self, pid: int, interval: float = 0.005, pss_every: int = 10) -> None:
         self._pid = pid
         self._interval = interval
+        self._pss_every = pss_every
+        self._samples = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
         self.peak_total = 0
         self.peak_anon = 0
         self.peak_shmem = 0
         self.peak_children = 0
+        self.peak_pss = 0
 
     def __enter__(self) -> RssSampler:
         # Reset the kernel's peak so VmHWM covers only what follows.
@@ -72,8 +83,12 @@ class RssSampler:
             self._sample()
 
     def _sample(self) -> None:
+        pids = [self._pid, *descendants(self._pid)]
+        if self._samples % self._pss_every == 0:
+            self.peak_pss = max(self.peak_pss, sum(pss(pid) for pid in pids))
+        self._samples += 1
         total = anon = shmem = children = 0
-        for pid in [self._pid, *descendants(self._pid)]:
+        for pid in pids:
             fields = status_fields(pid)
             total += fields.get("VmRSS", 0)
             anon += fields.get("RssAnon", 0)
@@ -88,11 +103,25 @@ class RssSampler:
     def to_json(self) -> dict[str, int]:
         return {
             "vm_hwm": self.vm_hwm,
+            # Summed over the process and its descendants.
             "sampled_peak_rss": self.peak_total,
+            "sampled_peak_pss": self.peak_pss,
             "sampled_peak_anon": self.peak_anon,
             "sampled_peak_shmem": self.peak_shmem,
             "sampled_peak_children": self.peak_children,
         }
+
+
+def pss(pid: int) -> int:
+    """The process's proportional set size in bytes (0 if it is gone)."""
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) * KiB
+    return 0
 
 
 def status_fields(pid: int) -> dict[str, int]:

@@ -3,7 +3,9 @@
 A cold pull's cost has two bounds: the CPU the whole process spends per GiB
 (what it takes from a shared node) and the CPU its busiest thread spends per
 GiB (one thread can never go faster than one core, so ``1 / that`` is the
-GiB/s the design cannot pass however many cores the node has).
+GiB/s the design cannot pass however many cores the node has). The main
+thread of the process watched is reported apart: in the daemon it runs the
+asyncio event loop, which must stay off the byte path.
 
 ``ThreadCpu`` samples every thread at the start, every ``interval`` while the
 measured work runs, and at the end: a thread that starts after the start counts
@@ -41,10 +43,24 @@ class ThreadUse:
     seconds: float
     # The Python thread's name, when the sampler runs in the same process.
     name: str = ""
+    # In a descendant of the process watched (a worker process), not in it.
+    child: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        """The main thread of the process watched (in the daemon: its event loop)."""
+        return self.tid == self.pid and not self.child
 
     @property
     def label(self) -> str:
-        """The kernel's name for the thread (its comm), and the Python name or the tid."""
+        """The kernel's name for the thread (its comm), and the Python name or the tid.
+
+        A worker process's threads say whose they are: every Python process
+        has a "main thread", and only the watched one's runs the daemon's loop.
+        """
+        if self.child:
+            where = "main thread" if self.tid == self.pid else (self.name or str(self.tid))
+            return f"{self.comm} (child {self.pid}: {where})"
         if self.tid == self.pid:
             return f"{self.comm} (main thread)"
         return f"{self.comm} ({self.name or self.tid})"
@@ -209,6 +225,7 @@ class ThreadCpu:
                     comm,
                     max(0.0, seconds - self._first.get((pid, tid), 0.0)),
                     self._names.get(tid, "") if pid == os.getpid() else "",
+                    child=pid != self._pid,
                 )
                 for (pid, tid), (comm, seconds) in self._last.items()
             ]
@@ -245,15 +262,23 @@ class ThreadCpu:
 def cpu_report(
     threads: list[ThreadUse], process_seconds: float, nbytes: int, *, top: int = 5
 ) -> Any:
-    """The JSON the report reads: CPU-s per GiB of the whole and of the busiest thread."""
+    """The JSON the report reads: CPU-s per GiB of the whole, the busiest and the main thread.
+
+    "process" is the whole tree watched: the process and its descendants.
+    """
     gib = nbytes / GiB if nbytes else 0.0
     busiest = threads[0] if threads else None
+    main = next((t for t in threads if t.is_main), None)
     per_gib = process_seconds / gib if gib else None
     busiest_per_gib = busiest.seconds / gib if busiest is not None and gib else None
     return {
         "process_seconds": process_seconds,
         "process_per_gib": per_gib,
+        "processes_seen": len({t.pid for t in threads}),
         "threads_seen": len(threads),
+        # The daemon's main thread runs its asyncio loop: what must stay off the byte path.
+        "main_thread_seconds": main.seconds if main is not None else None,
+        "main_thread_per_gib": main.seconds / gib if main is not None and gib else None,
         "unattributed": process_seconds - sum(t.seconds for t in threads),
         "busiest_thread": busiest.label if busiest is not None else None,
         "busiest_seconds": busiest.seconds if busiest is not None else None,

@@ -1,4 +1,4 @@
-"""The bench's CPU accounting per thread, its --scaling sizes and issue 10's hit targets.
+"""The bench's CPU and memory accounting of a process tree, its --scaling sizes and hit targets.
 
 The benchmark itself is run by hand; these pin the arithmetic and the /proc
 reading it rests on, with real threads and a real child process.
@@ -16,10 +16,12 @@ import pytest
 
 from bench._hits import NO_S3, REFUSED
 from bench._scaling import parse_sizes
+from bench._system import RssSampler
 from bench._targets import judge_targets
 from bench._threads import ThreadCpu, ThreadUse, cpu_report
 
 GiB = 1024**3
+MiB = 1024**2
 
 
 def _burn(rounds: int = 200) -> None:
@@ -73,6 +75,19 @@ def test_cpu_report_bound_is_one_over_busiest_per_gib() -> None:
     assert report["unattributed"] == pytest.approx(0.25)
 
 
+def test_cpu_report_main_thread_is_the_watched_process_s_own() -> None:
+    """The main thread is the watched process's (the daemon's loop), not a worker's main thread."""
+    uses = [
+        ThreadUse(20, 20, "python", 0.75, child=True),
+        ThreadUse(10, 10, "python", 0.25),
+        ThreadUse(10, 11, "python", 0.5),
+    ]
+    report = cpu_report(uses, 1.5, GiB)
+    assert report["busiest_thread"] == "python (child 20: main thread)"
+    assert report["main_thread_per_gib"] == pytest.approx(0.25)
+    assert report["processes_seen"] == 2
+
+
 def test_cpu_report_with_no_bytes_has_no_rates() -> None:
     """Nothing moved: no per-GiB figure and no bound, rather than a division by zero."""
     report = cpu_report([], 0.5, 0)
@@ -108,8 +123,11 @@ def _hit_mode(agent_median: float, served: float) -> dict[str, float]:
 def _hit_targets(modes: dict[str, object]) -> dict[str, bool | None]:
     targets = judge_targets(
         {},
+        schemes=["https"],
+        preferred="https",
         planes=[],
         default_plane="aiobotocore",
+        concurrent=None,
         model_bytes=GiB,
         scaling={},
         hits={"modes": modes},
@@ -129,8 +147,11 @@ def test_hit_modes_not_measured_are_not_judged() -> None:
     """A skipped mode (a build without the option) is n/a, with the reason kept."""
     targets = judge_targets(
         {},
+        schemes=["https"],
+        preferred="https",
         planes=[],
         default_plane="aiobotocore",
+        concurrent=None,
         model_bytes=GiB,
         scaling={},
         hits={"modes": {NO_S3: {"skipped": "no cached_only option"}}},
@@ -138,3 +159,11 @@ def test_hit_modes_not_measured_are_not_judged() -> None:
     no_s3 = next(t for t in targets if t.name == NO_S3)
     assert no_s3.met is None
     assert no_s3.note == "no cached_only option"
+
+
+def test_memory_sampler_reports_pss_summed_over_the_tree() -> None:
+    """PSS is sampled too, and is no more than RSS over the same processes."""
+    with RssSampler(os.getpid(), pss_every=1) as sampler:
+        _ = bytearray(8 * MiB)
+    report = sampler.to_json()
+    assert 0 < report["sampled_peak_pss"] <= report["sampled_peak_rss"]

@@ -82,7 +82,7 @@ def _counters(probe: dict[str, Any]) -> str:
 
 def _pointer(s3_client: Any, bucket: str, key: str) -> dict[str, Any] | None:
     try:
-        body = s3_client.get_object(Bucket=bucket, Key=f"compile/{key}/manifest.json")["Body"]
+        body = s3_client.get_object(Bucket=bucket, Key=f"compile/node/{key}/manifest.json")["Body"]
     except s3_client.exceptions.NoSuchKey:
         return None
     document: dict[str, Any] = json.loads(body.read())
@@ -158,7 +158,7 @@ def test_a_new_node_restores_the_uploaded_cache_and_hits_it(
     cold, cold_handle = uploaded_cache.cold, uploaded_cache.cold_handle
     assert not cold_handle.restored
     assert "nothing uploaded yet" in cold_handle.restore_note
-    assert cold_handle.path == uploaded_cache.first_disk_root / "compile" / cold_handle.key
+    assert cold_handle.path == uploaded_cache.first_disk_root / "compile" / "node" / cold_handle.key
     assert cold["fxgraph_cache_miss"] > 0
     assert cold["fxgraph_cache_hit"] == 0
     assert uploaded_cache.cold_ready.verdict.verdict == "miss"
@@ -173,7 +173,7 @@ def test_a_new_node_restores_the_uploaded_cache_and_hits_it(
         warm_handle = client.compile_cache(parts, client_name="pod-2", publish_on_ready=True)
         assert warm_handle.restored, warm_handle.restore_note
         assert warm_handle.key == cold_handle.key
-        assert warm_handle.path == second.disk_root / "compile" / warm_handle.key
+        assert warm_handle.path == second.disk_root / "compile" / "node" / warm_handle.key
         assert content_digest(warm_handle.path).digest == uploaded_cache.digest
         warm = _run_probe(warm_handle, tmp_path / "warm")
         ready = client.compile_ready(warm_handle.key, client_name="pod-2")

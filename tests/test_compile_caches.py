@@ -21,7 +21,7 @@ from store_helpers import open_store
 from agent._config import CompileCacheSettings, Settings, TierSettings
 from agent._exceptions import Conflict, IntegrityError, InvalidRequest, NotFound
 from agent.compile.archive import content_digest
-from agent.compile.cache import CompileCaches
+from agent.compile.cache import CacheRef, CompileCaches
 from agent.compile.keys import CompileKeyParts, compile_key, sub_cache_dirs
 from agent.testing import MemorySource
 
@@ -62,12 +62,12 @@ def _fill(directory: Path, seed: int = 1) -> None:
 
 
 def _manifest(source: MemorySource) -> dict[str, Any]:
-    document: dict[str, Any] = json.loads(source.objects[BUCKET][f"cc/{KEY}/manifest.json"])
+    document: dict[str, Any] = json.loads(source.objects[BUCKET][f"cc/node/{KEY}/manifest.json"])
     return document
 
 
 def _archive_name(source: MemorySource) -> str:
-    return f"cc/{KEY}/{_manifest(source)['archives'][0]['name']}"
+    return f"cc/node/{KEY}/{_manifest(source)['archives'][0]['name']}"
 
 
 async def test_a_new_key_gets_an_empty_directory_laid_out_for_its_engine(
@@ -77,7 +77,7 @@ async def test_a_new_key_gets_an_empty_directory_laid_out_for_its_engine(
     async with node(tmp_path, source, shared=False) as caches:
         first = await caches.ensure(PARTS, client_name="pod-1")
         again = await caches.ensure(PARTS, client_name="pod-2")
-    root = tmp_path / "disk" / "compile"
+    root = tmp_path / "disk" / "compile" / "node"
     assert first.info.path == root / KEY
     assert sorted(p.name for p in first.info.path.iterdir()) == list(sub_cache_dirs("torch"))
     assert {"inductor", "triton", "flashinfer", "deep_gemm", "cuda"} <= set(sub_cache_dirs("torch"))
@@ -98,7 +98,7 @@ async def test_a_key_nobody_uploaded_starts_empty_and_says_so(
     async with node(tmp_path, source) as caches:
         ensured = await caches.ensure(PARTS)
     assert not ensured.restored
-    assert ensured.restore_note == f"nothing uploaded yet at s3://{BUCKET}/cc/{KEY}/"
+    assert ensured.restore_note == f"nothing uploaded yet at s3://{BUCKET}/cc/node/{KEY}/"
     assert content_digest(ensured.info.path).file_count == 0
 
 
@@ -111,7 +111,7 @@ async def test_a_pushed_cache_is_restored_whole_on_another_node(
         _fill(made.info.path)
         pushed = await first.push(KEY[:8])
         repeated = await first.push(KEY)
-    assert (pushed.uploaded, pushed.uri) == (True, f"s3://{BUCKET}/cc/{KEY}/")
+    assert (pushed.uploaded, pushed.uri) == (True, f"s3://{BUCKET}/cc/node/{KEY}/")
     assert pushed.bytes > 0
     assert pushed.digest == content_digest(made.info.path).digest == _manifest(source)["digest"]
     assert (repeated.uploaded, repeated.skipped_reason) == (
@@ -126,7 +126,7 @@ async def test_a_pushed_cache_is_restored_whole_on_another_node(
     assert content_digest(restored.info.path).digest == pushed.digest
     assert (restored.info.uploaded_digest, restored.info.restored) == (pushed.digest, True)
     assert unchanged.skipped_reason == "unchanged since the last upload or restore"
-    assert not list((tmp_path / "b" / "disk" / "compile" / ".tmp").iterdir())
+    assert not list((tmp_path / "b" / "disk" / "compile" / "node" / ".tmp").iterdir())
 
 
 @pytest.mark.parametrize("damage", ["truncated", "corrupt"])
@@ -152,7 +152,7 @@ async def test_a_damaged_archive_is_refused_and_the_pod_starts_empty(
     assert refused.restore_note.startswith("refused the archive in S3")
     assert content_digest(refused.info.path).file_count == 0
     (refused.info.path / "inductor" / "written").write_text("ok")
-    assert not list((tmp_path / "b" / "disk" / "compile" / ".tmp").iterdir())
+    assert not list((tmp_path / "b" / "disk" / "compile" / "node" / ".tmp").iterdir())
 
 
 async def test_pull_replaces_the_local_directory_with_what_s3_holds(
@@ -182,13 +182,13 @@ async def test_pull_refuses_a_manifest_whose_parts_hash_to_another_key(
         await first.push(KEY)
     manifest = _manifest(source)
     manifest["parts"] = {**manifest["parts"], "model_key": "another"}
-    source.objects[BUCKET][f"cc/{KEY}/manifest.json"] = json.dumps(manifest).encode()
+    source.objects[BUCKET][f"cc/node/{KEY}/manifest.json"] = json.dumps(manifest).encode()
 
     async with node(tmp_path / "b", source) as second:
         with pytest.raises(IntegrityError, match="unusable key parts"):
             await second.pull(KEY)
         assert await second.caches() == []
-    assert not list((tmp_path / "b" / "disk" / "compile" / ".tmp").iterdir())
+    assert not list((tmp_path / "b" / "disk" / "compile" / "node" / ".tmp").iterdir())
 
 
 async def test_pull_without_a_shared_prefix_is_a_conflict(
@@ -207,7 +207,8 @@ async def test_keys_are_named_by_a_unique_hex_prefix(tmp_path: Path, source: Mem
     """find takes 8+ hex digits of a key on the node and says what is wrong otherwise."""
     async with node(tmp_path, source, shared=False) as caches:
         await caches.ensure(PARTS)
-        assert caches.find(KEY[:8].upper()) == KEY
+        assert caches.find(KEY[:8].upper()) == CacheRef("node", KEY)
+        assert caches.find(f"node/{KEY[:8]}") == CacheRef("node", KEY)
         with pytest.raises(InvalidRequest, match="not a compile-cache key"):
             caches.find(KEY[:7])
         with pytest.raises(InvalidRequest, match="not a compile-cache key"):
@@ -221,7 +222,7 @@ async def test_evict_removes_the_directory_and_its_record_unless_a_pod_holds_the
     tmp_path: Path, source: MemorySource
 ) -> None:
     """Evict deletes a key's directory and record, but not while its compile lock is held."""
-    root = tmp_path / "disk" / "compile"
+    root = tmp_path / "disk" / "compile" / "node"
     async with node(tmp_path, source, shared=False) as caches:
         path = (await caches.ensure(PARTS)).info.path
         _fill(path)
@@ -246,12 +247,16 @@ async def test_the_disk_budget_sees_compile_caches_and_may_evict_them(
         _fill(path)
         await caches.caches()  # measures the directory now
         (candidate,) = caches.extra_candidates()
-        assert (candidate.key, candidate.size, candidate.protected) == (KEY, 3 * 16 * 1024, False)
+        assert (candidate.key, candidate.size, candidate.protected) == (
+            f"node/{KEY}",
+            3 * 16 * 1024,
+            False,
+        )
         async with contextlib.aclosing(caches.hold_lock(PARTS, "pod-1")) as hold:
             await anext(hold)
             assert caches.extra_candidates()[0].protected
-            assert await caches.evict_extra([KEY], "budget") == 0
-        assert await caches.evict_extra([KEY], "budget") == 3 * 16 * 1024
+            assert await caches.evict_extra([f"node/{KEY}"], "budget") == 0
+        assert await caches.evict_extra([f"node/{KEY}"], "budget") == 3 * 16 * 1024
     assert not path.exists()
 
 
@@ -259,7 +264,7 @@ async def test_a_restart_keeps_recorded_keys_and_clears_what_was_left_half_done(
     tmp_path: Path, source: MemorySource
 ) -> None:
     """Reopening rebuilds the index: records with directories stay, every orphan goes."""
-    root = tmp_path / "disk" / "compile"
+    root = tmp_path / "disk" / "compile" / "node"
     async with node(tmp_path, source, shared=False) as caches:
         _fill((await caches.ensure(PARTS)).info.path)
     orphan_directory = root / ("a" * 32)  # a directory nobody recorded

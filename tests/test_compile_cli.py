@@ -53,7 +53,8 @@ def test_ls_show_push_evict_pull(start_agent: AgentFactory, bucket: str) -> None
 
     pushed = _ok(prewarm("push", short, socket=socket))
     assert re.fullmatch(
-        rf"uploaded \d+ B \(sha256:[0-9a-f]{{64}}\) to s3://{bucket}/cc/{handle.key}/\n", pushed
+        rf"uploaded \d+ B \(sha256:[0-9a-f]{{64}}\) to s3://{bucket}/cc/node/{handle.key}/\n",
+        pushed,
     ), pushed
     assert _ok(prewarm("push", short, socket=socket)) == (
         "not uploaded: unchanged since the last upload or restore\n"

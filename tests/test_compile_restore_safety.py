@@ -64,7 +64,7 @@ def _publish_archive(source: MemorySource, members: list[tuple[tarfile.TarInfo, 
             tar.addfile(info, io.BytesIO(data) if info.isreg() else None)
     archive = zstandard.ZstdCompressor().compress(raw.getvalue())
     name = "archives/0000000000000000-1-evil.tar.zst"
-    source.put(BUCKET, f"cc/{KEY}/{name}", archive)
+    source.put(BUCKET, f"cc/node/{KEY}/{name}", archive)
     pointer = {
         "format": 1,
         "key": KEY,
@@ -77,7 +77,7 @@ def _publish_archive(source: MemorySource, members: list[tuple[tarfile.TarInfo, 
         "uploader": "evil",
         "parts": {},
     }
-    source.put(BUCKET, f"cc/{KEY}/pointer.json", json.dumps(pointer).encode())
+    source.put(BUCKET, f"cc/node/{KEY}/pointer.json", json.dumps(pointer).encode())
 
 
 def _link(name: str, target: str) -> tuple[tarfile.TarInfo, bytes]:
@@ -87,7 +87,7 @@ def _link(name: str, target: str) -> tuple[tarfile.TarInfo, bytes]:
 
 
 def _scratch(root: Path) -> list[Path]:
-    return list((root / "disk" / "compile" / ".tmp").iterdir())
+    return list((root / "disk" / "compile" / "node" / ".tmp").iterdir())
 
 
 def _outside_paths(env: dict[str, str], directory: Path) -> list[str]:

@@ -24,7 +24,7 @@ from agent.testing import MemorySource
 BUCKET = "caches"
 PARTS = CompileKeyParts(torch_version="2.13.0", model_key="verdicts")
 KEY = compile_key(PARTS)
-MANIFEST = f"cc/{KEY}/manifest.json"
+MANIFEST = f"cc/node/{KEY}/manifest.json"
 
 
 @contextlib.asynccontextmanager
@@ -88,7 +88,7 @@ async def test_a_key_waiting_for_ready_is_not_uploaded_when_quiet(tmp_path: Path
     async with node(tmp_path, source, quiet=0.05) as caches:
         path = (await caches.ensure(PARTS, publish_on_ready=True)).info.path
         _compile(path, "inductor", "half-made")
-        await caches._settled(KEY)  # what the watcher runs once the key is quiet
+        await caches._settled(f"node/{KEY}")  # what the watcher runs once the key is quiet
         assert MANIFEST not in source.objects[BUCKET]
         (info,) = await caches.caches()
     assert info.publish_on_ready

@@ -23,6 +23,7 @@ from agent._config import Settings
 from agent._vocabulary import DataPlaneName, PullOptions
 from agent.pull.puller import Puller
 from agent.service.operations import AgentService, EnsureResult
+from agent.source.range_worker import USER_AGENT as PROCESSES_USER_AGENT
 from agent.source.s3 import S3Source
 from agent.source.streamer_plane import streamer_unavailable
 from agent.source.sync_s3 import THREADS_USER_AGENT
@@ -31,7 +32,7 @@ from agent.store.store import Store
 from agent.testing import Fault, FaultKind, FaultProxy, S3Server, SampleModel
 
 MiB = 1024 * 1024
-PLANES = ["threads", "aiobotocore", "streamer"]
+PLANES = ["processes", "threads", "aiobotocore", "streamer"]
 
 needs_streamer = pytest.mark.skipif(
     streamer_unavailable() is not None,
@@ -143,6 +144,8 @@ def sent_by(user_agent: str) -> str:
     """The data plane a GET's User-Agent names (the streamer's CRT is neither botocore)."""
     if THREADS_USER_AGENT in user_agent:
         return "threads"
+    if PROCESSES_USER_AGENT in user_agent:
+        return "processes"
     return "aiobotocore" if "botocore" in user_agent.lower() else "streamer"
 
 

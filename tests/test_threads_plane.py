@@ -29,9 +29,10 @@ from agent.pull.resolver import resolve
 from agent.pull.tuning import THREADS_PER_STREAM, tune
 from agent.service.operations import EnsureResult
 from agent.source.interface import RangeReadError
+from agent.source.pacing import read_step
 from agent.source.s3 import S3Source, SourceUnreachable
 from agent.source.sync_s3 import translate
-from agent.source.threads_plane import ThreadsPlane, read_step
+from agent.source.threads_plane import ThreadsPlane
 from agent.store.store import Store
 from agent.testing import Fault, FaultProxy, S3Server, SampleModel
 
@@ -170,7 +171,7 @@ def test_auto_concurrency_runs_threads_per_stream_up_to_the_maximum() -> None:
     assert THREADS_PER_STREAM == 16
     assert tune(settings, 2 * GB, plane="threads", cpus=2).concurrency == 16
     assert tune(settings, 9 * GB, plane="threads", cpus=192).concurrency == 48
-    assert tune(settings, 900 * GB, plane="threads", cpus=192).concurrency == 64
+    assert tune(settings, 900 * GB, plane="threads", cpus=192).concurrency == 128
     assert tune(S3Settings(concurrency=3), GB, plane="threads").concurrency == 3
 
 
@@ -181,7 +182,8 @@ def test_a_read_never_outlasts_half_a_low_speed_window(timeout_ms: int, limit: i
     """Reads take at most half a window's bytes (so the watchdog never cuts a GET keeping
     the pace), at most 512 KiB per worker, and never less than 64 KiB."""
     settings = S3Settings(request_timeout_ms=timeout_ms, low_speed_limit=limit)
-    step = read_step(tune(settings, GB, plane="threads"))
+    tuning = tune(settings, GB, plane="threads")
+    step = read_step(tuning.low_speed_limit, tuning.request_timeout, tuning.io_block)
     needed = limit * timeout_ms / 1000
     assert 64 * 1024 <= step <= 512 * 1024
     assert step <= needed / 2 or step == 64 * 1024

@@ -3,6 +3,7 @@ pull options checked alike by the client and the agent, and their wire form."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ from agent._proto.prewarm.v1 import prewarm_pb2 as pb
 from agent._vocabulary import PullOptions
 from agent._wire import pull_options_from_proto, pull_options_to_proto
 from agent.client._convert import ensure_request
-from agent.pull.tuning import GETS_PER_STREAM, auto_concurrency, tune
+from agent.pull.tuning import GETS_PER_STREAM, auto_concurrency, node_gbps, tune, worker_processes
 from agent.source.transfer import STREAMER_MIN_BLOCK, concurrency_ceiling, streamer_environment
 
 MiB = 1024**2
@@ -183,3 +184,40 @@ def test_streamer_environment_without_a_custom_endpoint_keeps_virtual_hosts(
     assert "AWS_ENDPOINT_URL" not in env
     assert "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING" not in env
     assert "RUNAI_STREAMER_CONCURRENCY" not in env  # per pull, set when a pull starts
+
+
+@pytest.mark.parametrize(
+    ("product", "expected"),
+    [("p5.48xlarge\n", 400.0), ("g5.48xlarge", 100.0), ("m5.large", 25.0), (None, 25.0)],
+)
+def test_the_nodes_bandwidth_comes_from_its_ec2_instance_type(
+    tmp_path: Path, product: str | None, expected: float
+) -> None:
+    """target_gbps = auto reads the instance type from the DMI product name: a known GPU type
+    gives its bandwidth to S3, anything else (or no DMI at all) the 25 Gbit/s default."""
+    dmi = tmp_path / "product_name"
+    if product is not None:
+        dmi.write_text(product)
+    assert node_gbps(S3Settings(), product=dmi) == expected
+    assert node_gbps(S3Settings(target_gbps=50), product=dmi) == 50.0
+
+
+def test_processes_concurrency_opens_enough_connections_for_the_node() -> None:
+    """The processes plane keeps about target_gbps / 5 GETs in flight (5 Gbit/s a connection)
+    when that is more than the model's size asks for, within max_concurrency."""
+    settings = S3Settings()
+    assert tune(settings, 2 * GB, plane="processes", cpus=2, gbps=25).concurrency == 16
+    assert tune(settings, 2 * GB, plane="processes", cpus=192, gbps=400).concurrency == 80
+    capped = S3Settings(max_concurrency=32)
+    assert tune(capped, 2 * GB, plane="processes", cpus=192, gbps=400).concurrency == 32
+    # The other planes keep sizing by the model alone.
+    assert tune(settings, 2 * GB, plane="threads", cpus=192, gbps=400).concurrency == 16
+
+
+def test_worker_processes_keep_each_interpreter_lock_under_half_busy() -> None:
+    """Automatic worker count: enough that no worker's lock is over half busy at the node's
+    rate (about 0.1 s of lock per GiB each), at least 2; a number in the config pins it."""
+    assert worker_processes(S3Settings(), gbps=25) == 2
+    assert worker_processes(S3Settings(), gbps=400) == 10
+    assert worker_processes(S3Settings(), gbps=3200) == 32
+    assert worker_processes(S3Settings(worker_processes=3), gbps=400) == 3

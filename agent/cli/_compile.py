@@ -45,7 +45,9 @@ compile_app = typer.Typer(
 JsonOption = Annotated[
     bool, typer.Option("--json", help="Print machine-readable JSON on stdout, nothing else.")
 ]
-KeyArgument = Annotated[str, typer.Argument(help="A key, or a unique prefix of 8+ hex digits.")]
+KeyArgument = Annotated[
+    str, typer.Argument(help="A key or a unique prefix of 8+ hex digits (DOMAIN/KEY: a domain's).")
+]
 
 
 def _stdout() -> Console:
@@ -70,10 +72,15 @@ def _when(moment: datetime | None) -> str:
 
 
 def _find(client: Client, ref: str) -> CompileCacheInfo:
-    prefix = ref.strip().lower()
+    domain, slash, prefix = ref.strip().rpartition("/")
+    prefix = prefix.lower()
     if len(prefix) < 8:
         raise InvalidRequest(f"{ref!r} is too short; give 8 or more hex digits of a key.")
-    matches = [c for c in client.list_compile_caches() if c.key.startswith(prefix)]
+    matches = [
+        c
+        for c in client.list_compile_caches()
+        if c.key.startswith(prefix) and (not slash or c.domain == domain)
+    ]
     if not matches:
         raise NotFound(
             f"No compile cache has a key starting with {prefix}. See `prewarm compile ls`."
@@ -87,7 +94,7 @@ def _find(client: Client, ref: str) -> CompileCacheInfo:
 
 def _table(caches: list[CompileCacheInfo]) -> Table:
     table = Table(box=None, header_style="bold", pad_edge=False)
-    for column in ("key", "engine", "model", "torch", "gpu"):
+    for column in ("domain", "key", "engine", "model", "torch", "gpu"):
         table.add_column(column, no_wrap=True)
     for column in ("tp", "size", "files"):
         table.add_column(column, justify="right")
@@ -96,6 +103,7 @@ def _table(caches: list[CompileCacheInfo]) -> Table:
     for c in caches:
         p = c.parts
         table.add_row(
+            c.domain,
             c.key[:_KEY_WIDTH],
             f"{p.engine} {p.engine_version}".strip(),
             p.model_key[:_KEY_WIDTH] or "-",
@@ -116,6 +124,7 @@ def _detail(c: CompileCacheInfo) -> RenderableType:
     grid.add_column(overflow="fold")
     p = c.parts
     rows = [
+        ("domain", c.domain),
         ("key", c.key),
         ("path", str(c.path)),
         ("size", f"{render.human_bytes(c.bytes)} ({c.bytes} bytes), {c.file_count} files"),

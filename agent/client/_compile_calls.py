@@ -195,6 +195,7 @@ def _info_from_proto(msg: pb.CompileCacheInfo) -> CompileCacheInfo:
         if msg.HasField("last_verdict")
         else None,
         publish_on_ready=msg.publish_on_ready,
+        domain=msg.domain,
     )
 
 

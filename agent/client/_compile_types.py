@@ -86,6 +86,8 @@ class CompileCacheInfo:
     last_verdict: CompileVerdict | None = None
     # Uploaded only when a launch reports ready, never when quiet.
     publish_on_ready: bool = False
+    # The compile domain it belongs to (a tenant's, or "node").
+    domain: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -131,10 +131,16 @@ def digest_of_files(files: Iterable[FileFacts]) -> str:
     return _digest_of([_Entry(path, "f", exe, size, sha) for path, size, sha, exe in files])
 
 
-def walk_artifacts(directory: Path) -> Iterator[tuple[str, os.DirEntry[str]]]:
+def walk_artifacts(
+    directory: Path, group: int | None = None, foreign: list[str] | None = None
+) -> Iterator[tuple[str, os.DirEntry[str]]]:
     """Every kept regular file under ``directory``, never following links, in path order.
 
-    Symbolic links are not artifacts: they are neither packed nor counted.
+    Symbolic links are not artifacts: they are neither packed nor counted. With
+    ``group``, neither is a file of another group or with a second hard link:
+    in a compile domain's setgid directory every file made there has the
+    domain's group, so such a file was moved or linked in from elsewhere (by
+    someone outside the domain). Their paths are added to ``foreign``.
     """
     pending = [""]
     while pending:
@@ -152,8 +158,19 @@ def walk_artifacts(directory: Path) -> Iterator[tuple[str, os.DirEntry[str]]]:
             if item.is_dir(follow_symlinks=False):
                 children.append(relative)
             elif item.is_file(follow_symlinks=False):
-                yield relative, item
+                if group is None or _belongs_to(item, group):
+                    yield relative, item
+                elif foreign is not None:
+                    foreign.append(relative)
         pending.extend(reversed(children))
+
+
+def _belongs_to(item: os.DirEntry[str], group: int) -> bool:
+    try:
+        info = item.stat(follow_symlinks=False)
+    except FileNotFoundError:
+        return False  # gone since the listing: not an artifact any more
+    return info.st_gid == group and info.st_nlink == 1
 
 
 class _HashingReader:
@@ -215,10 +232,17 @@ def _result(entries: list[_Entry], archive_bytes: int) -> PackResult:
     )
 
 
-def pack(directory: Path, archive: Path, *, skip: Container[str] = frozenset()) -> PackResult:
+def pack(
+    directory: Path,
+    archive: Path,
+    *,
+    skip: Container[str] = frozenset(),
+    group: int | None = None,
+) -> PackResult:
     """Write ``directory``'s artifacts to ``archive`` (.tar.zst) and return their digest.
 
-    Paths in ``skip`` (already uploaded by someone) are left out.
+    Paths in ``skip`` (already uploaded by someone) are left out, and with
+    ``group`` the files that are not that group's (see ``walk_artifacts``).
 
     Raises ChangedDuringPack when a file changes under it; ``archive`` is then
     incomplete and the caller removes it.
@@ -230,7 +254,7 @@ def pack(directory: Path, archive: Path, *, skip: Container[str] = frozenset()) 
             compressor.stream_writer(raw, closefd=False) as compressed,
             tarfile.open(fileobj=compressed, mode="w|", format=tarfile.PAX_FORMAT) as tar,
         ):
-            for relative, _ in walk_artifacts(directory):
+            for relative, _ in walk_artifacts(directory, group):
                 if relative not in skip:
                     entries.append(_pack_file(tar, directory, relative))
         raw.flush()
@@ -239,10 +263,12 @@ def pack(directory: Path, archive: Path, *, skip: Container[str] = frozenset()) 
     return _result(entries, archive_bytes)
 
 
-def content_digest(directory: Path) -> PackResult:
-    """The digest ``pack`` would give, without writing an archive."""
+def content_digest(
+    directory: Path, group: int | None = None, foreign: list[str] | None = None
+) -> PackResult:
+    """The digest ``pack`` would give, without writing an archive (``group`` as there)."""
     entries: list[_Entry] = []
-    for relative, item in walk_artifacts(directory):
+    for relative, item in walk_artifacts(directory, group, foreign):
         hasher = hashlib.sha256()
         try:
             fd = os.open(item.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)

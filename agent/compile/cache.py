@@ -1,9 +1,12 @@
 """torch.compile caches: a directory per key on the disk tier, shared across nodes via S3.
 
-``CompileCaches`` is what the daemon and the gRPC edge use. It serialises the
-work on each key (restore, upload, evict) and decides when to do it; the
-records and directories on disk are ``agent.compile.index``'s, the moves to
-and from S3 ``agent.compile.transfer``'s.
+``CompileCaches`` is what the daemon and the gRPC edge use. Every cache is a
+key within a compile domain (``agent.compile.domains``): each call names the
+caller's ``Scope``, which keys it may make and see, so one tenant never
+reaches another's caches, locks or uploads. It serialises the work on each
+key (restore, upload, evict) and decides when to do it; the records and
+directories on disk are ``agent.compile.index``'s (one index per domain), the
+moves to and from S3 ``agent.compile.transfer``'s.
 
 Compile caches count towards the disk tier's budget and are evicted after
 every evictable model (see ``extra_candidates``). Pods fill the directories;
@@ -16,16 +19,35 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections import defaultdict
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Self
 
 from agent._config import Settings
-from agent._exceptions import Conflict, IntegrityError, InvalidRequest, NotFound, PrewarmError
+from agent._exceptions import (
+    Conflict,
+    IntegrityError,
+    InvalidRequest,
+    NoSpace,
+    NotFound,
+    PrewarmError,
+    quoted,
+)
 from agent._uri import parse_uri
+from agent.compile.archive import is_ignored
+from agent.compile.domains import (
+    NODE_SCOPE,
+    CacheRef,
+    DomainSpec,
+    Scope,
+    domain_specs,
+    prepare_compile_root,
+)
 from agent.compile.index import CacheIndex, CacheRecord, CompileCacheInfo, has_artifacts
 from agent.compile.keys import KEY_LENGTH, CompileKeyParts, compile_key, engine_env, normalise_parts
 from agent.compile.lock import CompileLocks, LockEvent
@@ -33,17 +55,27 @@ from agent.compile.remote import RemoteCompileCaches
 from agent.compile.transfer import CompileCacheTransfer, Fetched, PushOutcome, parts_of
 from agent.compile.verdict import Verdict, judge
 from agent.compile.watch import SettleWatcher
-from agent.obs.metrics import COMPILE_CACHE_PHASE_SECONDS, COMPILE_LAUNCHES
+from agent.obs.metrics import COMPILE_CACHE_PHASE_SECONDS, COMPILE_KEYS_REFUSED, COMPILE_LAUNCHES
 from agent.source.interface import ObjectSource
 from agent.store.budget import Candidate
 from agent.store.store import Store
 
-__all__ = ["CompileCacheInfo", "CompileCaches", "EnsuredCompileCache", "LaunchReady", "PushOutcome"]
+__all__ = [
+    "NODE_SCOPE",
+    "CacheRef",
+    "CompileCacheInfo",
+    "CompileCaches",
+    "EnsuredCompileCache",
+    "LaunchReady",
+    "PushOutcome",
+    "Scope",
+]
 
 log = logging.getLogger(__name__)
 
 _MIN_KEY_PREFIX = 8
 _HEX = frozenset("0123456789abcdef")
+_KEY = re.compile(r"[0-9a-f]{32}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,41 +96,91 @@ class LaunchReady:
     push: PushOutcome | None
 
 
+class _Domain:
+    """One compile domain's index, S3 prefix and per-key operation locks."""
+
+    def __init__(
+        self,
+        spec: DomainSpec,
+        root: Path,
+        source: ObjectSource,
+        uri: str | None,
+        *,
+        room: Callable[[], int],
+        restore_timeout: float,
+    ) -> None:
+        self.name = spec.name
+        self.index = CacheIndex(root / spec.name, spec.gid)
+        self.transfer = (
+            CompileCacheTransfer(
+                RemoteCompileCaches(source, parse_uri(f"{parse_uri(uri)}{spec.name}/")),
+                self.index,
+                room=room,
+                restore_timeout=restore_timeout,
+            )
+            if uri
+            else None
+        )
+        # One operation per key at a time: restore, upload, evict.
+        self.key_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        # New keys being restored or made now, not yet in the index: they count
+        # against the domain's key cap too.
+        self.creating = 0
+
+
 class CompileCaches:
     """Every compile cache on the node; an async context manager that owns its watcher."""
 
     def __init__(self, settings: Settings, store: Store, source: ObjectSource) -> None:
         self._settings = settings.compile_cache
         self._store = store
-        self._index = CacheIndex(settings.tiers.disk_root / "compile")
-        uri = self._settings.uri
-        self._transfer = (
-            CompileCacheTransfer(
-                RemoteCompileCaches(source, parse_uri(uri)),
-                self._index,
+        self._root = settings.tiers.disk_root / "compile"
+        self._domains = {
+            name: _Domain(
+                spec,
+                self._root,
+                source,
+                self._settings.uri,
                 room=self._room,
                 restore_timeout=self._settings.restore_timeout_seconds,
             )
-            if uri
-            else None
+            for name, spec in domain_specs(settings).items()
+        }
+        self.locks = CompileLocks(self._settings.lock_wait_seconds)
+        self._watcher = SettleWatcher(
+            self._root,
+            self._settings.quiet_seconds,
+            self._settled,
+            key_of=self._watched_key,
+            keys=lambda: [str(ref) for ref, _ in self._records()],
         )
-        # One operation per key at a time: restore, upload, evict.
-        self._key_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
-        self.locks = CompileLocks()
-        self._watcher = SettleWatcher(self._index.root, self._settings.quiet_seconds, self._settled)
 
     # -- lifetime ----------------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
-        await self._index.load()
+        removed = await asyncio.to_thread(prepare_compile_root, self._root, list(self._domains))
+        if removed:
+            log.warning(
+                "removed %d entries of %s that belong to no compile domain (caches laid out "
+                "before per-tenant domains, or of tenants no longer configured): %s",
+                len(removed),
+                self._root,
+                ", ".join(removed[:8]) + (", ..." if len(removed) > 8 else ""),
+            )
+        for domain in self._domains.values():
+            await domain.index.load()
         self._store.attach_extra("disk", self)
         await self._watcher.__aenter__()
         # Whatever pods wrote while the agent was down is checked once.
-        for key in self._index:
-            self._watcher.touch(key)
+        for ref, _ in self._records():
+            self._watcher.touch(str(ref))
         log.info(
             "compile caches ready",
-            extra={"compile_caches": len(self._index), "remote": self._settings.uri or ""},
+            extra={
+                "compile_caches": self.statistics()[0],
+                "domains": sorted(self._domains),
+                "remote": self._settings.uri or "",
+            },
         )
         return self
 
@@ -113,35 +195,54 @@ class CompileCaches:
 
     # -- queries -------------------------------------------------------------------------------
 
-    def statistics(self) -> tuple[int, int]:
-        """(number of compile caches, their bytes as last measured)."""
-        return len(self._index), self._index.total_bytes()
+    def statistics(self, scope: Scope = NODE_SCOPE) -> tuple[int, int]:
+        """(number of compile caches ``scope`` sees, their bytes as last measured)."""
+        indexes = [d.index for d in self._domains.values() if scope.sees(d.name)]
+        return sum(len(i) for i in indexes), sum(i.total_bytes() for i in indexes)
 
-    async def caches(self) -> list[CompileCacheInfo]:
-        """Every compile cache, with sizes measured now."""
-        for key, record in self._index.items():
-            await self._index.measure(key, record)
-        infos = (self._index.info(key, record) for key, record in self._index.items())
-        return sorted(infos, key=lambda info: (-info.last_used, info.key))
+    async def caches(self, scope: Scope = NODE_SCOPE) -> list[CompileCacheInfo]:
+        """Every compile cache ``scope`` sees, with sizes measured now."""
+        infos = []
+        for ref, record in self._records(scope):
+            index = self._domains[ref.domain].index
+            await index.measure(ref.key, record)
+            infos.append(index.info(ref.key, record))
+        return sorted(infos, key=lambda info: (-info.last_used, info.domain, info.key))
 
-    def find(self, ref: str) -> str:
-        """The key a full key or a unique prefix (8+ hex digits) names."""
-        prefix = ref.strip().lower()
-        if not (_MIN_KEY_PREFIX <= len(prefix) <= KEY_LENGTH) or not set(prefix) <= _HEX:
-            raise InvalidRequest(
-                f"{ref!r} is not a compile-cache key (8 to {KEY_LENGTH} hex digits). "
-                "Copy one from `prewarm compile ls`."
-            )
-        matches = [key for key in self._index if key.startswith(prefix)]
+    def find(self, ref: str, scope: Scope = NODE_SCOPE) -> CacheRef:
+        """The cache a key or a unique key prefix (8+ hex digits) names, among those
+        ``scope`` sees; ``<domain>/<key>`` names one domain's."""
+        domains, prefix = self._parse_ref(ref, scope)
+        matches = [
+            CacheRef(domain, key)
+            for domain in domains
+            for key in self._domains[domain].index
+            if key.startswith(prefix)
+        ]
         if not matches:
             raise NotFound(
                 f"No compile cache has a key starting with {prefix}. See `prewarm compile ls`."
             )
         if len(matches) > 1:
             raise InvalidRequest(
-                f"Key prefix {prefix} matches {len(matches)} compile caches; give more digits."
+                f"Key prefix {prefix} matches {len(matches)} compile caches; give more digits, "
+                "or <domain>/<key>."
             )
         return matches[0]
+
+    def _parse_ref(self, ref: str, scope: Scope) -> tuple[list[str], str]:
+        """The domains ``ref`` may name a key of (those ``scope`` sees), and its key prefix."""
+        domain, slash, prefix = ref.strip().rpartition("/")
+        prefix = prefix.lower()
+        if not (_MIN_KEY_PREFIX <= len(prefix) <= KEY_LENGTH) or not set(prefix) <= _HEX:
+            raise InvalidRequest(
+                f"{quoted(ref)} is not a compile-cache key (8 to {KEY_LENGTH} hex digits, or "
+                "<domain>/<key>). Copy one from `prewarm compile ls`."
+            )
+        if not slash:
+            return [d for d in self._domains if scope.sees(d)], prefix
+        # Another domain's name answers as an unknown key does: its keys are not the caller's.
+        return ([domain] if domain in self._domains and scope.sees(domain) else []), prefix
 
     # -- the pod's request -----------------------------------------------------------------------
 
@@ -149,145 +250,191 @@ class CompileCaches:
         self,
         parts: CompileKeyParts,
         *,
+        scope: Scope = NODE_SCOPE,
         skip_restore: bool = False,
         client_name: str = "",
         publish_on_ready: bool = False,
     ) -> EnsuredCompileCache:
-        """The directory for ``parts``: as it is, restored from S3, or new and empty.
+        """The directory for ``parts`` in ``scope``'s domain: as it is, restored, or new.
 
         ``publish_on_ready``: the caller will report its engine ready (``ready``);
         from then on the key is uploaded only at a ready report, never when quiet.
+        A new key past the domain's ``max_keys_per_domain`` is NoSpace.
         """
         canonical = normalise_parts(parts)
-        key = compile_key(canonical)
-        directory = self._index.directory(key)
+        domain = self._domain(scope.domain)
+        ref = CacheRef(domain.name, compile_key(canonical))
+        key, index = ref.key, domain.index
         # A key on the node is answered without its lock: an upload of it may
         # hold the lock for a while, and the pod has no reason to wait for that.
-        record = self._index.get(key)
-        if record is not None and directory.is_dir():
-            return await self._hit(key, record, publish_on_ready)
-        async with self._key_locks[key]:
-            record = self._index.get(key)
-            if record is not None and directory.is_dir():
-                return await self._hit(key, record, publish_on_ready)
-            fetched: Fetched | None = None
-            seconds = 0.0
-            if skip_restore:
-                note = "restore skipped on request"
-            elif self._transfer is None:
-                note = "compile_cache.uri is not set: local only"
-            else:
-                restore = await self._transfer.restore_for_pod(key)
-                fetched, seconds, note = restore.fetched, restore.seconds, restore.note
-            record = await self._publish(key, canonical, fetched, publish_on_ready)
+        record = index.get(key)
+        if record is not None and index.directory(key).is_dir():
+            return await self._hit(ref, record, publish_on_ready)
+        async with domain.key_locks[key]:
+            record = index.get(key)
+            if record is not None and index.directory(key).is_dir():
+                return await self._hit(ref, record, publish_on_ready)
+            self._admit_new_key(domain)
+            domain.creating += 1
+            try:
+                fetched: Fetched | None = None
+                seconds = 0.0
+                if skip_restore:
+                    note = "restore skipped on request"
+                elif domain.transfer is None:
+                    note = "compile_cache.uri is not set: local only"
+                else:
+                    restore = await domain.transfer.restore_for_pod(key)
+                    fetched, seconds, note = restore.fetched, restore.seconds, restore.note
+                record = await self._publish(ref, canonical, fetched, publish_on_ready)
+            finally:
+                domain.creating -= 1
         log.info(
             "compile cache %s for %s: %s",
-            key,
+            ref,
             client_name or "anonymous",
             f"restored in {seconds:.2f} s" if fetched else f"new ({note})",
             extra={"key": key, "client": client_name, "restored": fetched is not None},
         )
         return await self._ensured(
-            key, record, restored=fetched is not None, seconds=seconds, note=note
+            ref, record, restored=fetched is not None, seconds=seconds, note=note
         )
 
+    def _admit_new_key(self, domain: _Domain) -> None:
+        """NoSpace when ``domain`` holds (or is making) as many keys as it may."""
+        limit = self._settings.max_keys_per_domain
+        held = len(domain.index) + domain.creating
+        if held >= limit:
+            COMPILE_KEYS_REFUSED.labels(domain.name).inc()
+            raise NoSpace(
+                f"Compile domain {domain.name!r} holds {held} compile caches on this node, the "
+                f"most compile_cache.max_keys_per_domain allows ({limit}). Reuse a key (the "
+                "same engine, versions, model and parallelism), or ask the node's admin to "
+                "evict unused ones (prewarm compile evict) or raise the limit; this launch "
+                "compiles without a cache."
+            )
+
     async def _hit(
-        self, key: str, record: CacheRecord, publish_on_ready: bool
+        self, ref: CacheRef, record: CacheRecord, publish_on_ready: bool
     ) -> EnsuredCompileCache:
         record.last_used = time.time()
         record.publish_on_ready |= publish_on_ready
-        await self._index.save(key, record, strict=False)
-        return await self._ensured(key, record, restored=False, seconds=0.0, note="")
+        await self._domains[ref.domain].index.save(ref.key, record, strict=False)
+        return await self._ensured(ref, record, restored=False, seconds=0.0, note="")
 
-    async def pull(self, ref: str) -> EnsuredCompileCache:
+    async def pull(self, ref: str, scope: Scope = NODE_SCOPE) -> EnsuredCompileCache:
         """Restore a key from S3 now, replacing the local directory; errors are raised."""
-        key = self._key_or_full(ref)
-        if self._transfer is None:
+        found = self._key_or_full(ref, scope)
+        domain, key = self._domains[found.domain], found.key
+        if domain.transfer is None:
             raise Conflict("compile_cache.uri is not set; there is nothing to pull from.")
-        async with self._key_locks[key]:
-            if self.locks.in_use(key):
+        async with domain.key_locks[key]:
+            if self.locks.in_use(str(found)):
                 raise Conflict(
                     f"Compile cache {key} is in use (a pod holds its compile lock); pull it "
                     "after the pod lets go."
                 )
-            started = time.monotonic()
-            fetched = await self._transfer.fetch(key)
-            if fetched is None:
-                raise NotFound(
-                    f"Nothing was uploaded for compile cache {key} at {self._transfer.uri_of(key)}."
-                )
-            known = self._index.get(key)
+            known = domain.index.get(key)
+            if known is None:
+                self._admit_new_key(domain)
+            domain.creating += known is None
             try:
-                parts = known.parts if known is not None else parts_of(fetched.manifest)
-            except IntegrityError:
-                await self._index.discard(fetched.staging)
-                raise
-            if known is not None:
-                await self._index.remove(key)
+                started = time.monotonic()
+                record = await self._replace_from_s3(found, known)
+            finally:
+                domain.creating -= known is None
             seconds = time.monotonic() - started
             COMPILE_CACHE_PHASE_SECONDS.labels("restore").observe(seconds)
-            record = await self._publish(key, parts, fetched)
-        return await self._ensured(key, record, restored=True, seconds=seconds, note="")
+        return await self._ensured(found, record, restored=True, seconds=seconds, note="")
 
-    async def ready(self, ref: str, client_name: str = "") -> LaunchReady:
+    async def _replace_from_s3(self, ref: CacheRef, known: CacheRecord | None) -> CacheRecord:
+        """Fetch ``ref`` from S3 and put it in place of the local copy (the key's lock held)."""
+        domain = self._domains[ref.domain]
+        assert domain.transfer is not None
+        fetched = await domain.transfer.fetch(ref.key)
+        if fetched is None:
+            raise NotFound(
+                f"Nothing was uploaded for compile cache {ref.key} at "
+                f"{domain.transfer.uri_of(ref.key)}."
+            )
+        try:
+            parts = known.parts if known is not None else parts_of(fetched.manifest)
+        except IntegrityError:
+            await domain.index.discard(fetched.staging)
+            raise
+        if known is not None:
+            await domain.index.remove(ref.key)
+        return await self._publish(ref, parts, fetched)
+
+    async def ready(
+        self, ref: str, client_name: str = "", scope: Scope = NODE_SCOPE
+    ) -> LaunchReady:
         """A launch on ``ref``'s key is ready: judge what it compiled, then publish it."""
-        key = self.find(ref)
-        async with self._key_locks[key]:
-            record = self._index.get(key)
+        found = self.find(ref, scope)
+        domain, key = self._domains[found.domain], found.key
+        async with domain.key_locks[key]:
+            record = domain.index.get(key)
             if record is None:
                 raise NotFound(f"Compile cache {key} is not on this node.")
-            now = await self._index.sub_caches(key)
+            now = await domain.index.sub_caches(key)
             verdict = judge(record.baseline, now, client=client_name)
             record.baseline, record.last_verdict = now, verdict
-            await self._index.save(key, record, strict=False)
+            await domain.index.save(key, record, strict=False)
             engine, said = record.parts.engine, verdict.describe()
             COMPILE_LAUNCHES.labels(engine, verdict.verdict.replace(" ", "_")).inc()
             who = client_name or "anonymous"
-            log.info("compile cache %s (%s) for %s: %s", key, engine, who, said, extra={"key": key})
+            log.info(
+                "compile cache %s (%s) for %s: %s", found, engine, who, said, extra={"key": key}
+            )
             push: PushOutcome | None = None
-            if self._transfer is not None and self._settings.upload:
-                await self._index.measure(key, record)
+            if domain.transfer is not None and self._settings.upload:
+                await domain.index.measure(key, record)
                 try:
-                    push = await self._transfer.upload(key, record)
+                    push = await domain.transfer.upload(key, record)
                 except PrewarmError as exc:
-                    push = PushOutcome(False, self._transfer.uri_of(key), "", 0, str(exc))
+                    push = PushOutcome(False, domain.transfer.uri_of(key), "", 0, str(exc))
         return LaunchReady(key, verdict, push)
 
-    async def push(self, ref: str) -> PushOutcome:
+    async def push(self, ref: str, scope: Scope = NODE_SCOPE) -> PushOutcome:
         """Pack and upload a key now (skipped when S3 already has the same content)."""
-        key = self.find(ref)
-        if self._transfer is None:
+        found = self.find(ref, scope)
+        domain, key = self._domains[found.domain], found.key
+        if domain.transfer is None:
             return PushOutcome(False, "", "", 0, "compile_cache.uri is not set")
-        async with self._key_locks[key]:
-            record = self._index.get(key)
+        async with domain.key_locks[key]:
+            record = domain.index.get(key)
             if record is None:
                 raise NotFound(f"Compile cache {key} is not on this node.")
-            return await self._transfer.upload(key, record)
+            return await domain.transfer.upload(key, record)
 
-    async def evict(self, ref: str) -> list[CompileCacheInfo]:
+    async def evict(self, ref: str, scope: Scope = NODE_SCOPE) -> list[CompileCacheInfo]:
         """Remove a key from this node now, unless a pod holds its compile lock."""
-        key = self.find(ref)
-        if self.locks.in_use(key):
+        found = self.find(ref, scope)
+        domain, key = self._domains[found.domain], found.key
+        if self.locks.in_use(str(found)):
             raise Conflict(
-                f"Compile cache {key} is in use: {self.locks.holder(key) or 'a pod'} holds its "
-                "compile lock. Evict it after the pod lets go."
+                f"Compile cache {key} is in use: {self.locks.holder(str(found)) or 'a pod'} "
+                "holds its compile lock. Evict it after the pod lets go."
             )
-        async with self._key_locks[key]:
-            record = self._index.get(key)
+        async with domain.key_locks[key]:
+            record = domain.index.get(key)
             if record is None:
                 raise NotFound(f"Compile cache {key} is not on this node.")
-            await self._index.measure(key, record)
-            info = self._index.info(key, record)
-            await self._drop(key, "manual")
+            await domain.index.measure(key, record)
+            info = domain.index.info(key, record)
+            await self._drop(found, "manual")
         return [info]
 
     def hold_lock(
-        self, parts: CompileKeyParts, client_name: str
+        self, parts: CompileKeyParts, client_name: str, scope: Scope = NODE_SCOPE
     ) -> AsyncGenerator[LockEvent, None]:
-        """The node's compile lock for ``parts``' key (see CompileLocks.hold)."""
-        key = compile_key(parts)
-        directory = self._index.directory(key)
-        return self.locks.hold(key, client_name or "anonymous", lambda: has_artifacts(directory))
+        """The node's compile lock for ``parts``' key in ``scope``'s domain (CompileLocks.hold)."""
+        domain = self._domain(scope.domain)
+        ref = CacheRef(domain.name, compile_key(parts))
+        directory, group = domain.index.directory(ref.key), domain.index.gid
+        return self.locks.hold(
+            str(ref), client_name or "anonymous", lambda: has_artifacts(directory, group)
+        )
 
     # -- the store's extra usage (counted in the disk budget, evicted last) ------------------------
 
@@ -298,93 +445,132 @@ class CompileCaches:
         busy = self.locks.busy_keys()
         return [
             Candidate(
-                key=key,
+                key=str(ref),
                 size=record.bytes,
                 last_used=record.last_used,
-                protected=key in busy or self._key_locks[key].locked(),
+                protected=str(ref) in busy or self._domains[ref.domain].key_locks[ref.key].locked(),
             )
-            for key, record in self._index.items()
+            for ref, record in self._records()
         ]
 
     async def evict_extra(self, keys: Sequence[str], reason: str) -> int:
         freed = 0
-        for key in keys:
-            record = self._index.get(key)
-            if record is None or self.locks.in_use(key) or self._key_locks[key].locked():
+        for text in keys:
+            ref = CacheRef.parse(text)
+            domain = self._domains.get(ref.domain)
+            record = domain.index.get(ref.key) if domain is not None else None
+            if domain is None or record is None:
                 continue
-            async with self._key_locks[key]:
+            if self.locks.in_use(text) or domain.key_locks[ref.key].locked():
+                continue
+            async with domain.key_locks[ref.key]:
                 freed += record.bytes
-                await self._drop(key, reason)
+                await self._drop(ref, reason)
         return freed
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _key_or_full(self, ref: str) -> str:
+    def _domain(self, name: str) -> _Domain:
+        domain = self._domains.get(name)
+        if domain is None:
+            raise Conflict(f"This agent has no compile domain {name!r}; check [[access.sockets]].")
+        return domain
+
+    def _records(self, scope: Scope = NODE_SCOPE) -> list[tuple[CacheRef, CacheRecord]]:
+        """Every cache ``scope`` sees, as it is now."""
+        return [
+            (CacheRef(domain.name, key), record)
+            for domain in self._domains.values()
+            if scope.sees(domain.name)
+            for key, record in domain.index.items()
+        ]
+
+    def _watched_key(self, relative: str) -> str | None:
+        """The cache a changed path under the compile root belongs to (``<domain>/<key>``)."""
+        domain, _, rest = relative.partition("/")
+        key, _, inside = rest.partition("/")
+        if domain not in self._domains or not _KEY.fullmatch(key):
+            return None  # the root itself, a domain's bookkeeping, or no domain's
+        if inside and is_ignored(inside):
+            return None
+        return f"{domain}/{key}"
+
+    def _key_or_full(self, ref: str, scope: Scope) -> CacheRef:
+        """The cache ``ref`` names, or, for a full key not on this node yet, where it would be
+        (pull may bring it): the named domain, else the caller's own."""
         try:
-            return self.find(ref)
+            return self.find(ref, scope)
         except NotFound:
-            key = ref.strip().lower()
-            if len(key) == KEY_LENGTH and set(key) <= _HEX:
-                return key  # not on this node yet; pull may bring it
+            domains, key = self._parse_ref(ref, scope)
+            if len(key) != KEY_LENGTH:
+                raise
+            if "/" not in ref:
+                return CacheRef(scope.domain, key)
+            if domains:
+                return CacheRef(domains[0], key)
             raise
 
     async def _ensured(
-        self, key: str, record: CacheRecord, *, restored: bool, seconds: float, note: str
+        self, ref: CacheRef, record: CacheRecord, *, restored: bool, seconds: float, note: str
     ) -> EnsuredCompileCache:
-        env = engine_env(record.parts.engine, self._index.directory(key), key)
-        env = await self._index.checked_env(key, env)
-        info = self._index.info(key, record)
+        index = self._domains[ref.domain].index
+        env = engine_env(record.parts.engine, index.directory(ref.key), ref.key)
+        env = await index.checked_env(ref.key, env)
+        info = index.info(ref.key, record)
         return EnsuredCompileCache(info, env, restored, seconds, note)
 
     async def _publish(
-        self, key: str, parts: CompileKeyParts, fetched: Fetched | None, on_ready: bool = False
+        self, ref: CacheRef, parts: CompileKeyParts, fetched: Fetched | None, on_ready: bool = False
     ) -> CacheRecord:
         """Record the key, then move its directory (restored or new) into place."""
+        index = self._domains[ref.domain].index
         if fetched is None:
-            record, staging = CacheRecord.new(parts), self._index.scratch(key)
+            record, staging = CacheRecord.new(parts), index.scratch(ref.key)
         else:
             record, staging = fetched.record(parts), fetched.staging
         record.publish_on_ready = on_ready
-        await self._index.publish(key, record, staging)
+        await index.publish(ref.key, record, staging)
         return record
 
-    async def _settled(self, key: str) -> None:
-        """The watcher's report: ``key`` changed and has been quiet since."""
-        if key not in self._index:
+    async def _settled(self, text: str) -> None:
+        """The watcher's report: the cache ``<domain>/<key>`` changed and has been quiet since."""
+        ref = CacheRef.parse(text)
+        domain, key = self._domains[ref.domain], ref.key
+        if key not in domain.index:
             return
-        async with self._key_locks[key]:
-            record = self._index.get(key)
-            if record is None or not self._index.directory(key).is_dir():
+        async with domain.key_locks[key]:
+            record = domain.index.get(key)
+            if record is None or not domain.index.directory(key).is_dir():
                 return
-            await self._index.measure(key, record)
-            if await self._index.has_artifacts(key):
-                released = self.locks.release_waiters(key)
+            await domain.index.measure(key, record)
+            if await domain.index.has_artifacts(key):
+                released = self.locks.release_waiters(text)
                 if released:
-                    log.info("compile cache %s is warm: let %d waiting pod(s) go", key, released)
-            if self._transfer is None or not self._settings.upload:
+                    log.info("compile cache %s is warm: let %d waiting pod(s) go", ref, released)
+            if domain.transfer is None or not self._settings.upload:
                 return
             if record.publish_on_ready:
-                log.debug("compile cache %s waits for a launch to report ready", key)
+                log.debug("compile cache %s waits for a launch to report ready", ref)
                 return
             try:
-                outcome = await self._transfer.upload(key, record)
+                outcome = await domain.transfer.upload(key, record)
             except PrewarmError as exc:
                 log.warning(
                     "upload of compile cache %s failed (%s); it is retried after the next "
                     "change, or with `prewarm compile push`",
-                    key,
+                    ref,
                     exc,
                     extra={"key": key},
                 )
                 return
         if outcome.uploaded:
-            log.info("uploaded compile cache %s to %s", key, outcome.uri, extra={"key": key})
+            log.info("uploaded compile cache %s to %s", ref, outcome.uri, extra={"key": key})
         else:
-            log.debug("compile cache %s not uploaded: %s", key, outcome.skipped_reason)
+            log.debug("compile cache %s not uploaded: %s", ref, outcome.skipped_reason)
 
-    async def _drop(self, key: str, reason: str) -> None:
-        await self._index.remove(key)
-        log.info("evicted compile cache %s: %s", key, reason, extra={"key": key})
+    async def _drop(self, ref: CacheRef, reason: str) -> None:
+        await self._domains[ref.domain].index.remove(ref.key)
+        log.info("evicted compile cache %s: %s", ref, reason, extra={"key": ref.key})
 
     def _room(self) -> int:
         """Bytes a restore may add: within both the disk budget and the free space."""

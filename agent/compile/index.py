@@ -1,6 +1,6 @@
-"""The compile caches on this node's disk: one record and one directory per key.
+"""One compile domain's caches on this node's disk: one record and one directory per key.
 
-Layout under ``<disk root>/compile/``::
+Layout under ``<disk root>/compile/<domain>/`` (modes: see agent.compile.domains)::
 
     <key>/              the directory pods point their engine at (see engine_env)
     .meta/<key>.json    key parts, use and upload record; written before <key>/ appears
@@ -8,8 +8,10 @@ Layout under ``<disk root>/compile/``::
     .trash/             evicted directories on their way out (emptied at start)
 
 A key exists when both its record and its directory do; ``load`` drops either
-half found alone. A directory appears whole: it is built in ``.tmp/`` and
-renamed into place, so a pod never sees half an archive.
+half found alone, and a key directory that is not the agent's, of the domain's
+group, mode 2770 (someone changed it). A directory appears whole: it is built
+in ``.tmp/``, handed to the domain's group and renamed into place, so a pod
+never sees half an archive.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent._config import ConfigError
 from agent._exceptions import IntegrityError, InvalidRequest
-from agent._fs import remove_tree, retire, write_json_atomic
+from agent._fs import open_dir, remove_tree, retire, write_json_atomic
 from agent.compile.archive import walk_artifacts
+from agent.compile.domains import DOMAIN_DIR_MODE, KEY_DIR_MODE, PRIVATE_DIR_MODE
 from agent.compile.keys import (
     CompileKeyParts,
     compile_key,
@@ -64,6 +68,8 @@ class CompileCacheInfo:
     last_verdict: Verdict | None = None
     # Uploads wait for a launch to report ready (prewarm exec --ready-url/--ready-file).
     publish_on_ready: bool = False
+    # The compile domain it belongs to (agent.compile.domains).
+    domain: str = ""
 
 
 @dataclass(slots=True)
@@ -96,14 +102,16 @@ class CacheIndex:
     file work runs in worker threads.
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, gid: int | None = None) -> None:
         self.root = root
+        # The group whose pods write this domain's keys (None: the agent's own).
+        self.gid = os.getegid() if gid is None else gid
         self.temp = root / ".tmp"
         self._records: dict[str, CacheRecord] = {}
 
     async def load(self) -> None:
         """Rebuild the index from disk, clearing what an earlier run left half done."""
-        self._records = await asyncio.to_thread(_scan, self.root)
+        self._records = await asyncio.to_thread(_scan, self.root, self.gid)
 
     def __contains__(self, key: str) -> bool:
         return key in self._records
@@ -145,18 +153,19 @@ class CacheIndex:
             restored=record.restored,
             last_verdict=record.last_verdict,
             publish_on_ready=record.publish_on_ready,
+            domain=self.root.name,
         )
 
     async def sub_caches(self, key: str) -> SubCacheSizes:
         """What each sub-cache of ``key`` holds now."""
-        return await asyncio.to_thread(measure_sub_caches, self.directory(key))
+        return await asyncio.to_thread(measure_sub_caches, self.directory(key), self.gid)
 
     async def measure(self, key: str, record: CacheRecord) -> None:
         """Set ``record``'s sizes to what ``key``'s directory holds now."""
         record.bytes, record.file_count = await asyncio.to_thread(_measure, self.directory(key))
 
     async def has_artifacts(self, key: str) -> bool:
-        return await asyncio.to_thread(has_artifacts, self.directory(key))
+        return await asyncio.to_thread(has_artifacts, self.directory(key), self.gid)
 
     async def save(self, key: str, record: CacheRecord, *, strict: bool) -> None:
         """Write ``key``'s record; unless ``strict``, a failed write is only logged."""
@@ -171,7 +180,9 @@ class CacheIndex:
         """Record the key, then move ``staging`` (restored or new) into place as its directory."""
         try:
             await self.save(key, record, strict=True)
-            await asyncio.to_thread(_place, staging, self.directory(key), record.parts.engine)
+            await asyncio.to_thread(
+                _place, staging, self.directory(key), record.parts.engine, self.gid
+            )
         except BaseException:
             await self.discard(staging)
             raise
@@ -188,7 +199,7 @@ class CacheIndex:
         directory and logged. Raises IntegrityError if a path still resolves
         outside the key directory.
         """
-        return await asyncio.to_thread(_checked_env, self.directory(key), env)
+        return await asyncio.to_thread(_checked_env, self.directory(key), env, self.gid)
 
     async def remove(self, key: str) -> None:
         """Forget ``key`` and delete its record and directory."""
@@ -200,8 +211,8 @@ class CacheIndex:
         await asyncio.shield(asyncio.to_thread(remove_tree, path))
 
 
-def has_artifacts(directory: Path) -> bool:
-    return directory.is_dir() and next(walk_artifacts(directory), None) is not None
+def has_artifacts(directory: Path, group: int | None = None) -> bool:
+    return directory.is_dir() and next(walk_artifacts(directory, group), None) is not None
 
 
 # -- file work (worker threads) -------------------------------------------------------------------
@@ -220,19 +231,42 @@ def _measure(directory: Path) -> tuple[int, int]:
     return total, files
 
 
-def _place(staging: Path, final: Path, engine: str) -> None:
+def _place(staging: Path, final: Path, engine: str, gid: int) -> None:
     staging.mkdir(parents=True, exist_ok=True)
     # The engines create these themselves; creating them here lets a pod that
     # mounts the directory read-only for a sub-process still find them.
     for sub in sub_cache_dirs(engine):
-        _make_real_directory(staging, sub)
+        _make_real_directory(staging, sub, gid)
+    _hand_to_group(staging, gid)
     if final.exists():  # left behind without a record; never handed out, safe to replace
         remove_tree(final)
     staging.rename(final)
 
 
-def _make_real_directory(base: Path, relative: str) -> bool:
-    """Make ``base/relative`` a directory, replacing links and files on the way; True if any."""
+def _hand_to_group(staging: Path, gid: int) -> None:
+    """Give a tree built in ``.tmp/`` (restored files, fresh directories) to the domain's group.
+
+    Only ever on a tree no pod can reach yet (``.tmp/`` is the agent's alone),
+    so nothing here can have been swapped for a link; archives hold no links.
+    Directories become 2770, so the domain's pods write into them and whatever
+    they make there is the group's; files keep their mode (0644 or 0755).
+    """
+    for base, directories, files in os.walk(staging):
+        for name in files:
+            os.chown(Path(base) / name, -1, gid, follow_symlinks=False)
+        for name in [*directories, ""]:
+            path = Path(base) / name if name else Path(base)
+            os.chown(path, -1, gid, follow_symlinks=False)
+            if not path.is_symlink():  # never there; chmod would follow one
+                path.chmod(KEY_DIR_MODE)
+
+
+def _make_real_directory(base: Path, relative: str, gid: int) -> bool:
+    """Make ``base/relative`` a directory, replacing links and files on the way; True if any.
+
+    ``base`` may be a key directory pods write into: a directory made here is
+    given to the group through a descriptor opened without following links.
+    """
     replaced = False
     current = base
     for part in Path(relative).parts:
@@ -240,18 +274,31 @@ def _make_real_directory(base: Path, relative: str) -> bool:
         try:
             mode = current.lstat().st_mode
         except FileNotFoundError:
-            current.mkdir()
+            _make_group_directory(current, gid)
             continue
         if stat.S_ISDIR(mode):
             continue
         # A link (dangling or not) or a file where a directory belongs: never follow it.
         current.unlink()
-        current.mkdir()
+        _make_group_directory(current, gid)
         replaced = True
     return replaced
 
 
-def _checked_env(directory: Path, env: dict[str, str]) -> dict[str, str]:
+def _make_group_directory(path: Path, gid: int) -> None:
+    path.mkdir()
+    try:
+        fd = open_dir(path)
+    except OSError:
+        return  # replaced by a pod meanwhile: the caller's checks see what is there now
+    try:
+        os.fchown(fd, -1, gid)
+        os.fchmod(fd, KEY_DIR_MODE)
+    finally:
+        os.close(fd)
+
+
+def _checked_env(directory: Path, env: dict[str, str], gid: int) -> dict[str, str]:
     real_directory = os.path.realpath(directory)
     if directory.is_symlink():
         raise IntegrityError(
@@ -264,7 +311,7 @@ def _checked_env(directory: Path, env: dict[str, str]) -> dict[str, str]:
     for name, value in env.items():
         if not value.startswith(prefix):
             continue  # not a path (a key tag, a size)
-        if _make_real_directory(directory, value.removeprefix(prefix)):
+        if _make_real_directory(directory, value.removeprefix(prefix), gid):
             log.warning("replaced a link or file at %s (%s) with an empty directory", value, name)
         if not os.path.realpath(value).startswith(real_directory + os.sep):
             raise IntegrityError(
@@ -323,9 +370,8 @@ def _read_meta(path: Path) -> CacheRecord:
     )
 
 
-def _scan(root: Path) -> dict[str, CacheRecord]:
-    for sub in _BOOKKEEPING:
-        (root / sub).mkdir(parents=True, exist_ok=True)
+def _scan(root: Path, gid: int) -> dict[str, CacheRecord]:
+    _prepare_domain_directory(root, gid)
     for leftover in [*(root / ".tmp").iterdir(), *(root / ".trash").iterdir()]:
         remove_tree(leftover)
     records: dict[str, CacheRecord] = {}
@@ -337,9 +383,23 @@ def _scan(root: Path) -> dict[str, CacheRecord]:
             log.warning("dropping compile cache %s: unreadable record (%s)", key, exc)
             meta.unlink(missing_ok=True)
             continue
-        if not (root / key).is_dir():
+        try:
+            info: os.stat_result | None = (root / key).lstat()
+        except FileNotFoundError:
+            info = None
+        if info is None:
             meta.unlink(missing_ok=True)  # recorded, but its directory never appeared
             continue
+        if not _is_private_directory(info, gid, KEY_DIR_MODE):
+            log.warning(
+                "dropping compile cache %s: its directory is not the agent's of group %d, "
+                "mode %04o, so someone outside the domain may have written it",
+                key,
+                gid,
+                KEY_DIR_MODE,
+            )
+            meta.unlink(missing_ok=True)
+            continue  # removed below with the other directories without a record
         record.bytes, record.file_count = _measure(root / key)
         records[key] = record
     for directory in root.iterdir():
@@ -347,3 +407,49 @@ def _scan(root: Path) -> dict[str, CacheRecord]:
             log.warning("removing %s: a compile cache without a record", directory)
             remove_tree(directory)
     return records
+
+
+def _prepare_domain_directory(root: Path, gid: int) -> None:
+    """Make the domain's directory and bookkeeping; start afresh if they are not as made.
+
+    A domain directory of another group is one whose tenant's group was
+    changed in the config: its key directories and files belong to the old
+    group, and handing them over in place would mean walking a tree pods
+    write into. Its caches are dropped instead (restored from S3 on demand).
+    """
+    try:
+        info = root.lstat()
+    except FileNotFoundError:
+        info = None
+    if info is not None and not _is_private_directory(info, gid, DOMAIN_DIR_MODE):
+        log.warning(
+            "removing compile domain %s: it is not the agent's directory of group %d, mode "
+            "%04o (its group changed?); its caches are restored from S3 when asked for",
+            root,
+            gid,
+            DOMAIN_DIR_MODE,
+        )
+        remove_tree(root)
+    root.mkdir(mode=DOMAIN_DIR_MODE, exist_ok=True)
+    try:
+        os.chown(root, -1, gid, follow_symlinks=False)
+    except PermissionError as exc:
+        raise ConfigError(
+            f"The agent (uid {os.geteuid()}) may not give compile domain {root.name!r} to its "
+            f"group (gid {gid}): an agent that is not root must be a member of every tenant "
+            "socket's group (systemd: SupplementaryGroups=), or run as root."
+        ) from exc
+    root.chmod(DOMAIN_DIR_MODE)
+    for sub in _BOOKKEEPING:
+        (root / sub).mkdir(mode=PRIVATE_DIR_MODE, exist_ok=True)
+        (root / sub).chmod(PRIVATE_DIR_MODE)
+
+
+def _is_private_directory(info: os.stat_result, gid: int, mode: int) -> bool:
+    """Whether ``info`` is a real directory of the agent's, of ``gid``, with exactly ``mode``."""
+    return (
+        stat.S_ISDIR(info.st_mode)
+        and info.st_uid == os.geteuid()
+        and info.st_gid == gid
+        and stat.S_IMODE(info.st_mode) == mode
+    )

@@ -6,18 +6,25 @@ its stream ends for any reason: the pod closed it, or the pod died and gRPC
 cancelled the call. A queued caller is also let go early, without taking the
 lock, once the key's directory has settled with artifacts in it
 (``release_waiters``): it has a warm cache to use, so there is nothing left to
-wait for.
+wait for; and once it has waited ``wait_limit`` seconds, so that a holder that
+never lets go (a hung pod) keeps nobody waiting forever: it then compiles on
+its own. Keys are the callers' (the facade's ``<domain>/<key>``), so one
+tenant's pods never queue behind another's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Literal
 
 __all__ = ["CompileLocks", "LockEvent"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +48,8 @@ class _Waiter:
 class CompileLocks:
     """Per-key FIFO locks for the CompileLock RPC."""
 
-    def __init__(self) -> None:
+    def __init__(self, wait_limit: float = math.inf) -> None:
+        self._wait_limit = wait_limit
         self._holders: dict[str, str] = {}
         self._queues: dict[str, deque[_Waiter]] = {}
         self._closing = asyncio.Event()
@@ -85,7 +93,7 @@ class CompileLocks:
                 waiter = _Waiter(name, asyncio.get_running_loop().create_future())
                 self._queues.setdefault(key, deque()).append(waiter)
                 yield LockEvent("waiting", key, self._holders[key], is_warm())
-                owner = await waiter.turn
+                owner = await self._wait_turn(key, waiter)
             holder = "" if owner else self._holders.get(key, "")
             yield LockEvent("granted", key, holder, is_warm())
             await self._closing.wait()
@@ -102,6 +110,24 @@ class CompileLocks:
                     queue.remove(waiter)
             if owner:
                 self._hand_over(key)
+
+    async def _wait_turn(self, key: str, waiter: _Waiter) -> bool:
+        """True when the lock passes to ``waiter``; False when it is let go without it."""
+        try:
+            async with asyncio.timeout(self._wait_limit if self._wait_limit < math.inf else None):
+                return await waiter.turn
+        except TimeoutError:
+            turn = waiter.turn
+            if turn.done() and not turn.cancelled():
+                return turn.result()  # handed over just as the wait ran out
+            log.warning(
+                "compile lock %s: %s waited %g s for %s; let go without the lock",
+                key,
+                waiter.name,
+                self._wait_limit,
+                self._holders.get(key, "the holder"),
+            )
+            return False
 
     def _hand_over(self, key: str) -> None:
         queue = self._queues.get(key)

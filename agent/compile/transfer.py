@@ -23,7 +23,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent._exceptions import Conflict, IntegrityError, InvalidRequest, NoSpace, PrewarmError
+from agent._exceptions import (
+    Conflict,
+    IntegrityError,
+    InvalidRequest,
+    NoSpace,
+    PrewarmError,
+    quoted,
+)
 from agent._fs import remove_tree
 from agent.compile.archive import (
     ChangedDuringPack,
@@ -184,11 +191,22 @@ class CompileCacheTransfer:
     async def upload(self, key: str, record: CacheRecord) -> PushOutcome:
         """Pack and upload ``key`` unless S3 (as far as we know) has the same content."""
         directory = self._index.directory(key)
+        group = self._index.gid
         uri = self._remote.uri_of(key)
+        foreign: list[str] = []
         try:
-            current = await asyncio.to_thread(content_digest, directory)
+            current = await asyncio.to_thread(content_digest, directory, group, foreign)
         except ChangedDuringPack as exc:
             return PushOutcome(False, uri, "", 0, f"still being written ({exc})")
+        if foreign:
+            log.warning(
+                "compile cache %s: %d files not uploaded: they are not of the domain's group "
+                "or have other hard links, so they came from outside the domain (first: %s)",
+                key,
+                len(foreign),
+                quoted(foreign[0]),
+                extra={"key": key},
+            )
         if current.file_count == 0:
             return PushOutcome(False, uri, current.digest, 0, "no artifacts yet")
         if current.digest == record.uploaded_digest:
@@ -203,7 +221,7 @@ class CompileCacheTransfer:
             archive = self._index.scratch(key, ".tar.zst")
             archives.append(archive)
             others = local - {facts[0] for facts in wanted}
-            packed = await asyncio.to_thread(pack, directory, archive, skip=others)
+            packed = await asyncio.to_thread(pack, directory, archive, skip=others, group=group)
             _check_unchanged(wanted, packed)
             return archive, packed
 

@@ -34,10 +34,10 @@ TOP_LEVEL = "."
 SubCacheSizes = dict[str, tuple[int, int]]
 
 
-def measure_sub_caches(directory: Path) -> SubCacheSizes:
-    """Artifacts (as packed: no locks, temporary files or links) per sub-cache."""
+def measure_sub_caches(directory: Path, group: int | None = None) -> SubCacheSizes:
+    """Artifacts (as packed: no locks, temporary files, links or other groups' files)."""
     sizes: SubCacheSizes = {}
-    for relative, item in walk_artifacts(directory):
+    for relative, item in walk_artifacts(directory, group):
         sub = relative.split("/", 1)[0] if "/" in relative else TOP_LEVEL
         try:
             size = item.stat(follow_symlinks=False).st_size

@@ -1,32 +1,44 @@
 """Watch the compile-cache root; report each key directory once it has settled.
 
-A key has settled when something under ``<root>/<key>/`` changed and then
-nothing did for ``quiet_seconds``. Changes to ignored paths (locks, temporary
-files, see ``agent.compile.archive.is_ignored``) and to the agent's own bookkeeping
-directories (``.meta``, ``.tmp``, ``.trash``) do not count. Quietness is
-awaited per key with a timeout on an event, never by polling; the filesystem
-events come from ``watchfiles`` (inotify on Linux).
+A key has settled when something under its directory changed and then
+nothing did for ``quiet_seconds``. Which key a changed path belongs to, if any,
+is the caller's ``key_of`` (changes to ignored paths, locks and temporary
+files, see ``agent.compile.archive.is_ignored``, and to the agent's own
+bookkeeping do not count). Quietness is awaited per key with a timeout on an
+event, never by polling; the filesystem events come from ``watchfiles``
+(inotify on Linux).
+
+inotify needs a watch per directory, and pods make directories: at the
+user's watch limit, watches for new directories are silently not made, and
+their files would never be seen. After every batch of changes that added
+anything, the watcher asks the kernel for one more watch; when it is refused
+(or watchfiles fails to start for the limit), the agent logs an error, counts
+it in ``prewarm_compile_watch_limit_total``, drops its inotify watches (they
+are the node's too) and watches by polling the tree every few seconds until
+it restarts, after touching every key so that nothing missed stays unsent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import Self
 
 from watchfiles import Change, awatch
 
-from agent.compile.archive import is_ignored
+from agent.compile.inotify_room import watch_limit_reached, watch_limit_text
+from agent.obs.metrics import COMPILE_WATCH_LIMIT, COMPILE_WATCH_POLLING
 
 __all__ = ["SettleWatcher"]
 
 log = logging.getLogger(__name__)
 
-_KEY = re.compile(r"^[0-9a-f]{32}$")
+# watchfiles' words for a watch refused at the limit when it starts.
+_LIMIT_ERROR = "watch limit"
 
 
 class SettleWatcher:
@@ -37,10 +49,17 @@ class SettleWatcher:
         root: Path,
         quiet_seconds: float,
         on_settled: Callable[[str], Awaitable[None]],
+        key_of: Callable[[str], str | None],
+        keys: Callable[[], Iterable[str]],
     ) -> None:
+        """``key_of`` names the key a path relative to ``root`` belongs to (None: none);
+        ``keys`` lists every key there is (touched when events may have been missed)."""
         self._root = root
         self._quiet = quiet_seconds
         self._on_settled = on_settled
+        self._relative_key = key_of
+        self._keys = keys
+        self._polling = False
         self._stop = asyncio.Event()
         self._changed: dict[str, asyncio.Event] = {}
         self._group = asyncio.TaskGroup()
@@ -88,36 +107,71 @@ class SettleWatcher:
             relative = Path(path).relative_to(self._root).as_posix()
         except ValueError:
             return None
-        key, _, rest = relative.partition("/")
-        if not _KEY.match(key) or (rest and is_ignored(rest)):
-            return None
-        return key
+        return self._relative_key(relative)
 
     def _filter(self, change: Change, path: str) -> bool:
         return self._key_of(path) is not None
 
     async def _watch(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not await self._watch_until_full():
+                    return
+            except Exception as exc:
+                if _LIMIT_ERROR not in str(exc) or self._polling:
+                    log.error(
+                        "cannot watch %s for new compile artifacts (%s); they are uploaded "
+                        "only at a ready report or by `prewarm compile push` until the agent "
+                        "restarts",
+                        self._root,
+                        exc,
+                    )
+                    return
+            self._fall_back_to_polling()
+
+    async def _watch_until_full(self) -> bool:
+        """Report changes until stopped (False) or until the watch limit is reached (True)."""
         debounce = int(min(1600, max(50, self._quiet * 500)))
-        try:
-            async for changes in awatch(
-                self._root,
-                watch_filter=self._filter,
-                stop_event=self._stop,
-                debounce=debounce,
-                step=50,
-                recursive=True,
-            ):
-                for _, path in changes:
+        # A poll walks the whole tree: often enough to see changes well within the
+        # quiet period, rarely enough to cost little.
+        poll_ms = int(min(5000, max(200, self._quiet * 1000 / 6)))
+        changes_seen = awatch(
+            self._root,
+            watch_filter=self._filter,
+            stop_event=self._stop,
+            debounce=debounce,
+            step=50,
+            recursive=True,
+            force_polling=self._polling,
+            poll_delay_ms=poll_ms,
+        )
+        async with contextlib.aclosing(changes_seen):
+            async for changes in changes_seen:
+                added = False
+                for change, path in changes:
+                    added = added or change == Change.added
                     key = self._key_of(path)
                     if key is not None:
                         self.touch(key)
-        except Exception as exc:  # e.g. out of inotify watches: uploads go on by hand
-            log.error(
-                "cannot watch %s for new compile artifacts (%s); they are uploaded only by "
-                "`prewarm compile push` until the agent restarts",
-                self._root,
-                exc,
-            )
+                if added and not self._polling and watch_limit_reached(self._root):
+                    return True  # leaving the block closes the watcher and its watches
+        return False
+
+    def _fall_back_to_polling(self) -> None:
+        self._polling = True
+        COMPILE_WATCH_LIMIT.inc()
+        COMPILE_WATCH_POLLING.set(1)
+        log.error(
+            "the inotify watch limit is reached (%s; one watch per directory, shared by every "
+            "process of this user): new directories under %s were not being watched. The "
+            "compile-cache watcher now polls the tree instead until the agent restarts, and "
+            "every key is checked again. Raise fs.inotify.max_user_watches, and look for a "
+            "pod filling its compile cache with directories (prewarm compile ls).",
+            watch_limit_text(),
+            self._root,
+        )
+        for key in self._keys():
+            self.touch(key)
 
     async def _settle(self, key: str, changed: asyncio.Event) -> None:
         try:

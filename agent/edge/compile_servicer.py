@@ -1,4 +1,10 @@
-"""The compile-cache RPCs, as a mixin of the gRPC servicer (see agent.edge.servicer)."""
+"""The compile-cache RPCs, as a mixin of the gRPC servicer (see agent.edge.servicer).
+
+Every call runs in the caller's compile scope: a tenant socket's requests make,
+see, lock, pull, push and report only the caches of its own compile domain
+(another domain's key is NOT_FOUND, as a key that does not exist); the node's
+API socket sees every domain and makes its own caches in ``node``.
+"""
 
 from __future__ import annotations
 
@@ -12,13 +18,16 @@ from agent._exceptions import Conflict, PrewarmError
 from agent._proto.prewarm.v1 import prewarm_pb2 as pb
 from agent._wire import parts_from_proto, parts_to_proto, timestamp_to_proto
 from agent.compile.cache import (
+    NODE_SCOPE,
     CompileCacheInfo,
     CompileCaches,
     EnsuredCompileCache,
     PushOutcome,
+    Scope,
 )
 from agent.compile.verdict import Verdict
 from agent.edge.status import abort
+from agent.service import access
 
 __all__ = ["CompileCacheApi"]
 
@@ -30,8 +39,17 @@ _LOCK_STATE = {
 }
 
 
+def compile_scope() -> Scope:
+    """The compile scope of the request being served: its tenant's domain, or the node's."""
+    bound = access.current_requester()
+    if bound is None or bound.tenant.name == access.NODE_TENANT:
+        return NODE_SCOPE
+    return Scope(bound.tenant.compile_domain or bound.tenant.name)
+
+
 def _info(info: CompileCacheInfo) -> pb.CompileCacheInfo:
     message = pb.CompileCacheInfo(
+        domain=info.domain,
         key=info.key,
         path=str(info.path),
         parts=parts_to_proto(info.parts),
@@ -105,6 +123,7 @@ class CompileCacheApi:
         try:
             ensured = await self._caches().ensure(
                 parts_from_proto(request.parts),
+                scope=compile_scope(),
                 skip_restore=request.skip_restore,
                 client_name=request.client_name,
                 publish_on_ready=request.publish_on_ready,
@@ -119,7 +138,9 @@ class CompileCacheApi:
         context: grpc.aio.ServicerContext[pb.CompileReadyRequest, pb.CompileReadyResponse],
     ) -> pb.CompileReadyResponse:
         try:
-            ready = await self._caches().ready(request.key, request.client_name)
+            ready = await self._caches().ready(
+                request.key, request.client_name, scope=compile_scope()
+            )
         except PrewarmError as exc:
             await abort(context, exc)
         response = pb.CompileReadyResponse(key=ready.key, verdict=_verdict(ready.verdict))
@@ -139,7 +160,7 @@ class CompileCacheApi:
         ],
     ) -> pb.ListCompileCachesResponse:
         try:
-            caches = await self._caches().caches()
+            caches = await self._caches().caches(compile_scope())
         except PrewarmError as exc:
             await abort(context, exc)
         return pb.ListCompileCachesResponse(caches=[_info(c) for c in caches])
@@ -152,7 +173,7 @@ class CompileCacheApi:
         ],
     ) -> pb.EvictCompileCacheResponse:
         try:
-            evicted = await self._caches().evict(request.key)
+            evicted = await self._caches().evict(request.key, compile_scope())
         except PrewarmError as exc:
             await abort(context, exc)
         return pb.EvictCompileCacheResponse(
@@ -165,7 +186,7 @@ class CompileCacheApi:
         context: grpc.aio.ServicerContext[pb.PushCompileCacheRequest, pb.PushCompileCacheResponse],
     ) -> pb.PushCompileCacheResponse:
         try:
-            outcome = await self._caches().push(request.key)
+            outcome = await self._caches().push(request.key, compile_scope())
         except PrewarmError as exc:
             await abort(context, exc)
         return _push(outcome)
@@ -176,7 +197,7 @@ class CompileCacheApi:
         context: grpc.aio.ServicerContext[pb.PullCompileCacheRequest, pb.CompileCacheHandle],
     ) -> pb.CompileCacheHandle:
         try:
-            ensured = await self._caches().pull(request.key)
+            ensured = await self._caches().pull(request.key, compile_scope())
         except PrewarmError as exc:
             await abort(context, exc)
         return _handle(ensured)
@@ -191,14 +212,15 @@ class CompileCacheApi:
             # aclosing: the lock passes on the moment this call ends, even when
             # gRPC cancels it because the pod went away.
             async with contextlib.aclosing(
-                self._caches().hold_lock(parts_from_proto(request.parts), name)
+                self._caches().hold_lock(parts_from_proto(request.parts), name, compile_scope())
             ) as events:
                 async for event in events:
                     if event.state == "granted":
                         log.info("compile lock %s granted to %s", event.key, name)
                     yield pb.CompileLockEvent(
                         state=_LOCK_STATE[event.state],
-                        key=event.key,
+                        # Locks are named <domain>/<key>; the pod knows its key alone.
+                        key=event.key.rpartition("/")[2],
                         holder=event.holder,
                         warm=event.warm,
                     )

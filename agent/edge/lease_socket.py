@@ -7,8 +7,7 @@ or ``{"ok": false, "error": "<sentence>", "code": "<status name>"}`` (the same
 status name the API would give for that error). The lease lives while the
 connection stays open. The first process to hold a lease binds it: a hello for
 it from another process is PERMISSION_DENIED (from another connection of the
-same process FAILED_PRECONDITION), and a uid holding ``max_per_peer`` leases
-open gets RESOURCE_EXHAUSTED. When the client half-closes, the agent ends the
+same process FAILED_PRECONDITION). When the client half-closes, the agent ends the
 lease and then closes its end, so the client can wait for that. What a lease
 means is ``agent.store.leases``.
 """
@@ -27,6 +26,7 @@ from types import TracebackType
 from typing import Self
 
 from agent._exceptions import InvalidRequest, NoSpace, PrewarmError
+from agent.edge.request_limits import check_text
 from agent.edge.status import status_detail
 from agent.edge.unix_socket import (
     clear_stale_socket,
@@ -50,8 +50,10 @@ __all__ = [
 HELLO_LIMIT = 4096
 # A client that connects and says nothing must not pin a connection forever.
 HELLO_TIMEOUT_SECONDS = 5.0
-# Connections still owing their hello, per uid and in all: each holds a descriptor
-# of the agent's, and silent peers must not use them all up before their timeout.
+# Connections still owing their hello, per uid in one cgroup (a container, on a
+# Kubernetes node: pods of every tenant often run as root) and in all: each holds
+# a descriptor of the agent's, and silent peers must not use them all up before
+# their timeout.
 MAX_PENDING_PER_UID = 32
 MAX_PENDING = 256
 # Bytes a holder may send after its hello (room for keep-alives): every byte is read
@@ -61,6 +63,8 @@ POST_HELLO_LIMIT = 64 * 1024
 log = logging.getLogger("agent.leases")
 
 _PEERCRED = struct.Struct("3i")
+# A process's cgroup list is a few lines; more is never needed to tell containers apart.
+_CGROUP_BYTES = 4096
 
 
 class LeaseServer:
@@ -90,7 +94,7 @@ class LeaseServer:
         self._server: asyncio.Server | None = None
         self._inode: int | None = None
         self._handlers: set[asyncio.Task[None]] = set()
-        self._pending: Counter[int] = Counter()
+        self._pending: Counter[tuple[int, str]] = Counter()
         self._closing = False
 
     @property
@@ -161,15 +165,16 @@ class LeaseServer:
             if self._closing:
                 return
             creds = _peer_credentials(writer)
+            peer = (creds.uid, _cgroup_of(creds.pid))
             try:
-                self._admit(creds)
-                self._pending[creds.uid] += 1
+                self._admit(creds, peer)
+                self._pending[peer] += 1
                 try:
                     lease_id, name = await _read_hello(reader, self._hello_timeout)
                 finally:
-                    self._pending[creds.uid] -= 1
-                    if self._pending[creds.uid] <= 0:
-                        del self._pending[creds.uid]
+                    self._pending[peer] -= 1
+                    if self._pending[peer] <= 0:
+                        del self._pending[peer]
                 record = self._table.hold(lease_id, creds, name)
             except PrewarmError as exc:
                 log.info(
@@ -223,15 +228,15 @@ class LeaseServer:
             finally:
                 self._handlers.discard(task)
 
-    def _admit(self, creds: PeerCredentials) -> None:
-        """NoSpace when too many connections, of this uid or in all, still owe their hello."""
-        mine, total = self._pending[creds.uid], self._pending.total()
+    def _admit(self, creds: PeerCredentials, peer: tuple[int, str]) -> None:
+        """NoSpace when too many connections, of this peer or in all, still owe their hello."""
+        mine, total = self._pending[peer], self._pending.total()
         if mine >= MAX_PENDING_PER_UID or total >= MAX_PENDING:
             raise NoSpace(
                 f"Too many lease connections are waiting to send their hello ({mine} of uid "
-                f"{creds.uid}, {total} in all; at most {MAX_PENDING_PER_UID} per uid and "
-                f"{MAX_PENDING} in all). Send the hello right after connecting, and close "
-                "connections you do not use."
+                f"{creds.uid} in this container, {total} in all; at most {MAX_PENDING_PER_UID} "
+                f"per uid in a container and {MAX_PENDING} in all). Send the hello right after "
+                "connecting, and close connections you do not use."
             )
 
     def _remove_socket_file(self) -> None:
@@ -243,6 +248,21 @@ def _peer_credentials(writer: asyncio.StreamWriter) -> PeerCredentials:
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
     pid, uid, gid = _PEERCRED.unpack(raw)
     return PeerCredentials(pid=pid, uid=uid, gid=gid)
+
+
+def _cgroup_of(pid: int) -> str:
+    """The cgroups of process ``pid`` (its container, on a node), "" when they cannot be read.
+
+    A peer in another pid namespace the agent cannot see has pid 0; one that
+    exited since it connected has nothing to read. Its uid alone keys it then.
+    """
+    if pid <= 0:
+        return ""
+    try:
+        with Path(f"/proc/{pid}/cgroup").open("rb") as listing:
+            return listing.read(_CGROUP_BYTES).decode("utf-8", "replace")
+    except OSError:
+        return ""
 
 
 async def _read_hello(reader: asyncio.StreamReader, limit_s: float) -> tuple[str, str]:
@@ -270,6 +290,9 @@ async def _read_hello(reader: asyncio.StreamReader, limit_s: float) -> tuple[str
         raise InvalidRequest(f'The hello has no "lease" string: {usage}.')
     if not isinstance(name, str):
         raise InvalidRequest(f'The hello\'s "name" is not a string: {usage}.')
+    # The same limits as the API's fields: the name is logged and listed by `prewarm show`.
+    check_text(lease_id, "hello.lease", like="id")
+    check_text(name, "hello.name", like="client_name")
     # Other fields are ignored, so a newer client can say more to an older agent.
     return lease_id, name
 

@@ -19,7 +19,7 @@ from google.protobuf.message import Message
 from agent._exceptions import InvalidRequest
 from agent._uri import MAX_URI_BYTES, forbidden_character
 
-__all__ = ["DEFAULT_COUNT_LIMIT", "DEFAULT_STRING_BYTES", "check_request"]
+__all__ = ["DEFAULT_COUNT_LIMIT", "DEFAULT_STRING_BYTES", "check_request", "check_text"]
 
 # Generous for a field with no limit of its own (a credential token is a few KiB).
 DEFAULT_STRING_BYTES = 8192
@@ -50,6 +50,15 @@ def check_request(request: Message) -> None:
     _check_message(request, request.DESCRIPTOR.name, 0)
 
 
+def check_text(value: str, where: str, *, like: str) -> None:
+    """Check a string that arrives outside a protobuf message as the API checks field ``like``.
+
+    The lease socket's hello carries a client name and a lease id: the same
+    limits and characters apply there as to ``client_name`` and ``id`` here.
+    """
+    _check_string(value, where, _FIELD_BYTES.get(like, DEFAULT_STRING_BYTES))
+
+
 def _check_message(message: Message, where: str, depth: int) -> None:
     if depth > _NESTING_LIMIT:
         raise InvalidRequest(f"{where} is nested deeper than {_NESTING_LIMIT} messages.")
@@ -78,21 +87,22 @@ def _check_value(field: FieldDescriptor, value: object, name: str, depth: int) -
     if isinstance(value, Message):
         _check_message(value, name, depth + 1)
     elif isinstance(value, str):
-        limit = _string_limit(field)
-        size = len(value.encode("utf-8"))
-        if size > limit:
-            raise InvalidRequest(f"{name} is {size} bytes long, over the limit of {limit} bytes.")
-        found = forbidden_character(value)
-        if found is not None:
-            raise InvalidRequest(
-                f"{name} contains {found}; control and bidi characters are refused."
-            )
+        _check_string(value, name, _string_limit(field))
     elif isinstance(value, bytes) and len(value) > DEFAULT_STRING_BYTES:
         raise InvalidRequest(
             f"{name} is {len(value)} bytes long, over the limit of {DEFAULT_STRING_BYTES} bytes."
         )
     elif isinstance(value, float) and not math.isfinite(value):
         raise InvalidRequest(f"{name} is {value}; it must be a finite number.")
+
+
+def _check_string(value: str, name: str, limit: int) -> None:
+    size = len(value.encode("utf-8", "surrogatepass"))
+    if size > limit:
+        raise InvalidRequest(f"{name} is {size} bytes long, over the limit of {limit} bytes.")
+    found = forbidden_character(value)
+    if found is not None:
+        raise InvalidRequest(f"{name} contains {found}; control and bidi characters are refused.")
 
 
 def _string_limit(field: FieldDescriptor) -> int:

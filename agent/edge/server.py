@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from agent._proto.prewarm.v1 import prewarm_pb2, prewarm_pb2_grpc
 from agent.compile.cache import CompileCaches
+from agent.edge.connection_limits import connection_options
 from agent.edge.interceptor import RequestObserver
 from agent.edge.servicer import PrewarmServicer
 from agent.edge.tenancy import TenantBinder
@@ -56,7 +57,8 @@ class ApiServer:
 
     ``mode`` and ``group`` (a group name; empty keeps the daemon's) secure the
     API socket file; ``grace_seconds`` is how long calls in progress may take to
-    end once the server stops. ``node_tenant`` binds the node's access rules to
+    end once the server stops; each socket keeps at most ``max_connections``
+    open (see agent.edge.connection_limits). ``node_tenant`` binds the node's access rules to
     the API socket's requests; each of ``tenant_sockets`` gets a server of its
     own, so every request's tenant is the socket it arrived on.
     """
@@ -71,6 +73,7 @@ class ApiServer:
         node_tenant: Tenant | None = None,
         tenant_sockets: Sequence[TenantSocket] = (),
         max_request_bytes: int = 4 * 1024**2,
+        max_connections: int = 256,
         compile_cache_uri: str | None = None,
     ) -> None:
         self._path = Path(socket_path)
@@ -80,12 +83,18 @@ class ApiServer:
         self._node_tenant = node_tenant
         self._tenant_sockets = tuple(tenant_sockets)
         self._max_request_bytes = max_request_bytes
+        self._max_connections = max_connections
         self._compile_cache_uri = compile_cache_uri
         self._health: list[health.aio.HealthServicer] = []
 
     @property
     def socket_path(self) -> Path:
         return self._path
+
+    @property
+    def connection_capacity(self) -> int:
+        """Connections every socket together may hold open (each socket's cap, summed)."""
+        return self._max_connections * len(self._sockets())
 
     def claim(self) -> None:
         """Check the groups and the paths now: refuse a live socket before any work starts.
@@ -128,7 +137,10 @@ class ApiServer:
             interceptors.append(TenantBinder(SERVICE_NAME, tenant, self._compile_cache_uri))
         server = grpc.aio.server(
             interceptors=interceptors,
-            options=[("grpc.max_receive_message_length", self._max_request_bytes)],
+            options=[
+                ("grpc.max_receive_message_length", self._max_request_bytes),
+                *connection_options(self._max_connections),
+            ],
         )
         servicer = PrewarmServicer(service, socket_path=str(path), compile_caches=compile_caches)
         prewarm_pb2_grpc.add_PrewarmServicer_to_server(servicer, server)

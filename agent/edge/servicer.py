@@ -18,7 +18,7 @@ from agent._wire import (
     timestamp_to_proto,
 )
 from agent.compile.cache import CompileCaches
-from agent.edge.compile_servicer import CompileCacheApi
+from agent.edge.compile_servicer import CompileCacheApi, compile_scope
 from agent.edge.status import abort
 from agent.pull.flight import Flight, PullProgress
 from agent.service.operations import AgentService, EnsureResult, EvictResult
@@ -203,7 +203,8 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         context: grpc.aio.ServicerContext[pb.StatusRequest, pb.StatusResponse],
     ) -> pb.StatusResponse:
         status = self._service.status()
-        compiles = self._compile_caches.statistics() if self._compile_caches else (0, 0)
+        caches = self._compile_caches
+        compiles = caches.statistics(compile_scope()) if caches else (0, 0)
         return pb.StatusResponse(
             version=status.version,
             tiers=[_tier_status(t, status.leased_per_tier.get(t.tier, 0)) for t in status.tiers],

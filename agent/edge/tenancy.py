@@ -128,6 +128,15 @@ def _check_method(tenant: Tenant, method: str, request: Any, keys: RequesterKeys
             f"{method} is not served on socket {tenant.name!r}: it shows or changes every "
             "tenant's snapshots. Use the node's own API socket."
         )
+    if tenant.name != NODE_TENANT and getattr(request, "pin", False):
+        # Refused, not capped: a pin outlives restarts and every eviction, for all
+        # tenants, and is not owned by whoever set it, so a per-tenant count could
+        # not be kept honest. PinModel is node-only for the same reason.
+        raise AccessDenied(
+            f"pin=true is not served on socket {tenant.name!r}: a pin keeps the snapshot on "
+            "the node past every eviction and restart. Ask without pin; the node's admin "
+            "pins models with a models.d manifest or `prewarm pin`."
+        )
     checked = keys is not None or tenant.requester_scoped
     if checked and getattr(request, "cached_only", False):
         raise AccessDenied(

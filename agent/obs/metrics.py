@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -26,7 +26,10 @@ __all__ = [
     "BYTES_PULLED",
     "CACHE_LOOKUPS",
     "COMPILE_CACHE_PHASE_SECONDS",
+    "COMPILE_KEYS_REFUSED",
     "COMPILE_LAUNCHES",
+    "COMPILE_WATCH_LIMIT",
+    "COMPILE_WATCH_POLLING",
     "EVICTIONS",
     "MANIFEST_ERRORS",
     "PHASE_SECONDS",
@@ -82,6 +85,24 @@ COMPILE_LAUNCHES = Counter(
     "Engine launches that reported ready, by engine and verdict: hit (nothing compiled), "
     "partial_miss (a restored or warm key grew), miss (a cold key compiled).",
     ["engine", "verdict"],
+    registry=REGISTRY,
+)
+COMPILE_KEYS_REFUSED = Counter(
+    "prewarm_compile_keys_refused",
+    "New compile-cache keys refused because their domain already held "
+    "compile_cache.max_keys_per_domain keys, by domain.",
+    ["domain"],
+    registry=REGISTRY,
+)
+COMPILE_WATCH_LIMIT = Counter(
+    "prewarm_compile_watch_limit",
+    "Times the compile-cache watcher found the inotify watch limit reached (new directories "
+    "unwatched) and fell back to polling.",
+    registry=REGISTRY,
+)
+COMPILE_WATCH_POLLING = Gauge(
+    "prewarm_compile_watch_polling",
+    "1 while the compile-cache watcher polls (the inotify watch limit was reached), else 0.",
     registry=REGISTRY,
 )
 EVICTIONS = Counter(

@@ -87,6 +87,13 @@ class CompileSpec(BaseModel):
     data_parallel: int = Field(default=0, ge=0)
     config_hash: str = ""
     extras: dict[str, str] = Field(default_factory=dict)
+    # The compile domain to restore it into (a tenant's compile_domain); empty: the node's.
+    # Not a key part: the same key lives once per domain.
+    domain: str = ""
+
+    def key_parts(self) -> dict[str, Any]:
+        """The fields that are compile-cache key parts (everything but ``domain``)."""
+        return self.model_dump(exclude={"domain"})
 
 
 class _EntrySchema(BaseModel):
@@ -123,7 +130,7 @@ class _EntrySchema(BaseModel):
         # so a bad table is reported with its line now, not when the model is cached.
         if value is not None:
             try:
-                normalise_parts(CompileKeyParts(**value.model_dump()))
+                normalise_parts(CompileKeyParts(**value.key_parts()))
             except InvalidRequest as exc:
                 raise ValueError(str(exc)) from exc
         return value

@@ -10,8 +10,9 @@ resumes instead of starting over, as long as it asks for the same chunk size.
 
 A flight may pull through a source of its own (a requester's credentials,
 ``join(..., source=...)``): it is opened when the flight's task starts and
-closed when it ends, so no client outlives its pull, and only the aiobotocore
-plane can use it (the threads plane and the streamer sign with the node's role).
+closed when it ends, so no client outlives its pull. The processes plane
+presigns its GETs with it and the aiobotocore plane reads through it; the
+threads plane and the streamer sign with the node's role, so they cannot.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ from agent._vocabulary import DataPlaneName, PullOptions, TierName
 from agent.check.hashes import check_object_checksum
 from agent.pull.flight import Flight
 from agent.pull.staging import StagingFiles, open_staging, verify_before_publish
-from agent.pull.tuning import tune
+from agent.pull.tuning import node_gbps, tune, worker_processes
 from agent.source.interface import ObjectSource
 from agent.source.plane import AUTO_DATA_PLANE, DataPlane, plan_ranges
+from agent.source.process_plane import ProcessPlane, WorkerPool, processes_unavailable
 from agent.source.ranged_plane import AiobotocorePlane
 from agent.source.streamer_plane import StreamerPlane, load_streamer, streamer_unavailable
 from agent.source.threads_plane import ThreadsPlane
@@ -70,6 +72,12 @@ class Puller:
         self._streamer: StreamerPlane | None = None
         # Like the streamer, the threads plane speaks S3 itself (botocore's blocking client).
         self._threads = ThreadsPlane(source.s3_settings) if source.s3_settings else None
+        self._gbps = node_gbps(settings)
+        self._processes: ProcessPlane | None = None
+        self._processes_missing = processes_unavailable(source, source.s3_settings)
+        if self._processes_missing is None:
+            pool = WorkerPool(worker_processes(settings, gbps=self._gbps))
+            self._processes = ProcessPlane(settings, source, pool)  # type: ignore[arg-type]
         # The streamer talks to S3 itself, so it only stands in for a source that is S3.
         self._streamer_settings = source.s3_settings
         self._streamer_missing = (
@@ -90,6 +98,14 @@ class Puller:
                 f"s3.data_plane is 'streamer' but {self._streamer_missing}. Install the "
                 "streamer extra (pip install 'prewarm-agent[streamer]') or set data_plane = 'auto'."
             )
+        if self._settings.data_plane == "processes" and self._processes is None:
+            raise ConfigError(
+                f"s3.data_plane is 'processes' but {self._processes_missing}; "
+                "set data_plane = 'auto'."
+            )
+        if self._processes is not None and self.data_plane == "processes":
+            # Start the workers now (about 0.1 s), not in the first cold pull.
+            await self._processes.start()
         if self._settings.data_plane == "threads" and self._threads is None:
             raise ConfigError(
                 f"s3.data_plane is 'threads' but the source is {self._source.name}, not S3; "
@@ -120,6 +136,8 @@ class Puller:
         finally:
             if self._threads is not None:
                 self._threads.close()
+            if self._processes is not None:
+                await self._processes.aclose()
             # A flight cancelled before its task ever ran never settled itself.
             for flight in list(self._flights.values()):
                 self._abandon(flight)
@@ -128,6 +146,10 @@ class Puller:
     def data_plane(self) -> str:
         """The data plane a request that names none gets."""
         return self._plane(self._settings.data_plane).name
+
+    def plane(self, name: DataPlaneName) -> DataPlane:
+        """The data plane a request naming ``name`` gets (InvalidRequest if there is none)."""
+        return self._plane(name)
 
     def flights(self) -> list[Flight]:
         return list(self._flights.values())
@@ -155,7 +177,9 @@ class Puller:
         assert self._tasks is not None, "Puller used outside its context"
         options = options or PullOptions()
         plane = self._plane_for(options, scoped=source is not None)
-        tuning = tune(self._settings, snapshot.total_bytes, options, plane=plane.name)
+        tuning = tune(
+            self._settings, snapshot.total_bytes, options, plane=plane.name, gbps=self._gbps
+        )
         flight = Flight(snapshot, tier)
         self._flights[snapshot.key] = flight
         self._pulls[snapshot.key] = (plane, tuning, source)
@@ -221,7 +245,12 @@ class Puller:
         if scoped is None:
             return await self._pull_through(flight, plane, tuning, self._source)
         async with scoped as source:  # closed when this pull ends, however it ends
-            return await self._pull_through(flight, AiobotocorePlane(source), tuning, source)
+            scoped_plane: DataPlane = (
+                plane.with_source(source)  # type: ignore[arg-type]
+                if isinstance(plane, ProcessPlane)
+                else AiobotocorePlane(source)
+            )
+            return await self._pull_through(flight, scoped_plane, tuning, source)
 
     async def _pull_through(
         self, flight: Flight, plane: DataPlane, tuning: Tuning, source: ObjectSource
@@ -303,19 +332,31 @@ class Puller:
     def _plane_for(self, options: PullOptions, *, scoped: bool) -> DataPlane:
         if not scoped:
             return self._plane(options.data_plane or self._settings.data_plane)
-        if options.data_plane not in (None, "auto", self._ranged.name):
+        takes_a_source = {self._ranged.name, ProcessPlane.name}
+        if options.data_plane not in (None, "auto", *takes_a_source):
             raise InvalidRequest(
                 f"The {options.data_plane} data plane signs with the agent's own credentials, "
-                "so it cannot pull with the requester's; ask for the aiobotocore data plane "
-                "or auto."
+                "so it cannot pull with the requester's; ask for the processes or aiobotocore "
+                "data plane, or auto."
             )
-        return self._ranged  # the configured plane gives way: only this one takes a source
+        plane = self._plane(options.data_plane or self._settings.data_plane)
+        # The configured plane gives way when it cannot take a source.
+        return plane if plane.name in takes_a_source else self._ranged
 
     def _wants_streamer(self, choice: DataPlaneName) -> bool:
         return choice == "streamer" or (choice == "auto" and AUTO_DATA_PLANE == "streamer")
 
     def _plane(self, choice: DataPlaneName) -> DataPlane:
         wanted = AUTO_DATA_PLANE if choice == "auto" else choice
+        if wanted == "processes":
+            if self._processes is not None:
+                return self._processes
+            if choice == "processes":
+                raise InvalidRequest(
+                    f"This agent has no processes data plane ({self._processes_missing}); "
+                    "ask for the threads or aiobotocore data plane, or auto."
+                )
+            wanted = "threads"  # auto: the next best
         if wanted == "threads":
             if self._threads is not None:
                 return self._threads

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from agent._exceptions import InvalidRequest, NotFound, SourceUnavailable
@@ -20,6 +21,8 @@ from agent.store.store import CachedModel, Store
 __all__ = ["Unchecked", "resolve", "resolve_or_fall_back"]
 
 log = logging.getLogger(__name__)
+
+_SELECTING = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prewarm-select")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +89,21 @@ async def resolve(
             f"No objects under {uri}. Check the prefix: it names a directory, "
             "e.g. s3://bucket/models/llama-3-8b/."
         )
+    # Up to 256 globs of 1 KiB each against every object can take seconds of CPU:
+    # never on the event loop, which answers every other request meanwhile, and
+    # in threads of their own, so hostile filters queue behind each other rather
+    # than take the threads every file operation of the agent runs in.
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_SELECTING, _snapshot_of, uri, objects, include, exclude)
+
+
+def _snapshot_of(
+    uri: ModelUri,
+    objects: Sequence[SourceObject],
+    include: tuple[str, ...],
+    exclude: tuple[str, ...],
+) -> Snapshot:
+    """The listed objects the filters select, checked and keyed (a worker thread's work)."""
     selected = sorted(select_objects(objects, include, exclude), key=lambda o: o.relative_path)
     if not selected:
         raise NotFound(

@@ -38,8 +38,13 @@ class StagingFiles:
     chunk_size: int
     journal: Journal
     fds: dict[str, int]
+    tier: TierName = "shm"
     # path -> chunk index -> digest of that chunk, as written (or re-hashed on resume)
     digests: dict[str, dict[int, bytes]] = field(default_factory=dict)
+
+    @property
+    def bypass_page_cache(self) -> bool:
+        return self.tier == "disk"
 
     @property
     def data_dir(self) -> Path:
@@ -62,6 +67,12 @@ class StagingFiles:
                 done += os.pwrite(fd, b"".join(buffers)[done:], offset + done)
         except OSError as exc:
             raise _no_space_or(exc, self.snapshot, self.root) from exc
+
+    def descriptor(self, path: str) -> int:
+        return self.fds[path]
+
+    def write_failed(self, error: OSError) -> Exception:
+        return _no_space_or(error, self.snapshot, self.root)
 
     def complete_range(self, path: str, offset: int, length: int, digest: bytes) -> None:
         self.digests.setdefault(path, {})[offset // self.chunk_size] = digest
@@ -142,7 +153,7 @@ def _open_files(
 ) -> StagingFiles:
     journal, completed = resumed
     fds: dict[str, int] = {}
-    staging = StagingFiles(root, snapshot, chunk_size, journal, fds)
+    staging = StagingFiles(root, snapshot, chunk_size, journal, fds, tier)
     try:
         data = _open_data_dir(root)
         try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 from agent._config import S3Settings
 from agent._vocabulary import PullOptions
@@ -25,7 +26,17 @@ from agent.source.transfer import (
     concurrency_ceiling,
 )
 
-__all__ = ["GB_PER_STREAM", "GETS_PER_STREAM", "THREADS_PER_STREAM", "auto_concurrency", "tune"]
+__all__ = [
+    "DEFAULT_TARGET_GBPS",
+    "GBPS_PER_CONNECTION",
+    "GB_PER_STREAM",
+    "GETS_PER_STREAM",
+    "THREADS_PER_STREAM",
+    "auto_concurrency",
+    "node_gbps",
+    "tune",
+    "worker_processes",
+]
 
 # Decimal gigabytes, as in the guidance (145 GB -> 37 streams).
 GB_PER_STREAM = 4 * 10**9
@@ -40,12 +51,66 @@ GETS_PER_STREAM = 4
 # 16 were also the fastest on the wall clock here (docs/data-planes.md). Each
 # costs a connection and one io_block window of mapped pages.
 THREADS_PER_STREAM = 16
+# What one connection to S3 carries (AWS's figure for a single S3 connection): a node
+# that should reach target_gbps needs about target_gbps / 5 GETs in flight.
+GBPS_PER_CONNECTION = 5.0
+# The instance's bandwidth to S3 when it is not one of NODE_GBPS and target_gbps is auto.
+DEFAULT_TARGET_GBPS = 25.0
+# Bandwidth to S3 of the GPU instance types this agent is for, in Gbit/s (the AWS CRT's
+# platform figures: what the node's CPUs reach over ENA, not the EFA fabric).
+NODE_GBPS: dict[str, float] = {
+    "p4d.24xlarge": 400.0,
+    "p4de.24xlarge": 400.0,
+    "p5.48xlarge": 400.0,
+    "p5e.48xlarge": 400.0,
+    "p5en.48xlarge": 400.0,
+    "g5.48xlarge": 100.0,
+    "g6.48xlarge": 100.0,
+    "g6e.48xlarge": 400.0,
+}
+# EC2 (Nitro) names the instance type in the DMI product name: no metadata call needed.
+_DMI_PRODUCT = Path("/sys/devices/virtual/dmi/id/product_name")
+# Interpreter-lock seconds one worker process holds per GiB over HTTPS, measured
+# (docs/data-planes.md), and the share of its lock a worker may keep busy at the
+# node's target: the processes plane runs enough workers that none is the bottleneck.
+GIL_SECONDS_PER_GIB = 0.1
+GIL_SHARE = 0.5
+MIN_WORKER_PROCESSES = 2
+MAX_WORKER_PROCESSES = 32
 
 
 def auto_concurrency(total_bytes: int, *, cpus: int, maximum: int) -> int:
     """ceil(size / 4 GB) streams, at most ``cpus`` and ``maximum``, at least 1."""
     wanted = math.ceil(total_bytes / GB_PER_STREAM)
     return max(1, min(wanted, cpus, maximum))
+
+
+def node_gbps(settings: S3Settings, *, product: Path = _DMI_PRODUCT) -> float:
+    """The node's bandwidth to S3 that automatic sizing aims at, in Gbit/s.
+
+    ``target_gbps`` when set; else the EC2 instance type's (NODE_GBPS), read
+    from the DMI product name; else DEFAULT_TARGET_GBPS.
+    """
+    if isinstance(settings.target_gbps, float | int):
+        return float(settings.target_gbps)
+    try:
+        instance_type = product.read_text(encoding="ascii", errors="replace").strip()
+    except OSError:
+        return DEFAULT_TARGET_GBPS
+    return NODE_GBPS.get(instance_type, DEFAULT_TARGET_GBPS)
+
+
+def worker_processes(settings: S3Settings, *, gbps: float | None = None) -> int:
+    """Worker processes of the processes plane: pinned, or enough for the node's bandwidth.
+
+    Each worker may spend at most GIL_SHARE of its interpreter lock at the
+    node's full rate: ``rate (GiB/s) x GIL_SECONDS_PER_GIB / GIL_SHARE``.
+    """
+    if isinstance(settings.worker_processes, int):
+        return settings.worker_processes
+    rate = (gbps if gbps is not None else node_gbps(settings)) / 8 * 10**9 / 1024**3
+    wanted = math.ceil(rate * GIL_SECONDS_PER_GIB / GIL_SHARE)
+    return max(MIN_WORKER_PROCESSES, min(wanted, MAX_WORKER_PROCESSES))
 
 
 def tune(
@@ -55,6 +120,7 @@ def tune(
     *,
     plane: str,
     cpus: int | None = None,
+    gbps: float | None = None,
 ) -> Tuning:
     """The tuning of a pull of ``total_bytes`` on ``plane``: request > pinned config > auto.
 
@@ -73,8 +139,13 @@ def tune(
         streams = auto_concurrency(
             total_bytes, cpus=cpus or os.cpu_count() or 1, maximum=settings.max_concurrency
         )
-        per_stream = {"streamer": 1, "threads": THREADS_PER_STREAM}.get(plane, GETS_PER_STREAM)
-        concurrency = min(streams * per_stream, settings.max_concurrency)
+        per_stream = {"streamer": 1, "threads": THREADS_PER_STREAM, "processes": THREADS_PER_STREAM}
+        concurrency = streams * per_stream.get(plane, GETS_PER_STREAM)
+        if plane == "processes":
+            # Enough GETs in flight for the node's bandwidth, not only the model's size.
+            rate = gbps if gbps is not None else node_gbps(settings)
+            concurrency = max(concurrency, math.ceil(rate / GBPS_PER_CONNECTION))
+        concurrency = min(concurrency, settings.max_concurrency)
     return Tuning(
         concurrency=concurrency,
         chunk_size=options.chunk_size or int(settings.chunk_size),

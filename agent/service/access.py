@@ -102,9 +102,26 @@ class Tenant:
     node_limits: AccessLimits
     gate: PullGate = field(compare=False)
     requester_scoped: bool = False
+    # Longest lease TTL this socket's requests get; None: only leases.max_ttl_seconds.
+    max_lease_seconds: float | None = None
+    # Whose compile caches this socket's requests get (agent.compile.domains); the
+    # node's socket sees every domain and makes its caches in "node".
+    compile_domain: str = ""
 
     def allows(self, uri: ModelUri) -> bool:
         return _matches(self.node_sources, uri) and _matches(self.sources, uri)
+
+    def lease_ttl(self, requested: float | None, default: float) -> float | None:
+        """The TTL a lease asked for on this socket gets: clamped to ``max_lease_seconds``.
+
+        ``requested`` None or 0 asks for ``default``; a bad value (negative, NaN) is
+        passed on for the lease table to refuse with its own message.
+        """
+        cap = self.max_lease_seconds
+        if cap is None:
+            return requested
+        ttl = requested or default
+        return min(ttl, cap) if ttl >= 0 else ttl
 
     def check_snapshot(self, snapshot: Snapshot) -> None:
         """LimitExceeded when the snapshot has more files or bytes than a limit allows."""
@@ -157,12 +174,20 @@ def tenants_from_settings(settings: Settings) -> tuple[Tenant, dict[str, Tenant]
     gate = PullGate(access.limits.max_concurrent_pulls)
     node_sources = tuple(access.sources)
 
-    def tenant(name: str, sources: Sequence[str], limits: AccessLimits, scoped: bool) -> Tenant:
-        return Tenant(name, tuple(sources), node_sources, limits, access.limits, gate, scoped)
-
-    node = tenant(NODE_TENANT, (), AccessLimits(), False)
+    node = Tenant(NODE_TENANT, (), node_sources, AccessLimits(), access.limits, gate)
     sockets = {
-        s.name: tenant(s.name, s.sources, s.limits, s.requester_scoped) for s in access.sockets
+        s.name: Tenant(
+            s.name,
+            tuple(s.sources),
+            node_sources,
+            s.limits,
+            access.limits,
+            gate,
+            requester_scoped=s.requester_scoped,
+            max_lease_seconds=s.max_lease_seconds,
+            compile_domain=s.domain,
+        )
+        for s in access.sockets
     }
     return node, sockets
 

@@ -65,6 +65,9 @@ class AgentService:
         self._settings = settings
         self._evictor = Evictor(store, leases, settings.tiers)
         self._started = time.monotonic()
+        # Snapshot key -> the sockets that started or joined its pull: a tenant's
+        # Status shows those pulls only. Keys no longer in flight are dropped.
+        self._pulls_asked: dict[str, set[str]] = {}
 
     @property
     def default_tier(self) -> TierName:
@@ -177,6 +180,7 @@ class AgentService:
                     # pull in progress has passed its own check (list + HEAD) above.
                     flight, _ = self._puller.join(snapshot, placed, options, source=scoped)
             await self._store.purge(stale)  # outside the lock: deleting can take a while
+            self._note_pull_asked(snapshot.key, requester)
             log.info(
                 "%s pull of %s (%s) on %s for %s",
                 "starting" if started_it else "joining",
@@ -237,7 +241,8 @@ class AgentService:
             )
         granted = None
         if lease:
-            granted = self._leases.grant(model.key, client_name, lease_ttl, grantee=requester)
+            ttl = _capped_ttl(lease_ttl, self._leases.default_ttl)
+            granted = self._leases.grant(model.key, client_name, ttl, grantee=requester)
         if pin:
             await self._store.set_pinned(model.key, True)
         if hit:
@@ -266,22 +271,43 @@ class AgentService:
         return [lease for lease in leases if lease.grantee == caller]
 
     def status(self) -> AgentStatus:
+        """The agent's state as the calling socket may see it.
+
+        A tenant's socket sees only the pulls it started or joined and its own
+        leases; the tiers' sizes and counts are node-wide figures that name no
+        model. The node's socket sees everything.
+        """
         leased = self._leases.leased_keys()
         per_tier: dict[TierName, int] = {}
         for model in self._store.models():
             if model.key in leased:
                 per_tier[model.tier] = per_tier.get(model.tier, 0) + 1
+        caller = _calling_socket(None)
+        everything = caller is None or caller == access.NODE_TENANT
+        pulls = self._puller.flights()
+        self._forget_ended_pulls(pulls)
+        if not everything:
+            pulls = [f for f in pulls if caller in self._pulls_asked.get(f.key, ())]
         return AgentStatus(
             version=__version__,
             tiers=tuple(self._store.tier_usage(t) for t in self._store.roots()),
             leased_per_tier=per_tier,
-            pulls=tuple(self._puller.flights()),
+            pulls=tuple(pulls),
             model_count=len(self._store.models()),
-            lease_count=self._leases.count(),
+            lease_count=self._leases.count(None if everything else caller),
             uptime_seconds=time.monotonic() - self._started,
             data_plane=self._puller.data_plane,
             default_tier=self.default_tier,
         )
+
+    def _note_pull_asked(self, key: str, requester: str) -> None:
+        self._forget_ended_pulls(self._puller.flights())
+        self._pulls_asked.setdefault(key, set()).add(requester)
+
+    def _forget_ended_pulls(self, flights: Sequence[Flight]) -> None:
+        running = {flight.key for flight in flights}
+        for key in [k for k in self._pulls_asked if k not in running]:
+            del self._pulls_asked[key]
 
     # -- management -----------------------------------------------------------------------
 
@@ -311,7 +337,8 @@ class AgentService:
 
     def renew_lease(self, lease_id: str, ttl: float | None) -> LeaseRecord:
         """AccessDenied unless the calling socket is the one its lease was granted on."""
-        return self._leases.renew(lease_id, ttl, grantee=_calling_socket(None))
+        capped = _capped_ttl(ttl, self._leases.default_ttl)
+        return self._leases.renew(lease_id, capped, grantee=_calling_socket(None))
 
     def release_lease(self, lease_id: str) -> None:
         self._leases.release(lease_id, grantee=_calling_socket(None))
@@ -359,6 +386,12 @@ def _calling_socket(unbound: str | None) -> str | None:
     """The tenant (socket) the current request came in on; ``unbound`` when none is bound."""
     bound = access.current_requester()
     return bound.tenant.name if bound is not None else unbound
+
+
+def _capped_ttl(requested: float | None, default: float) -> float | None:
+    """The lease TTL the calling socket may have: a tenant's is capped (max_lease_seconds)."""
+    bound = access.current_requester()
+    return requested if bound is None else bound.tenant.lease_ttl(requested, default)
 
 
 def _requester_source(source: ObjectSource) -> ScopedSource | None:

@@ -46,7 +46,7 @@ __all__ = [
 T = TypeVar("T")
 
 # What data_plane = "auto" means, chosen by measurement (docs/data-planes.md).
-AUTO_DATA_PLANE: Literal["threads", "streamer", "aiobotocore"] = "threads"
+AUTO_DATA_PLANE: Literal["processes", "threads", "streamer", "aiobotocore"] = "threads"
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +99,12 @@ class RangeSink(Protocol):
     @property
     def chunk_size(self) -> int: ...
 
+    @property
+    def bypass_page_cache(self) -> bool:
+        """Whether a plane should write around the page cache (O_DIRECT): the disk tier,
+        where a 100 GiB pull must not fill RAM with dirty pages."""
+        ...
+
     def is_done(self, path: str, offset: int) -> bool:
         """Whether the range at ``offset`` of ``path`` is journaled already."""
         ...
@@ -111,6 +117,14 @@ class RangeSink(Protocol):
 
     def complete_range(self, path: str, offset: int, length: int, digest: bytes) -> None:
         """Journal a whole range with its chunk digest."""
+        ...
+
+    def descriptor(self, path: str) -> int:
+        """The open file of ``path``, for a plane that writes it from another process."""
+        ...
+
+    def write_failed(self, error: OSError) -> Exception:
+        """What a failed write into ``path`` means: NoSpace for a full tier, else the error."""
         ...
 
 

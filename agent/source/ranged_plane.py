@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from collections.abc import Iterator, Sequence
 
 from agent._exceptions import SourceUnavailable
 from agent.check.hashes import ChunkHasher
 from agent.source.interface import ObjectSource, RangeReader, RangeReadError
+from agent.source.pacing import backoff_delay
 from agent.source.plane import (
     ByteRange,
     ProgressSink,
@@ -37,14 +37,6 @@ __all__ = ["AiobotocorePlane"]
 log = logging.getLogger(__name__)
 
 _MAX_IOVECS = 512  # well under IOV_MAX (1024 on Linux)
-BACKOFF_BASE_SECONDS = 0.2
-BACKOFF_CAP_SECONDS = 5.0
-
-
-def backoff_delay(failures: int) -> float:
-    """Full jitter: uniform in [0, min(cap, base x 2^(failures-1))]."""
-    ceiling = min(BACKOFF_CAP_SECONDS, BACKOFF_BASE_SECONDS * 2 ** (failures - 1))
-    return random.uniform(0, ceiling)
 
 
 class AiobotocorePlane:

@@ -14,6 +14,7 @@ from typing import Any, Self
 
 from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
+from botocore.httpsession import get_cert_path
 
 from agent._config import S3Settings
 from agent._exceptions import Conflict, SourceChanged, SourceUnavailable
@@ -55,6 +56,7 @@ class S3Source:
         # Makes one attempt only; lists first, so a refused connection is known
         # after one try instead of after botocore's whole retry schedule.
         self._one_try_client: Any = None
+        self._transport: dict[str, object] | None = None
 
     async def __aenter__(self) -> Self:
         settings = self._settings
@@ -64,6 +66,9 @@ class S3Source:
             read_timeout=settings.read_timeout_seconds,
             retries={"max_attempts": settings.max_attempts, "mode": "standard"},
             s3={"addressing_style": settings.addressing_style},
+            # Requests are SigV4 anyway; saying so makes presigned GETs SigV4 too (botocore
+            # presigns SigV2 otherwise, which signs no If-Match and newer regions refuse).
+            signature_version="s3v4",
         )
         kwargs: dict[str, Any] = {}
         if settings.endpoint_url:
@@ -159,6 +164,33 @@ class S3Source:
             yield _BodyReader(body, where, self)
         finally:
             body.close()
+
+    async def presign_get(self, bucket: str, key: str, *, etag: str, expires_seconds: int) -> str:
+        """A GET of the object that anyone holding the URL may send until it expires.
+
+        ``If-Match`` is signed in: the request must carry that exact ETag, so
+        the URL can only ever fetch this version of the object.
+        """
+        params = {"Bucket": bucket, "Key": key, "IfMatch": etag}
+        try:
+            url: str = await self._client.generate_presigned_url(
+                "get_object", Params=params, ExpiresIn=expires_seconds
+            )
+        except Exception as exc:
+            doing = f"signing a GET of s3://{bucket}/{key}"
+            raise self._translate(exc, doing, bucket=bucket) from exc
+        return url
+
+    def transport(self) -> dict[str, object]:
+        """How a client outside botocore must verify S3's certificate to match this source.
+
+        botocore verifies against AWS_CA_BUNDLE (or ``ca_bundle`` in the AWS
+        config) when set, else its own default bundle.
+        """
+        if self._transport is None:
+            bundle = get_session().get_config_variable("ca_bundle")  # a new session: ~15 ms
+            self._transport = {"verify": True, "cafile": str(bundle or get_cert_path(True))}
+        return self._transport
 
     async def head_object(
         self, bucket: str, key: str, *, etag: str | None = None

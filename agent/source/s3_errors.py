@@ -15,10 +15,25 @@ import socket
 import aiohttp
 from botocore import exceptions as boto
 
-from agent._exceptions import AccessDenied, NotFound, SourceChanged, SourceUnavailable
+from agent._exceptions import (
+    AccessDenied,
+    NotFound,
+    PrewarmError,
+    SourceChanged,
+    SourceUnavailable,
+)
 from agent.source.interface import RangeReadError
+from agent.source.pacing import is_transient_answer
 
-__all__ = ["MISSING_CODES", "SourceUnreachable", "error_code", "translate_s3_error"]
+__all__ = [
+    "MISSING_CODES",
+    "SourceUnreachable",
+    "answer_error",
+    "broken_off_error",
+    "error_code",
+    "translate_s3_error",
+    "unreachable_error",
+]
 
 _DENIED_CODES = frozenset(
     {
@@ -72,46 +87,68 @@ def translate_s3_error(
     if isinstance(exc, boto.ClientError):
         error = exc.response.get("Error", {})
         status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
-        code = str(error.get("Code") or status)
-        if code == "NoSuchBucket":
-            named = f"Bucket {bucket!r}" if bucket else "The bucket"
-            return NotFound(
-                f"{named} does not exist at {endpoint} ({doing}). "
-                "Check the URI, and AWS_ENDPOINT_URL / region if you use a custom endpoint."
-            )
-        if code in _DENIED_CODES or status == 403:
-            return AccessDenied(
-                f"S3 denied {doing} ({code}). Grant the node's role s3:ListBucket and "
-                "s3:GetObject on it, or check the credentials the agent runs with."
-            )
-        if code in _CHANGED_CODES or status in (412, 416):
-            return SourceChanged(
-                f"The object changed or disappeared while {doing} ({code}). "
-                "Request the model again to pull the new snapshot."
-            )
-        if status >= 500 or code in ("SlowDown", "RequestTimeout", "InternalError"):
-            return RangeReadError(f"S3 kept failing while {doing}: {code} (HTTP {status}).")
-        return SourceUnavailable(f"S3 refused {doing}: {code} (HTTP {status}).")
+        return answer_error(
+            status, str(error.get("Code") or status), doing, endpoint=endpoint, bucket=bucket
+        )
     if isinstance(exc, boto.NoCredentialsError | boto.PartialCredentialsError):
         return AccessDenied(
             f"No usable AWS credentials for {doing}. Give the agent a role or set "
             "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)."
         )
     if _is_unreachable(exc):
-        return SourceUnreachable(
-            f"Cannot reach S3 at {endpoint} while {doing}: {exc}. "
-            "Check the node's network, DNS and AWS_ENDPOINT_URL."
-        )
+        return unreachable_error(doing, endpoint=endpoint, cause=str(exc))
     if isinstance(exc, boto.ConnectionClosedError):
         return SourceUnavailable(
             f"S3 at {endpoint} closed the connection while {doing}: {exc}. "
             "Check the network and AWS_ENDPOINT_URL."
         )
     if isinstance(exc, _BROKEN_OFF + broken_off):
-        return RangeReadError(f"Transfer broke off while {doing}: {exc}.")
+        return broken_off_error(doing, cause=str(exc))
     if isinstance(exc, boto.BotoCoreError):
         return SourceUnavailable(f"S3 client error while {doing}: {exc}.")
     return exc
+
+
+def answer_error(
+    status: int, code: str, doing: str, *, endpoint: str, bucket: str = ""
+) -> PrewarmError:
+    """What an S3 error answer (HTTP ``status``, error ``code``) means, as a prewarm error.
+
+    A transient answer (5xx, throttling) is a RangeReadError, which the planes
+    retry; the rest are final.
+    """
+    if code == "NoSuchBucket":
+        named = f"Bucket {bucket!r}" if bucket else "The bucket"
+        return NotFound(
+            f"{named} does not exist at {endpoint} ({doing}). "
+            "Check the URI, and AWS_ENDPOINT_URL / region if you use a custom endpoint."
+        )
+    if code in _DENIED_CODES or status == 403:
+        return AccessDenied(
+            f"S3 denied {doing} ({code}). Grant the node's role s3:ListBucket and "
+            "s3:GetObject on it, or check the credentials the agent runs with."
+        )
+    if code in _CHANGED_CODES or status in (412, 416):
+        return SourceChanged(
+            f"The object changed or disappeared while {doing} ({code}). "
+            "Request the model again to pull the new snapshot."
+        )
+    if is_transient_answer(status, code):
+        return RangeReadError(f"S3 kept failing while {doing}: {code} (HTTP {status}).")
+    return SourceUnavailable(f"S3 refused {doing}: {code} (HTTP {status}).")
+
+
+def unreachable_error(doing: str, *, endpoint: str, cause: str) -> SourceUnreachable:
+    """No connection could be made to ``endpoint`` while ``doing``."""
+    return SourceUnreachable(
+        f"Cannot reach S3 at {endpoint} while {doing}: {cause}. "
+        "Check the node's network, DNS and AWS_ENDPOINT_URL."
+    )
+
+
+def broken_off_error(doing: str, *, cause: str) -> RangeReadError:
+    """A transfer that started and broke off (a reset, a short or cut body): retried."""
+    return RangeReadError(f"Transfer broke off while {doing}: {cause}.")
 
 
 def _is_unreachable(exc: BaseException) -> bool:

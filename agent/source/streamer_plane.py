@@ -52,8 +52,8 @@ from agent._config import S3Settings
 from agent._snapshot import SourceObject
 from agent.check.hashes import ChunkHasher
 from agent.source.interface import ObjectSource
+from agent.source.pacing import backoff_delay
 from agent.source.plane import ByteRange, DataPlane, ProgressSink, RangeSink, write_in_thread
-from agent.source.ranged_plane import backoff_delay
 from agent.source.transfer import Tuning, streamer_environment
 
 __all__ = ["StreamerPlane", "load_streamer", "streamer_unavailable"]

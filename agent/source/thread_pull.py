@@ -17,25 +17,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from agent.source.pacing import Body, slow_body_reason
 from agent.source.plane import ByteRange, ProgressSink, RangeSink
 from agent.source.transfer import Tuning
 
-__all__ = ["Body", "PullState", "Stopped", "watch_speed"]
+__all__ = ["PullState", "Stopped", "watch_speed"]
 
 
 class Stopped(Exception):
     """The pull stopped (cancelled or failed elsewhere): this worker leaves quietly."""
-
-
-class Body:
-    """One response body being read: what the watchdog needs to judge and cut it."""
-
-    def __init__(self, sock: socket.socket | None, now: float) -> None:
-        self.sock = sock
-        self.received = 0  # written by the worker only
-        self.mark_time = now  # the watchdog's window, written by the watchdog only
-        self.mark_bytes = 0
-        self.cut_reason: str | None = None
 
 
 class PullState:
@@ -129,21 +119,11 @@ class PullState:
 
 async def watch_speed(pull: PullState) -> None:
     """Cut every GET that moved fewer than the low-speed limit's bytes over a window."""
-    tuning = pull.tuning
-    window = tuning.request_timeout
-    needed = max(1, int(tuning.low_speed_limit * window))
+    window = pull.tuning.request_timeout
     while True:
         await asyncio.sleep(max(0.05, window / 4))
         now = time.monotonic()
         for body in pull.bodies():
-            if now - body.mark_time < window:
-                continue
-            moved = body.received - body.mark_bytes
-            if moved < needed:
-                pull.cut(
-                    body,
-                    f"sent {moved} bytes in {now - body.mark_time:.1f} s, under the low-speed "
-                    f"limit of {tuning.low_speed_limit} bytes/s.",
-                )
-            else:
-                body.mark_time, body.mark_bytes = now, body.received
+            reason = slow_body_reason(body, now, window=window, limit=pull.tuning.low_speed_limit)
+            if reason is not None:
+                pull.cut(body, reason)

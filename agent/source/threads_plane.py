@@ -36,21 +36,15 @@ from agent._config import S3Settings
 from agent._exceptions import PrewarmError, SourceUnavailable
 from agent.check.hashes import ChunkHasher
 from agent.source.interface import RangeReadError
+from agent.source.pacing import Body, backoff_delay, read_step
 from agent.source.plane import AUTO_DATA_PLANE, ByteRange, ProgressSink, RangeCursor, RangeSink
-from agent.source.ranged_plane import backoff_delay
 from agent.source.sync_s3 import body_reader, body_socket, make_sync_client, translate
-from agent.source.thread_pull import Body, PullState, Stopped, watch_speed
+from agent.source.thread_pull import PullState, Stopped, watch_speed
 from agent.source.transfer import Tuning
 
 __all__ = ["ThreadsPlane"]
 
 log = logging.getLogger(__name__)
-
-_MIN_STEP = 64 * 1024
-# Reads of 256 KiB, 512 KiB and 1.5 MiB measured alike here (CPU per GiB and wall
-# time, 2 GiB, 16 workers); the buffer is per worker, so the smaller keeps the
-# daemon's memory nearly flat as automatic concurrency adds workers.
-_MAX_STEP = 512 * 1024
 
 
 class ThreadsPlane:
@@ -133,7 +127,9 @@ class ThreadsPlane:
 
     def _work(self, pull: PullState) -> None:
         """One worker thread: fetch ranges until none is left or the pull stops."""
-        buffer = memoryview(bytearray(read_step(pull.tuning)))
+        tuning = pull.tuning
+        step = read_step(tuning.low_speed_limit, tuning.request_timeout, tuning.io_block)
+        buffer = memoryview(bytearray(step))
         try:
             while (byte_range := pull.next_range()) is not None:
                 self._fetch(pull, byte_range, buffer)
@@ -220,16 +216,6 @@ def _get(pull: PullState, cursor: RangeCursor, buffer: memoryview) -> None:
             raw.release_conn()  # the whole body was read: the connection can serve again
         else:
             raw.close()
-
-
-def read_step(tuning: Tuning) -> int:
-    """Bytes per read of a body: at most half a low-speed window's worth, and 512 KiB.
-
-    The watchdog sees only finished reads, so with steps of half the bytes a
-    window needs it never cuts a GET that keeps the pace.
-    """
-    needed = max(1, int(tuning.low_speed_limit * tuning.request_timeout))
-    return max(_MIN_STEP, min(tuning.io_block, _MAX_STEP, needed // 2))
 
 
 def _read_body(

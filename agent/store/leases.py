@@ -19,8 +19,10 @@ never listed. The first process to hold a lease binds it: another process's
 hello for it is AccessDenied, and nobody can renew or release it over the API
 while it is held. A lease belongs to its grantee, the socket (tenant) whose
 EnsureModel asked for it: renewing or releasing it from another socket is
-AccessDenied. A grantee may have ``max_per_peer`` live leases, a uid may hold
-that many open; more is NoSpace.
+AccessDenied. A grantee may have ``max_per_peer`` live leases; more is
+NoSpace. That also bounds what any uid holds open, per tenant: a uid can hold
+only leases granted to some socket. (A cap per uid across sockets would let one
+tenant's root pods use up every other tenant's root pods' share.)
 
 A *claim* protects a snapshot key from eviction while a request is in
 progress, from before its pull publishes to the grant of its lease. Claims and
@@ -28,7 +30,10 @@ leases change only on the event loop, and the evictor checks protection right
 before it removes each victim, so choosing victims and granting never interleave.
 
 Expiry is evaluated lazily (a heap of expiries) whenever the table is queried,
-so no timer task is needed.
+so no timer task is needed. A renewal pushes a new expiry and leaves the old
+entry to be skipped; the heap is rebuilt from the live records whenever it holds
+more than twice as many entries as there are leases, so renewing is O(1)
+memory, not an entry per call kept for up to a day.
 The table raises the agent's own errors; the socket and the API answer them.
 """
 
@@ -61,6 +66,8 @@ __all__ = [
 MAX_LEASES_PER_PEER = 256
 # Enough of an unknown lease id to recognise it in an error, never a whole hostile line.
 _ECHOED_ID = 48
+# Stale expiry entries tolerated before the heap is rebuilt (beyond two per live lease).
+_SPARE_EXPIRIES = 64
 _Item = TypeVar("_Item")
 
 log = logging.getLogger("agent.leases")
@@ -72,7 +79,7 @@ class LeaseTable:
     ``default_ttl`` is used when a caller gives no TTL (None or 0); a TTL above
     ``max_ttl`` is clamped to ``max_ttl`` (not refused: a client asking for
     "as long as possible" gets the longest allowed). ``max_per_peer`` caps the
-    live leases per grantee and the leases held open per uid. ``clock``
+    live leases per grantee (held open or not). ``clock``
     returns seconds since the epoch; tests inject a fake one.
 
     Records are frozen snapshots: a change replaces the record, so what a
@@ -104,7 +111,6 @@ class LeaseTable:
         # Indexes kept with _records, so no query walks every lease.
         self._by_key: dict[str, set[str]] = {}
         self._per_grantee: Counter[str] = Counter()
-        self._held_per_uid: Counter[int] = Counter()
         # (expiry, id) of timed leases; an entry whose record changed since is skipped.
         self._expiries: list[tuple[float, str]] = []
         self._claims: Counter[str] = Counter()
@@ -194,7 +200,7 @@ class LeaseTable:
 
         ``client_name``, when given, replaces the granted one. Held by another
         process: AccessDenied (the holder is not named); by another connection
-        of this process: Conflict; the uid at its cap: NoSpace.
+        of this process: Conflict.
         """
         record = self._get(lease_id)
         if record.held and record.holder is not None:
@@ -206,12 +212,6 @@ class LeaseTable:
             raise Conflict(
                 f"Lease {_echo(lease_id)} is already held by another connection of this "
                 f"process (pid {creds.pid}); a lease is held by one connection at a time."
-            )
-        if self._held_per_uid[creds.uid] >= self._max_per_peer:
-            raise NoSpace(
-                f"uid {creds.uid} already holds {self._held_per_uid[creds.uid]} leases open, the "
-                f"most one user may ({self._max_per_peer}); close lease connections it no "
-                "longer needs."
             )
         record = dataclasses.replace(
             record,
@@ -239,10 +239,10 @@ class LeaseTable:
         self._purge()
         return sorted(self._records.values(), key=lambda r: (r.acquired, r.id))
 
-    def count(self) -> int:
-        """How many leases are live."""
+    def count(self, grantee: str | None = None) -> int:
+        """How many leases are live (of ``grantee`` only, when given)."""
         self._purge()
-        return len(self._records)
+        return len(self._records) if grantee is None else self._per_grantee[grantee]
 
     def for_key(self, key: str) -> list[LeaseRecord]:
         """The live leases on one snapshot, oldest first."""
@@ -328,9 +328,6 @@ class LeaseTable:
         self._notify()
 
     def _replace(self, record: LeaseRecord) -> None:
-        old = self._records[record.id]
-        if old.holder is None and record.holder is not None:
-            self._held_per_uid[record.holder.uid] += 1
         self._records[record.id] = record
         self._index_expiry(record)
         self._notify()
@@ -344,14 +341,19 @@ class LeaseTable:
         if not ids:
             del self._by_key[record.key]
         _decrement(self._per_grantee, record.grantee)
-        if record.holder is not None:
-            _decrement(self._held_per_uid, record.holder.uid)
         self._notify()
         return record
 
     def _index_expiry(self, record: LeaseRecord) -> None:
-        if record.expires is not None:
-            heapq.heappush(self._expiries, (record.expires, record.id))
+        if record.expires is None:
+            return
+        heapq.heappush(self._expiries, (record.expires, record.id))
+        if len(self._expiries) > 2 * len(self._records) + _SPARE_EXPIRIES:
+            # Mostly entries that renewals left behind: keep one per timed lease.
+            self._expiries = [
+                (r.expires, r.id) for r in self._records.values() if r.expires is not None
+            ]
+            heapq.heapify(self._expiries)
 
     def _purge(self) -> None:
         now = self._clock()

@@ -1,0 +1,86 @@
+"""How every data plane retries a range and judges a GET too slow.
+
+The rules a range transfer lives by, whichever plane runs it: full-jitter
+backoff between attempts, which S3 answers are worth another attempt, and the
+low-speed rule (a body that moves fewer than ``low_speed_limit`` bytes over a
+window is cut and retried). Standard library only: the processes data plane's
+worker processes (agent.source.range_worker) import it without the daemon's
+libraries.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+
+__all__ = [
+    "BACKOFF_BASE_SECONDS",
+    "BACKOFF_CAP_SECONDS",
+    "Body",
+    "backoff_delay",
+    "is_transient_answer",
+    "read_step",
+    "slow_body_reason",
+]
+
+BACKOFF_BASE_SECONDS = 0.2
+BACKOFF_CAP_SECONDS = 5.0
+
+# Error codes S3 sends with an answer that a later attempt may not get.
+_TRANSIENT_CODES = frozenset({"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable"})
+
+
+def backoff_delay(failures: int) -> float:
+    """Full jitter: uniform in [0, min(cap, base x 2^(failures-1))]."""
+    ceiling = min(BACKOFF_CAP_SECONDS, BACKOFF_BASE_SECONDS * 2 ** (failures - 1))
+    return random.uniform(0, ceiling)
+
+
+def is_transient_answer(status: int, code: str) -> bool:
+    """Whether S3's error answer (HTTP status, error code) is worth another attempt."""
+    return status >= 500 or status == 429 or code in _TRANSIENT_CODES
+
+
+# A read is never under 64 KiB (per-call overhead) nor over 512 KiB: the buffer is per
+# worker, and 256 KiB, 512 KiB and 1.5 MiB measured alike (docs/data-planes.md).
+_MIN_STEP = 64 * 1024
+_MAX_STEP = 512 * 1024
+
+
+def read_step(low_speed_limit: int, window: float, io_block: int) -> int:
+    """Bytes per read of a body: at most half a low-speed window's worth, and 512 KiB.
+
+    A watchdog sees only finished reads, so with steps of half the bytes a
+    window needs it never cuts a GET that keeps the pace.
+    """
+    needed = max(1, int(low_speed_limit * window))
+    return max(_MIN_STEP, min(io_block, _MAX_STEP, needed // 2))
+
+
+class Body:
+    """One response body being read: what a low-speed watchdog needs to judge and cut it."""
+
+    def __init__(self, sock: socket.socket | None, now: float) -> None:
+        self.sock = sock
+        self.received = 0  # written by the reader only
+        self.mark_time = now  # the watchdog's window, written by the watchdog only
+        self.mark_bytes = 0
+        self.cut_reason: str | None = None
+
+
+def slow_body_reason(body: Body, now: float, *, window: float, limit: int) -> str | None:
+    """Why ``body`` must be cut (it moved under ``limit`` bytes/s over ``window``), or None.
+
+    A window still open says nothing; a window that closed with enough bytes
+    starts the next one.
+    """
+    if now - body.mark_time < window:
+        return None
+    moved = body.received - body.mark_bytes
+    if moved < max(1, int(limit * window)):
+        return (
+            f"sent {moved} bytes in {now - body.mark_time:.1f} s, under the low-speed "
+            f"limit of {limit} bytes/s."
+        )
+    body.mark_time, body.mark_bytes = now, body.received
+    return None

@@ -1,0 +1,530 @@
+"""The processes data plane: ranged GETs in worker processes, each with its own interpreter lock.
+
+The daemon keeps what a pull shares (the journal, progress, the single flight,
+cancellation); ``worker_processes`` children (agent.source.range_worker) move
+the bytes. For each range the daemon presigns a GET with botocore through the
+pull's source (``If-Match`` signed in, so a requester-scoped pull carries the
+requester's credentials), and hands a worker the GET and the staging file's
+descriptor over a ``SOCK_SEQPACKET`` socket. The worker writes the range at
+its offset and answers with progress and the range's digest, which the daemon
+journals. The event loop sees a few small messages per range, never a byte of
+the model.
+
+A stopped pull (cancelled, failed, or shut down) is told to every worker that
+had its jobs; each cuts the pull's bodies and answers ``stopped`` once nothing
+of it can write any more. A worker that does not answer in time is killed, so
+nothing writes into the staging files after the pull gave up. A worker that
+dies mid-pull loses only its ranges: they go to another worker, within the
+range retries, and a new worker takes its place for the next pull.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import agent
+from agent._config import S3Settings
+from agent._exceptions import PrewarmError, SourceUnavailable
+from agent._snapshot import SourceObject
+from agent.source.interface import RangeReadError
+from agent.source.pacing import read_step
+from agent.source.plane import ByteRange, ProgressSink, RangeSink
+from agent.source.range_worker import MAX_MESSAGE, GetJob, decode, encode, job_message
+from agent.source.s3_errors import answer_error, broken_off_error, unreachable_error
+from agent.source.transfer import Tuning
+
+__all__ = ["Presigner", "ProcessPlane", "WorkerPool", "processes_unavailable"]
+
+log = logging.getLogger(__name__)
+
+_AWS_S3 = "https://s3.amazonaws.com"
+# A presigned GET outlives any one range's attempts by far; a new one is signed per range.
+PRESIGN_SECONDS = 3600
+# How long a worker may take to cut its bodies and say "stopped" before it is killed.
+STOP_GRACE_SECONDS = 10.0
+_pull_ids = itertools.count(1)
+_job_ids = itertools.count(1)
+
+
+@runtime_checkable
+class Presigner(Protocol):
+    """What the plane needs of a source: a presigned GET, and how to verify S3's TLS."""
+
+    async def presign_get(
+        self, bucket: str, key: str, *, etag: str, expires_seconds: int
+    ) -> str: ...
+
+    def transport(self) -> dict[str, object]: ...
+
+
+def processes_unavailable(source: object, settings: S3Settings | None) -> str | None:
+    """Why the processes plane cannot stand in for ``source``; None when it can.
+
+    Its workers send presigned GETs to S3 themselves, without a proxy.
+    """
+    if settings is None or not isinstance(source, Presigner):
+        return f"the source is {getattr(source, 'name', 'not S3')}, not S3"
+    endpoint = settings.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or _AWS_S3
+    parts = urllib.parse.urlsplit(endpoint)
+    if parts.hostname and urllib.request.proxy_bypass(parts.hostname):
+        return None
+    proxy = urllib.request.getproxies().get(parts.scheme or "https")
+    if proxy:
+        return f"an HTTP proxy is set for {endpoint} and range workers connect directly"
+    return None
+
+
+class WorkerLost(Exception):
+    """A worker process exited or broke its socket with jobs in hand."""
+
+
+@dataclass(eq=False)
+class Worker:
+    """One range-worker process, its control socket, and the jobs it holds."""
+
+    index: int
+    process: subprocess.Popen[bytes]
+    sock: socket.socket
+    jobs: set[int] = field(default_factory=set)
+    stops: dict[int, asyncio.Future[None]] = field(default_factory=dict)
+    alive: bool = True
+    # One sender at a time: a second one waiting for room would replace the first's writer.
+    sending: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class WorkerPool:
+    """``size`` range-worker processes, started together and replaced when one dies."""
+
+    def __init__(self, size: int, *, stop_grace: float = STOP_GRACE_SECONDS) -> None:
+        self.size = size
+        self.stop_grace = stop_grace
+        self._workers: list[Worker] = []
+        self._handlers: dict[int, _PullRun] = {}  # job id -> the pull it belongs to
+        self._tls: dict[str, object] | None = None
+        self._closed = False
+
+    @property
+    def workers(self) -> list[Worker]:
+        return [w for w in self._workers if w.alive]
+
+    def pids(self) -> list[int]:
+        return [w.process.pid for w in self.workers]
+
+    async def start(self, tls: dict[str, object]) -> None:
+        """Start the missing workers (all of them the first time)."""
+        if self._closed:
+            raise SourceUnavailable("The processes data plane is shut down.")
+        if self._tls is None:
+            self._tls = tls
+        while len(self.workers) < self.size:
+            await self._spawn(len(self._workers))
+
+    async def _spawn(self, index: int) -> None:
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        argv = [sys.executable, "-s", "-m", "agent.source.range_worker"]
+        try:
+            process = await asyncio.to_thread(
+                subprocess.Popen,
+                [*argv, "--control-fd", str(child.fileno())],
+                pass_fds=(child.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                env=_worker_environment(),
+            )
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+        parent.setblocking(False)
+        worker = Worker(index, process, parent)
+        self._workers.append(worker)
+        asyncio.get_running_loop().add_reader(parent.fileno(), self._on_readable, worker)
+        await self._send(worker, {"tls": self._tls})
+        log.debug("range worker %d started (pid %d)", index, process.pid)
+
+    def least_busy(self) -> Worker:
+        return min(self.workers, key=lambda w: len(w.jobs))
+
+    async def submit(self, worker: Worker, job: GetJob, fd: int, run: _PullRun) -> None:
+        self._handlers[job.id] = run
+        worker.jobs.add(job.id)
+        try:
+            await self._send(worker, job_message(job), fd)
+        except OSError as exc:
+            self._lose(worker, f"could not send it a job: {exc}")
+
+    async def stop_pull(self, pull: int, workers: set[Worker]) -> None:
+        """Stop ``pull`` on each worker; return once none of them can write for it again."""
+        waits = []
+        for worker in workers:
+            if not worker.alive:
+                continue
+            future = asyncio.get_running_loop().create_future()
+            worker.stops[pull] = future
+            try:
+                await self._send(worker, {"stop": pull})
+            except OSError as exc:
+                self._lose(worker, f"could not tell it to stop: {exc}")
+            waits.append((worker, future))
+        for worker, future in waits:
+            try:
+                await asyncio.wait_for(asyncio.shield(future), self.stop_grace)
+            except TimeoutError:
+                log.warning(
+                    "range worker %d (pid %d) did not stop within %.1f s; killing it",
+                    worker.index,
+                    worker.process.pid,
+                    self.stop_grace,
+                )
+                await self._kill(worker)
+        await self._reap()
+
+    async def aclose(self) -> None:
+        """Close every worker's socket (they exit at once) and wait for them; kill stragglers."""
+        self._closed = True
+        for worker in self._workers:
+            if worker.alive:
+                self._detach(worker)
+        for worker in self._workers:
+            try:
+                await asyncio.wait_for(asyncio.to_thread(worker.process.wait), 5)
+            except TimeoutError:
+                await self._kill(worker)
+
+    # -- messages ----------------------------------------------------------------------
+
+    async def _send(self, worker: Worker, message: dict[str, Any], *fds: int) -> None:
+        data = encode(message)
+        loop = asyncio.get_running_loop()
+        async with worker.sending:
+            while True:
+                if not worker.alive:
+                    raise ConnectionResetError("the range worker is gone")
+                try:
+                    socket.send_fds(worker.sock, [data], list(fds))
+                    return
+                except BlockingIOError:
+                    ready = loop.create_future()
+                    loop.add_writer(worker.sock.fileno(), ready.set_result, None)
+                    try:
+                        await ready
+                    finally:
+                        loop.remove_writer(worker.sock.fileno())
+
+    def _on_readable(self, worker: Worker) -> None:
+        while worker.alive:
+            try:
+                data, fds, _flags, _address = socket.recv_fds(worker.sock, MAX_MESSAGE, 1)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                self._lose(worker, f"its socket failed: {exc}")
+                return
+            for fd in fds:  # a worker sends none; never keep one
+                os.close(fd)
+            if not data:
+                self._lose(worker, f"it exited ({_exit_status(worker.process)})")
+                return
+            try:
+                self._dispatch(worker, decode(data))
+            except (ValueError, TypeError, KeyError) as exc:
+                self._lose(worker, f"it sent a message the agent cannot read: {exc}")
+                return
+
+    def _dispatch(self, worker: Worker, message: dict[str, Any]) -> None:
+        if "stopped" in message:
+            future = worker.stops.pop(int(message["stopped"]), None)
+            if future is not None and not future.done():
+                future.set_result(None)
+            return
+        job = int(message.get("progress") or message.get("done") or message.get("failed") or 0)
+        run = self._handlers.get(job)
+        if run is None:
+            return  # a job of a pull that ended: nobody listens any more
+        if "progress" in message:
+            run.on_progress(job, int(message["bytes"]))
+            return
+        worker.jobs.discard(job)
+        del self._handlers[job]
+        if "done" in message:
+            run.on_done(job, bytes.fromhex(str(message["digest"])))
+        else:
+            run.on_failed(job, message)
+
+    # -- losing workers ------------------------------------------------------------------
+
+    def _lose(self, worker: Worker, why: str) -> None:
+        """A worker is gone: its jobs go back to their pulls, and its stops are settled."""
+        if not worker.alive:
+            return
+        log.warning("range worker %d (pid %d) lost: %s", worker.index, worker.process.pid, why)
+        self._detach(worker)
+        with contextlib.suppress(ProcessLookupError):
+            worker.process.kill()  # it must never write again, whatever state it is in
+        for job in sorted(worker.jobs):
+            run = self._handlers.pop(job, None)
+            if run is not None:
+                run.on_lost(job, why)
+        worker.jobs.clear()
+
+    def _detach(self, worker: Worker) -> None:
+        worker.alive = False
+        with contextlib.suppress(ValueError, RuntimeError):
+            asyncio.get_running_loop().remove_reader(worker.sock.fileno())
+        worker.sock.close()
+        for future in worker.stops.values():
+            if not future.done():
+                future.set_result(None)  # settled once the process is reaped
+        worker.stops.clear()
+
+    async def _kill(self, worker: Worker) -> None:
+        self._lose(worker, "killed")
+        with contextlib.suppress(ProcessLookupError):
+            worker.process.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(worker.process.wait)
+
+    async def _reap(self) -> None:
+        """Wait for dead workers to be gone: a killed one writes nothing once reaped."""
+        for worker in self._workers:
+            if not worker.alive and worker.process.returncode is None:
+                await asyncio.to_thread(worker.process.wait)
+        self._workers = [w for w in self._workers if w.alive]
+
+
+class ProcessPlane:
+    """Ranged GETs presigned by the daemon and sent by worker processes."""
+
+    name = "processes"
+
+    def __init__(self, settings: S3Settings, source: Presigner, pool: WorkerPool) -> None:
+        self._settings = settings
+        self._source = source
+        self._pool = pool
+
+    @property
+    def pool(self) -> WorkerPool:
+        return self._pool
+
+    def with_source(self, source: Presigner) -> ProcessPlane:
+        """The same workers, with GETs presigned by ``source`` (a requester's credentials)."""
+        return ProcessPlane(self._settings, source, self._pool)
+
+    async def start(self) -> None:
+        """Start the workers that are missing (all of them the first time)."""
+        if len(self._pool.workers) < self._pool.size:
+            await self._pool.start(self._source.transport())
+
+    async def aclose(self) -> None:
+        await self._pool.aclose()
+
+    async def download(
+        self,
+        flight: ProgressSink,
+        staging: RangeSink,
+        ranges: Sequence[ByteRange],
+        tuning: Tuning,
+    ) -> None:
+        if not ranges:
+            return
+        await self.start()
+        run = _PullRun(self, flight, staging, tuning)
+        try:
+            await run.run(ranges)
+        finally:
+            # However the pull ends (cancelled included), nothing writes once this returns.
+            stopping = asyncio.ensure_future(self._pool.stop_pull(run.pull, run.workers))
+            try:
+                await asyncio.shield(stopping)
+            except asyncio.CancelledError:
+                await asyncio.wait([stopping])
+                raise
+
+    def job_for(self, run: _PullRun, byte_range: ByteRange, url: str) -> GetJob:
+        tuning = run.tuning
+        return GetJob(
+            id=next(_job_ids),
+            pull=run.pull,
+            url=url,
+            etag=byte_range.obj.etag,
+            start=byte_range.start,
+            length=byte_range.length,
+            step=read_step(tuning.low_speed_limit, tuning.request_timeout, tuning.io_block),
+            io_block=tuning.io_block,
+            retries=tuning.range_retries,
+            window=tuning.request_timeout,
+            low_speed_limit=tuning.low_speed_limit,
+            connect_timeout=self._settings.connect_timeout_seconds,
+            read_timeout=self._settings.read_timeout_seconds,
+            direct=run.staging.bypass_page_cache,
+        )
+
+    async def presign(self, bucket: str, obj: SourceObject) -> str:
+        return await self._source.presign_get(
+            bucket, obj.key, etag=obj.etag, expires_seconds=PRESIGN_SECONDS
+        )
+
+
+class _PullRun:
+    """One pull on the processes plane: ranges in flight, and the first failure."""
+
+    def __init__(
+        self, plane: ProcessPlane, flight: ProgressSink, staging: RangeSink, tuning: Tuning
+    ) -> None:
+        self.plane = plane
+        self.flight = flight
+        self.staging = staging
+        self.tuning = tuning
+        self.pull = next(_pull_ids)
+        self.workers: set[Worker] = set()
+        self._pending: deque[ByteRange] = deque()
+        self._jobs: dict[int, tuple[ByteRange, int, str]] = {}  # id -> range, attempt, url
+        self._attempts: dict[ByteRange, int] = {}
+        self._urls: dict[str, tuple[str, float]] = {}  # path -> presigned GET, when signed
+        self._wake = asyncio.Event()
+        self._failure: BaseException | None = None
+
+    async def run(self, ranges: Sequence[ByteRange]) -> None:
+        self._pending.extend(ranges)
+        bucket = self.flight.snapshot.uri.bucket
+        while True:
+            if self._failure is not None:
+                raise self._failure
+            while self._pending and len(self._jobs) < self.tuning.concurrency:
+                await self._submit(bucket, self._pending.popleft())
+                if self._failure is not None:
+                    raise self._failure
+            if not self._pending and not self._jobs:
+                return
+            await self._wake.wait()
+            self._wake.clear()
+
+    async def _url(self, bucket: str, obj: SourceObject) -> str:
+        """A presigned GET of ``obj``, signed again once half its life is gone.
+
+        One per object, not per range: signing costs botocore milliseconds of
+        the event loop's time (its event hooks and endpoint rules).
+        """
+        signed = self._urls.get(obj.relative_path)
+        now = time.monotonic()
+        if signed is None or now - signed[1] > PRESIGN_SECONDS / 2:
+            signed = (await self.plane.presign(bucket, obj), now)
+            self._urls[obj.relative_path] = signed
+        return signed[0]
+
+    async def _submit(self, bucket: str, byte_range: ByteRange) -> None:
+        url = await self._url(bucket, byte_range.obj)
+        await self.plane.start()  # replaces a worker lost meanwhile
+        worker = self.plane.pool.least_busy()
+        job = self.plane.job_for(self, byte_range, url)
+        self._jobs[job.id] = (byte_range, self._attempts.get(byte_range, 0), url)
+        self.workers.add(worker)
+        fd = self.staging.descriptor(byte_range.obj.relative_path)
+        await self.plane.pool.submit(worker, job, fd, self)
+
+    def on_progress(self, job: int, count: int) -> None:
+        entry = self._jobs.get(job)
+        if entry is not None:
+            self.flight.add_bytes(entry[0].obj, count)
+
+    def on_done(self, job: int, digest: bytes) -> None:
+        entry = self._jobs.pop(job, None)
+        if entry is None:
+            return
+        byte_range = entry[0]
+        try:
+            self.staging.complete_range(
+                byte_range.obj.relative_path, byte_range.start, byte_range.length, digest
+            )
+        except Exception as exc:  # the journal could not be written: fail the pull
+            self._fail(exc)
+        self._wake.set()
+
+    def on_failed(self, job: int, report: dict[str, Any]) -> None:
+        entry = self._jobs.pop(job, None)
+        if entry is not None:
+            self._fail(self._error(entry[0], entry[2], report))
+        self._wake.set()
+
+    def on_lost(self, job: int, why: str) -> None:
+        """A worker died holding this job: give the range to another, within the retries."""
+        entry = self._jobs.pop(job, None)
+        if entry is None:
+            return
+        byte_range, attempt, _url = entry
+        if attempt + 1 > self.tuning.range_retries:
+            where = f"s3://{self.flight.snapshot.uri.bucket}/{byte_range.obj.key}"
+            self._fail(
+                SourceUnavailable(
+                    f"Giving up on {where} after {attempt + 1} attempts: "
+                    f"the range worker reading it was lost ({why})."
+                )
+            )
+        else:
+            self._attempts[byte_range] = attempt + 1
+            self._pending.appendleft(byte_range)
+        self._wake.set()
+
+    def _fail(self, error: BaseException) -> None:
+        if self._failure is None or (
+            not isinstance(self._failure, PrewarmError) and isinstance(error, PrewarmError)
+        ):
+            self._failure = error
+
+    def _error(self, byte_range: ByteRange, url: str, report: dict[str, Any]) -> BaseException:
+        """What a worker's failure report means, in the prewarm error tree."""
+        bucket = self.flight.snapshot.uri.bucket
+        where = f"s3://{bucket}/{byte_range.obj.key}"
+        doing = (
+            f"reading {where} bytes {byte_range.start}-{byte_range.start + byte_range.length - 1}"
+        )
+        parts = urllib.parse.urlsplit(url)
+        endpoint = f"{parts.scheme}://{parts.netloc}"
+        kind = report.get("kind")
+        message = str(report.get("message", ""))
+        error: BaseException
+        if kind == "write":
+            errno = int(report.get("errno", 0))
+            return self.staging.write_failed(OSError(errno, message or os.strerror(errno)))
+        if kind == "answer":
+            status, code = int(report.get("status", 0)), str(report.get("code", ""))
+            error = answer_error(status, code, doing, endpoint=endpoint, bucket=bucket)
+            if not isinstance(error, RangeReadError):
+                return error  # final: denied, changed, refused
+        elif kind == "internal":
+            return SourceUnavailable(f"The range worker reading {where} failed: {message}")
+        elif kind == "connect":
+            error = unreachable_error(doing, endpoint=endpoint, cause=message)
+        else:
+            error = broken_off_error(doing, cause=message)
+        attempts = int(report.get("attempts", 1))
+        return SourceUnavailable(f"Giving up on {where} after {attempts} attempts: {error}")
+
+
+def _worker_environment() -> dict[str, str]:
+    """A worker needs no credentials and no settings: only where to find the package."""
+    package_parent = str(Path(agent.__file__).resolve().parent.parent)
+    return {"PATH": os.defpath, "PYTHONPATH": package_parent}
+
+
+def _exit_status(process: subprocess.Popen[bytes]) -> str:
+    code = process.poll()
+    if code is None:
+        return "closed its socket"
+    return f"signal {-code}" if code < 0 else f"status {code}"

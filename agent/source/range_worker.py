@@ -1,0 +1,597 @@
+"""One worker process of the processes data plane: presigned ranged GETs into staging files.
+
+Why a process: over HTTPS, Python's ``SSLSocket`` hands back one TLS record
+(at most 16 KiB) per read and takes the interpreter lock again for each, and
+every thread of a process shares that one lock. In the daemon's own threads
+that capped a node near 6 GiB/s whatever its cores (docs/data-planes.md).
+Each worker has an interpreter, and a lock, of its own.
+
+What a worker does, and no more: the daemon (agent.source.process_plane) sends
+it jobs over a ``SOCK_SEQPACKET`` socket, each a GET presigned by botocore
+(``If-Match`` signed in) with the staging file's descriptor attached
+(``SCM_RIGHTS``). A worker thread sends the GET with ``http.client`` on a
+connection it keeps, reads the body from the socket into its own buffer,
+hashes it (``ChunkHasher``) and writes it at its offset with ``pwrite``; it
+reports progress once per ``io_block`` and the range's digest at the end. The
+worker holds no credentials, opens no path, and imports nothing of the daemon
+but the content hash and the retry rules (agent.source.pacing), so it stays
+small (about 17 MiB resident).
+
+Retries follow the other planes: a transient answer (5xx, throttling) or a body
+that breaks off is tried again with full-jitter backoff, asking only for the
+bytes after the last good one, at most ``retries`` extra times; a watchdog
+thread cuts a body slower than the low-speed limit. On ``stop`` the worker
+cuts every body of that pull, drops its queued jobs, and answers ``stopped``
+only once none of its threads can write into that pull's files again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import mmap
+import os
+import re
+import socket
+import ssl
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from agent.check.hashes import ChunkHasher
+from agent.source.pacing import Body, backoff_delay, is_transient_answer, slow_body_reason
+
+__all__ = ["USER_AGENT", "GetJob", "decode", "encode", "main"]
+
+# O_DIRECT writes need block-aligned offsets, lengths and memory: 4 KiB covers both
+# 512-byte and 4 KiB logical blocks.
+DIRECT_ALIGNMENT = 4096
+# Sent with every GET, so a server's log tells this plane apart from the others.
+USER_AGENT = "prewarm-processes"
+MAX_MESSAGE = 64 * 1024
+# An error answer's body is read for its code only, never more than this.
+_MAX_ERROR_BODY = 64 * 1024
+_CODE = re.compile(rb"<Code>([^<]{1,128})</Code>")
+# OSError covers resets, timeouts and TLS errors; ValueError a read on a socket shut down
+# under it; HTTPException a malformed or missing answer.
+_BROKEN_OFF = (http.client.HTTPException, OSError, ValueError)
+
+
+@dataclass(frozen=True, slots=True)
+class GetJob:
+    """One range: GET ``url`` for bytes [start, start + length) and write them at ``start``."""
+
+    id: int
+    pull: int
+    url: str
+    etag: str
+    start: int
+    length: int
+    step: int  # bytes per read and write
+    io_block: int  # progress is reported once per io_block bytes
+    retries: int
+    window: float  # the low-speed rule: at least low_speed_limit bytes/s per window
+    low_speed_limit: int
+    connect_timeout: float
+    read_timeout: float
+    direct: bool  # write around the page cache (O_DIRECT): the disk tier
+
+    @property
+    def where(self) -> str:
+        return f"bytes {self.start}-{self.start + self.length - 1}"
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    data = json.dumps(message, separators=(",", ":")).encode()
+    if len(data) > MAX_MESSAGE:
+        raise ValueError(f"a range-worker message of {len(data)} bytes is over {MAX_MESSAGE}")
+    return data
+
+
+def decode(data: bytes) -> dict[str, Any]:
+    message = json.loads(data)
+    if not isinstance(message, dict):
+        raise TypeError("a range-worker message is not an object")
+    return message
+
+
+def job_message(job: GetJob) -> dict[str, Any]:
+    return {"get": asdict(job)}
+
+
+class Stopped(Exception):
+    """The job's pull was stopped: leave without writing or reporting anything more."""
+
+
+class Transient(Exception):
+    """Worth another attempt: the answer was transient or the body broke off."""
+
+    def __init__(self, report: dict[str, Any]) -> None:
+        super().__init__(report.get("message") or report.get("code") or "transient failure")
+        self.report = report
+
+
+class Final(Exception):
+    """Not worth another attempt: report it and stop the job."""
+
+    def __init__(self, report: dict[str, Any]) -> None:
+        super().__init__(report.get("message") or report.get("code") or "failure")
+        self.report = report
+
+
+class PullGate:
+    """One pull's state in this worker: stopped or not, and who may write into its files."""
+
+    def __init__(self) -> None:
+        self.stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._bodies: set[Body] = set()
+        self._writers = 0
+
+    def enter(self, body: Body) -> None:
+        """Enter the section that writes into the pull's files, or raise Stopped."""
+        with self._lock:
+            if self.stopped.is_set():
+                raise Stopped
+            self._writers += 1
+            self._bodies.add(body)
+
+    def leave(self, body: Body) -> None:
+        with self._lock:
+            self._bodies.discard(body)
+            self._writers -= 1
+            self._idle.notify_all()
+
+    def bodies(self) -> list[Body]:
+        with self._lock:
+            return list(self._bodies)
+
+    def cut(self, body: Body, reason: str) -> None:
+        """Make a blocked read of ``body`` return at once; it then fails with ``reason``."""
+        with self._lock:
+            if body not in self._bodies or body.cut_reason is not None:
+                return
+            body.cut_reason = reason
+            if body.sock is not None:
+                # The base class's shutdown: an SSLSocket's own would tear down its TLS
+                # state under the reading thread.
+                with contextlib.suppress(OSError):
+                    socket.socket.shutdown(body.sock, socket.SHUT_RDWR)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        for body in self.bodies():
+            self.cut(body, "the pull stopped")
+
+    def wait_idle(self) -> None:
+        with self._idle:
+            self._idle.wait_for(lambda: self._writers == 0)
+
+
+Connections = dict[tuple[str, str, int], http.client.HTTPConnection]
+
+
+@dataclass(slots=True)
+class JobRun:
+    """One job under way in a worker thread: how far it got, and the hash of what it wrote."""
+
+    job: GetJob
+    fd: int
+    buffer: memoryview
+    gate: PullGate
+    connections: Connections
+    # The same file opened with O_DIRECT (the disk tier), or None: the page cache then.
+    direct_fd: int | None = None
+    hasher: ChunkHasher = field(default_factory=ChunkHasher)
+    done: int = 0
+    unreported: int = 0
+
+    def write(self, piece: memoryview, send: Callable[[dict[str, Any]], None]) -> None:
+        """Hash a piece, write it at its place; report progress once per io_block.
+
+        With O_DIRECT, the whole blocks go straight to the disk and only an
+        unaligned tail (a file's last bytes) through the page cache.
+        """
+        self.hasher.update(piece)
+        position = self.job.start + self.done
+        direct = 0
+        if self.direct_fd is not None and position % DIRECT_ALIGNMENT == 0:
+            direct = len(piece) - len(piece) % DIRECT_ALIGNMENT
+        try:
+            if direct:
+                _write_all(self.direct_fd, piece[:direct], position)
+            if direct < len(piece):
+                _write_all(self.fd, piece[direct:], position + direct)
+        except OSError as exc:
+            failure = {"kind": "write", "errno": exc.errno or 0, "message": exc.strerror or ""}
+            raise Final(failure) from None
+        self.done += len(piece)
+        self.unreported += len(piece)
+        if self.unreported >= self.job.io_block or self.done == self.job.length:
+            send({"progress": self.job.id, "bytes": self.unreported})
+            self.unreported = 0
+
+
+def _write_all(fd: int | None, data: memoryview, position: int) -> None:
+    assert fd is not None
+    written = os.pwrite(fd, data, position)
+    while written < len(data):
+        written += os.pwrite(fd, data[written:], position + written)
+
+
+def open_direct(fd: int) -> int | None:
+    """The file of ``fd`` opened again with O_DIRECT, or None where its filesystem has none.
+
+    Through /proc/self/fd, so the new description is of the same file (no path
+    is looked up), and the daemon's own descriptor keeps the page cache.
+    """
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
+    except OSError:
+        return None  # tmpfs, or a filesystem without direct I/O: the page cache it is
+
+
+class RangeWorker:
+    """The worker's state: its control socket, queued jobs, threads and pulls."""
+
+    def __init__(self, control: socket.socket) -> None:
+        self._control = control
+        self._send_lock = threading.Lock()
+        self._jobs: list[tuple[GetJob, int]] = []
+        self._jobs_ready = threading.Condition()
+        self._idle_threads = 0
+        self._pulls: dict[int, PullGate] = {}
+        self._windows: dict[Body, tuple[float, int, PullGate]] = {}
+        self._windows_lock = threading.Lock()
+        self._tls = ssl.create_default_context()
+        self._watchdog: threading.Thread | None = None
+
+    # -- the control socket --------------------------------------------------------------
+
+    def serve(self) -> None:
+        """Take messages until the daemon closes the socket."""
+        while True:
+            data, fds, _flags, _address = socket.recv_fds(self._control, MAX_MESSAGE, 4)
+            if not data:
+                for fd in fds:
+                    os.close(fd)
+                return
+            self._handle(decode(data), fds)
+
+    def send(self, message: dict[str, Any]) -> None:
+        with self._send_lock:
+            self._control.send(encode(message))
+
+    def _handle(self, message: dict[str, Any], fds: list[int]) -> None:
+        if "get" in message:
+            job = GetJob(**message["get"])
+            [fd] = fds
+            self._queue(job, fd)
+        elif "stop" in message:
+            self._stop(int(message["stop"]))
+        elif "tls" in message:
+            self._tls = _tls_context(message["tls"])
+        else:
+            for fd in fds:
+                os.close(fd)
+            raise ValueError(f"unknown range-worker message {sorted(message)}")
+
+    def _queue(self, job: GetJob, fd: int) -> None:
+        gate = self._pulls.setdefault(job.pull, PullGate())
+        if gate.stopped.is_set():
+            os.close(fd)
+            return
+        with self._jobs_ready:
+            self._jobs.append((job, fd))
+            if self._idle_threads:
+                self._jobs_ready.notify()
+                return
+        threading.Thread(target=self._run_jobs, name=f"range-{job.id}", daemon=True).start()
+
+    def _stop(self, pull: int) -> None:
+        """Cut the pull's bodies, drop its queued jobs, and say so once nothing writes."""
+        gate = self._pulls.setdefault(pull, PullGate())
+        gate.stop()
+        with self._jobs_ready:
+            dropped = [fd for job, fd in self._jobs if job.pull == pull]
+            self._jobs = [(job, fd) for job, fd in self._jobs if job.pull != pull]
+        for fd in dropped:
+            os.close(fd)
+
+        def settle() -> None:
+            gate.wait_idle()
+            self._pulls.pop(pull, None)
+            self.send({"stopped": pull})
+
+        threading.Thread(target=settle, name=f"stop-{pull}", daemon=True).start()
+
+    # -- worker threads --------------------------------------------------------------------
+
+    def _run_jobs(self) -> None:
+        """A worker thread: one buffer and its own connections, jobs until none is left."""
+        # mmap: page-aligned memory, as O_DIRECT writes need.
+        buffer = memoryview(mmap.mmap(-1, mmap.PAGESIZE))
+        connections: Connections = {}
+        try:
+            while (taken := self._take_job()) is not None:
+                job, fd = taken
+                if len(buffer) < job.step:
+                    buffer = memoryview(mmap.mmap(-1, job.step))
+                try:
+                    self._run(job, fd, buffer[: job.step], connections)
+                except Exception as exc:  # a bug here must fail the pull, never hang it
+                    failure = {"kind": "internal", "message": f"{type(exc).__name__}: {exc}"}
+                    self.send({"failed": job.id, "attempts": 1} | failure)
+                finally:
+                    os.close(fd)
+        finally:
+            for connection in connections.values():
+                connection.close()
+
+    def _take_job(self) -> tuple[GetJob, int] | None:
+        with self._jobs_ready:
+            self._idle_threads += 1
+            try:
+                # An idle thread keeps its connections for the next job a while, then ends.
+                self._jobs_ready.wait_for(lambda: bool(self._jobs), timeout=60)
+                return self._jobs.pop(0) if self._jobs else None
+            finally:
+                self._idle_threads -= 1
+
+    def _run(self, job: GetJob, fd: int, buffer: memoryview, connections: Connections) -> None:
+        """Write one range, resuming after the last good byte on retry; report how it ended."""
+        gate = self._pulls.setdefault(job.pull, PullGate())
+        direct_fd = open_direct(fd) if job.direct else None
+        run = JobRun(job, fd, buffer, gate, connections, direct_fd)
+        try:
+            self._attempts(run)
+        finally:
+            if direct_fd is not None:
+                os.close(direct_fd)
+
+    def _attempts(self, run: JobRun) -> None:
+        """Try the range until it is written, the retries are spent, or the pull stops."""
+        job, gate = run.job, run.gate
+        failures = 0
+        try:
+            while run.done < job.length:
+                try:
+                    self._get(run)
+                except Transient as exc:
+                    failures += 1
+                    if failures > job.retries:
+                        self.send({"failed": job.id, "attempts": failures} | exc.report)
+                        return
+                    if gate.stopped.wait(backoff_delay(failures)):
+                        return
+        except Stopped:
+            return
+        except Final as exc:
+            self.send({"failed": job.id, "attempts": failures + 1} | exc.report)
+            return
+        self.send({"done": job.id, "digest": run.hasher.digest().hex()})
+
+    def _get(self, run: JobRun) -> None:
+        """One GET for the rest of the range, advancing ``run.done`` past every good byte."""
+        if run.gate.stopped.is_set():
+            raise Stopped
+        job, gate = run.job, run.gate
+        wanted = job.length - run.done
+        connection, sock, response = self._request(run, wanted)
+        body = Body(sock, time.monotonic())
+        gate.enter(body)
+        self._watch(body, job, gate)
+        try:
+            got = _read_body(
+                response, sock, body, run.buffer, wanted, write=lambda p: run.write(p, self.send)
+            )
+        except _BROKEN_OFF as exc:
+            connection.close()
+            if gate.stopped.is_set():
+                raise Stopped from None
+            reason = body.cut_reason or f"{type(exc).__name__}: {exc}"
+            raise Transient({"kind": "broken", "message": reason}) from None
+        finally:
+            self._unwatch(body)
+            gate.leave(body)
+        if got < wanted:
+            connection.close()
+            if gate.stopped.is_set():
+                raise Stopped
+            reason = body.cut_reason or f"the body ended {wanted - got} bytes short"
+            raise Transient({"kind": "broken", "message": reason})
+        response.close()  # the whole body was read: the connection serves the next GET
+        if response.will_close:
+            connection.close()
+            for place in [p for p, c in run.connections.items() if c is connection]:
+                del run.connections[place]
+
+    def _request(
+        self, run: JobRun, wanted: int
+    ) -> tuple[http.client.HTTPConnection, socket.socket, http.client.HTTPResponse]:
+        """Send the GET and judge S3's answer; a connection kept from before gets one redo."""
+        job, connections = run.job, run.connections
+        start = job.start + run.done
+        url = urllib.parse.urlsplit(job.url)
+        target = f"{url.path}?{url.query}" if url.query else url.path
+        headers = {
+            "Range": f"bytes={start}-{start + wanted - 1}",
+            "If-Match": job.etag,
+            "User-Agent": USER_AGENT,
+        }
+        place = (url.scheme, url.hostname or "", url.port or (443 if url.scheme == "https" else 80))
+        connection, sock, response = self._exchange(place, job, connections, target, headers)
+        if response.status in (200, 206):
+            length = response.getheader("Content-Length")
+            if length is None or int(length) != wanted:
+                connection.close()
+                connections.pop(place, None)
+                raise Transient(
+                    {"kind": "broken", "message": f"S3 answered {length} bytes; expected {wanted}"}
+                )
+            return connection, sock, response
+        code = _error_code(response)
+        connection.close()
+        connections.pop(place, None)
+        report = {"kind": "answer", "status": response.status, "code": code}
+        if is_transient_answer(response.status, code):
+            raise Transient(report)
+        raise Final(report)
+
+    def _exchange(
+        self,
+        place: tuple[str, str, int],
+        job: GetJob,
+        connections: Connections,
+        target: str,
+        headers: dict[str, str],
+    ) -> tuple[http.client.HTTPConnection, socket.socket, http.client.HTTPResponse]:
+        """Send the request and read the answer's head; a kept connection gets one redo."""
+        reused = place in connections
+        while True:
+            connection = connections.get(place)
+            if connection is None or connection.sock is None:
+                connection = self._connect(place, job, connections)
+            # Taken now: http.client lets go of a connection the server will close.
+            sock = connection.sock
+            assert sock is not None
+            # S3's answer must come within the read timeout (the body is read without one).
+            sock.settimeout(job.read_timeout)
+            try:
+                connection.request("GET", target, headers=headers)
+                return connection, sock, connection.getresponse()
+            except _BROKEN_OFF as exc:
+                connection.close()
+                connections.pop(place, None)
+                if not reused:
+                    failure = {"kind": "connect", "message": f"{type(exc).__name__}: {exc}"}
+                    raise Transient(failure) from None
+                reused = False  # the server closed a kept connection while it sat idle
+
+    def _connect(
+        self, place: tuple[str, str, int], job: GetJob, connections: Connections
+    ) -> http.client.HTTPConnection:
+        scheme, host, port = place
+        connection: http.client.HTTPConnection
+        if scheme == "https":
+            connection = http.client.HTTPSConnection(
+                host, port, timeout=job.connect_timeout, context=self._tls
+            )
+        else:
+            connection = http.client.HTTPConnection(host, port, timeout=job.connect_timeout)
+        connection.connect()
+        assert connection.sock is not None
+        connection.sock.settimeout(job.read_timeout)
+        connections[place] = connection
+        return connection
+
+    # -- the low-speed watchdog ------------------------------------------------------------
+
+    def _watch(self, body: Body, job: GetJob, gate: PullGate) -> None:
+        with self._windows_lock:
+            self._windows[body] = (job.window, job.low_speed_limit, gate)
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(target=self._watch_speed, daemon=True)
+                self._watchdog.start()
+
+    def _unwatch(self, body: Body) -> None:
+        with self._windows_lock:
+            self._windows.pop(body, None)
+
+    def _watch_speed(self) -> None:
+        """Cut every body that moved fewer than its low-speed limit's bytes over a window."""
+        while True:
+            with self._windows_lock:
+                watched = list(self._windows.items())
+            shortest = min((window for window, _, _ in self._windows.values()), default=1.0)
+            time.sleep(max(0.05, shortest / 4))
+            now = time.monotonic()
+            for body, (window, limit, gate) in watched:
+                reason = slow_body_reason(body, now, window=window, limit=limit)
+                if reason is not None:
+                    gate.cut(body, reason)
+
+
+def _read_body(
+    response: http.client.HTTPResponse,
+    sock: socket.socket,
+    body: Body,
+    buffer: memoryview,
+    wanted: int,
+    *,
+    write: Callable[[memoryview], None],
+) -> int:
+    """Read ``wanted`` body bytes in buffer-sized pieces, handing each full one to ``write``.
+
+    The first bytes may already sit in http.client's buffered reader (read with
+    the headers); the rest come straight from the socket, one ``recv_into`` per
+    TLS record, without http.client's three Python layers per record. A body
+    that breaks off loses at most the piece it was filling.
+    """
+    got = 0
+    assert response.fp is not None
+    # Bytes http.client read with the head go first; the buffer is written only when full
+    # (or at the end of the body), so writes stay aligned for O_DIRECT.
+    filled = response.fp.readinto1(buffer[: min(len(buffer), wanted)])
+    body.received = filled
+    # Blocking, one wake-up per TLS record: with a timeout, each record costs a
+    # poll and more trips through the interpreter lock. A stalled body is cut by
+    # the low-speed watchdog, which shuts the socket down.
+    sock.settimeout(None)
+    receive = sock.recv_into
+    while got < wanted:
+        room = min(len(buffer), wanted - got)
+        while filled < room:
+            count = receive(buffer[filled:room])
+            if not count:
+                break
+            filled += count
+            body.received += count
+        if filled < room:
+            break  # the body ended early: the caller judges why, and resumes after ``got``
+        write(buffer[:room])
+        got += room
+        filled = 0
+    response.length = 0  # read past http.client: tell it the body is done
+    return got
+
+
+def _error_code(response: http.client.HTTPResponse) -> str:
+    """S3's error code from an error answer's XML body (its HTTP status when it has none)."""
+    with contextlib.suppress(*_BROKEN_OFF):
+        match = _CODE.search(response.read(_MAX_ERROR_BODY))
+        if match:
+            return match.group(1).decode("ascii", "replace")
+    return str(response.status)
+
+
+def _tls_context(settings: dict[str, Any]) -> ssl.SSLContext:
+    """Verify S3's certificate as botocore would: its CA bundle, or not at all if told so."""
+    if not settings.get("verify", True):
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        return context
+    return ssl.create_default_context(cafile=settings.get("cafile") or None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m agent.source.range_worker")
+    parser.add_argument("--control-fd", type=int, required=True)
+    args = parser.parse_args(argv)
+    control = socket.socket(fileno=args.control_fd)
+    try:
+        RangeWorker(control).serve()
+    finally:
+        # Threads still blocked on S3 after the daemon went away write nothing more.
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

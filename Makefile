@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet 'torch==2.13.0'
+	@# The distribution was called "prewarm" before it had a name of its own (prewarm-agent).
+	-@$(PY) -m pip uninstall --quiet --yes prewarm 2>/dev/null
 	$(PY) -m pip install --quiet -e '.[dev]'
 	@touch $@
 
@@ -40,9 +42,12 @@ typecheck: $(STAMP)
 pytest: $(STAMP)
 	$(VENV)/bin/pytest
 
-## wheel: build dist/prewarm-<version>-py3-none-any.whl (for packaging/install.sh --wheel)
+## wheel: build dist/prewarm_agent-<version>-py3-none-any.whl, the install path until a
+## release is published: pods pip install it (or with [cli], [torch]); nodes use
+## packaging/install.sh --wheel, which adds [daemon]
 wheel: $(STAMP)
 	$(PY) -m pip wheel --quiet --no-deps --wheel-dir dist .
+	@ls dist/prewarm_agent-*-py3-none-any.whl
 
 ## proto: regenerate agent/_proto from proto/ (commit the result)
 proto: $(STAMP)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -17,7 +19,12 @@ from pydantic import (
     ValidationError,
     model_validator,
 )
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 
 from agent._config_access import (
     AccessLimits,
@@ -26,6 +33,7 @@ from agent._config_access import (
     TenantSocketSettings,
     check_api_socket_mode,
 )
+from agent._config_env import ENV_PREFIX, NESTED_DELIMITER, unknown_env_vars
 from agent._exceptions import InvalidRequest
 from agent._vocabulary import DataPlaneName, TierName
 
@@ -46,6 +54,7 @@ __all__ = [
     "load_settings",
     "parse_size_or_percent",
     "render_toml",
+    "unknown_environment",
 ]
 
 DEFAULT_CONFIG_PATH = Path("/etc/prewarm/agent.toml")
@@ -236,8 +245,8 @@ class Settings(BaseSettings):
     """Every setting of the agent and the CLI, with its effective value."""
 
     model_config = SettingsConfigDict(
-        env_prefix="PREWARM_",
-        env_nested_delimiter="__",
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter=NESTED_DELIMITER,
         extra="forbid",
         validate_default=True,
     )
@@ -309,6 +318,8 @@ def load_settings(config_path: Path | None = None) -> Settings:
         )
     try:
         return Settings(**file_values)
+    except SettingsError as exc:
+        raise ConfigError(_environment_problem(exc)) from exc
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
@@ -316,6 +327,25 @@ def load_settings(config_path: Path | None = None) -> Settings:
         raise ConfigError(
             f"Invalid configuration (file {path}, PREWARM_* environment): {problems}."
         ) from exc
+
+
+def _environment_problem(exc: SettingsError) -> str:
+    """pydantic-settings could not decode a PREWARM_* variable: which, and how to write it."""
+    # Its message names the top-level field ('error parsing value for field "access" ...').
+    field = re.search(r'field "(\w+)"', str(exc))
+    prefix = f"{ENV_PREFIX}{field[1].upper()}" if field else ENV_PREFIX
+    names = sorted(name for name in os.environ if name.upper().startswith(prefix))
+    return (
+        f"Cannot read the PREWARM_* environment ({', '.join(names) or exc}): a list or a table "
+        "in a PREWARM_* variable is written as JSON, e.g. "
+        """PREWARM_ACCESS__SOCKETS='[{"name": "team-a", "path": "/run/prewarm/team-a.sock"}]' """
+        "(access.sources also takes comma-separated patterns)."
+    )
+
+
+def unknown_environment(environ: Mapping[str, str] | None = None) -> list[str]:
+    """A sentence for each PREWARM_* variable no setting reads (prewarmd warns with them)."""
+    return unknown_env_vars(Settings, os.environ if environ is None else environ)
 
 
 def render_toml(settings: Settings) -> str:

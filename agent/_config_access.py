@@ -6,6 +6,7 @@ Kept apart from agent._config only for size; agent._config re-exports it.
 from __future__ import annotations
 
 import fnmatch
+import json
 import re
 from pathlib import Path
 from typing import Annotated
@@ -19,6 +20,9 @@ from pydantic import (
     PlainSerializer,
     model_validator,
 )
+from pydantic_settings import NoDecode
+
+from agent._uri import valid_bucket_name
 
 __all__ = [
     "COMPILE_DOMAIN",
@@ -44,7 +48,27 @@ FileMode = Annotated[
 ]
 
 
+def _list_from_text(value: str, example: str) -> object:
+    """An environment variable's list: JSON, or one item or several, comma-separated.
+
+    ``PREWARM_ACCESS__SOURCES='s3://models/*'`` is what people write; pydantic-settings
+    would only take JSON (``'["s3://models/*"]'``) and die with a traceback otherwise.
+    """
+    text = value.strip()
+    if text.startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"{value[:200]!r} starts like a JSON list but is not one ({exc.msg}); write a "
+                f"JSON list or comma-separated items, e.g. {example}"
+            ) from None
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
 def _check_source_patterns(value: object) -> object:
+    if isinstance(value, str):
+        value = _list_from_text(value, "'s3://models-prod/*,s3://shared/llama/'")
     if isinstance(value, list):
         for pattern in value:
             if not isinstance(pattern, str) or not pattern.startswith("s3://"):
@@ -91,11 +115,28 @@ def check_api_socket_mode(mode: int) -> int:
     return mode
 
 
+def _check_bucket_names(value: object) -> object:
+    if isinstance(value, str):
+        value = _list_from_text(value, "'one-model-bucket,another'")
+    if isinstance(value, list):
+        for name in value:
+            if not isinstance(name, str) or not valid_bucket_name(name):
+                raise ValueError(
+                    f"{name!r} is not a bucket name; write the bare name, e.g. "
+                    "'one-model-bucket' (no s3://, no prefix)"
+                )
+    return value
+
+
+# Bucket names; NoDecode as for SourcePatterns below.
+BucketNames = Annotated[list[str], NoDecode, BeforeValidator(_check_bucket_names)]
+
 # A compile domain names a directory and an S3 prefix component: never "." or "..".
 COMPILE_DOMAIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 # Globs on the normalised URI (s3://bucket/prefix/); a pattern without * ? [ is a prefix.
-SourcePatterns = Annotated[list[str], BeforeValidator(_check_source_patterns)]
+# NoDecode: an environment variable reaches the validator as text (JSON or comma-separated).
+SourcePatterns = Annotated[list[str], NoDecode, BeforeValidator(_check_source_patterns)]
 
 
 class AccessLimits(BaseModel):
@@ -170,6 +211,9 @@ class AccessSettings(BaseModel):
     limits: AccessLimits = AccessLimits()
     # Per-tenant sockets; none: the one API socket (socket_path) serves everyone.
     sockets: list[TenantSocketSettings] = Field(default_factory=list)
+    # Buckets a model URI may name whole (s3://bucket, no prefix): each holds one model.
+    # Any other whole-bucket URI is refused (INVALID_ARGUMENT): it caches every object.
+    whole_buckets: BucketNames = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _distinct_sockets(self) -> AccessSettings:

@@ -6,13 +6,21 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from agent._config import ConfigError, Settings, load_settings, render_toml
+from agent._config import (
+    ConfigError,
+    Settings,
+    load_settings,
+    render_toml,
+    unknown_environment,
+)
 from agent._exceptions import PrewarmError
+from agent._fs import blocking_ancestor
 from agent._version import __version__
 from agent.compile.cache import NODE_SCOPE, CompileCaches, Scope
 from agent.compile.domains import domain_specs
@@ -52,6 +60,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
     socket_path = settings.socket_path
     tiers = settings.tiers
     _check_access(settings)
+    _check_paths_creatable(settings)
     node, tenants = access_rules.tenants_from_settings(settings)
     # The daemon's own callers (manifests) are the node: its sources, its limits.
     access_rules.bind_requester(access_rules.Requester(node))
@@ -138,6 +147,42 @@ def _check_access(settings: Settings) -> None:
                 access_rules.check_source(compile_uri)
             except PrewarmError as exc:
                 raise ConfigError(f"compile_cache.uri: {exc}") from exc
+
+
+def _check_paths_creatable(settings: Settings) -> None:
+    """Refuse, before anything is created, a start that could not create all it needs.
+
+    Tier roots that exist are checked by the store (owner, mode, links); here only
+    whether the missing ones, and each socket, can be made by this user.
+    """
+    roots = {
+        "the shm tier root": settings.tiers.shm_root,
+        "the disk tier root": settings.tiers.disk_root,
+    }
+    sockets = {
+        "the API socket": settings.socket_path,
+        "the lease socket": settings.lease_socket_path,
+        **{f"the socket of tenant {t.name!r}": t.path for t in settings.access.sockets},
+    }
+    wanted = [
+        *((what, path) for what, path in roots.items() if not path.is_dir()),
+        *sockets.items(),
+    ]
+    blocked = []
+    for what, path in wanted:
+        blocker = blocking_ancestor(path)
+        if blocker is not None:
+            blocked.append(f"{what} {path} ({blocker} is not writable)")
+    if blocked:
+        uid = os.geteuid()
+        raise ConfigError(
+            f"prewarmd cannot create what it needs as uid {uid}: {'; '.join(blocked)}. Run it "
+            "as root (the systemd unit and the DaemonSet do), or give it paths this user may "
+            "create: tiers.shm_root, tiers.disk_root and socket_path in a config file (see "
+            "'Run your own daemon' in the README), or e.g. PREWARM_TIERS__SHM_ROOT="
+            "/dev/shm/prewarm-$USER PREWARM_TIERS__DISK_ROOT=$HOME/.cache/prewarm "
+            "PREWARM_SOCKET_PATH=$XDG_RUNTIME_DIR/prewarm/agent.sock. Nothing was created."
+        )
 
 
 def _check_compile_domains(settings: Settings) -> None:
@@ -231,7 +276,15 @@ def _state_reading(service: AgentService) -> StateReading:
     status = service.status()
     return StateReading(
         tiers=tuple(
-            TierReading(t.tier, t.used_bytes, t.staging_bytes, t.budget_bytes, t.model_count)
+            TierReading(
+                t.tier,
+                t.used_bytes,
+                t.staging_bytes,
+                t.budget_bytes,
+                t.model_count,
+                free_bytes=t.free_bytes,
+                capacity_bytes=t.capacity_bytes,
+            )
             for t in status.tiers
         ),
         pulls_in_flight=len(status.pulls),
@@ -261,10 +314,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"prewarmd: {exc}", file=sys.stderr)
         return 2
+    ignored = unknown_environment()
     if args.print_config:
+        for sentence in ignored:
+            print(f"prewarmd: warning: {sentence}", file=sys.stderr)
         sys.stdout.write(render_toml(settings))
         return 0
     configure_logging(settings.log_level)
+    for sentence in ignored:
+        log.warning(sentence)
     try:
         asyncio.run(serve(settings))
     except PrewarmError as exc:

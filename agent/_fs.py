@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "blocking_ancestor",
     "fsync_dir",
     "open_beneath",
     "open_dir",
@@ -143,3 +144,20 @@ def write_json_atomic(path: Path, document: Mapping[str, Any], *, durable: bool 
             tmp.unlink()
     if durable:
         fsync_dir(path.parent)
+
+
+def blocking_ancestor(path: Path) -> Path | None:
+    """The nearest existing directory above ``path`` in which this process may not create it.
+
+    None when it may (or ``path`` is the root). Checked with the effective ids before
+    anything is made, so a start that cannot create one of its paths creates none of
+    them: a root made by a non-root start would otherwise stay behind and be refused,
+    as another user's, by the next start as root.
+    """
+    ancestor = Path.cwd() / path  # an absolute path stays as it is
+    while ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+        if ancestor.exists():
+            writable = os.access(ancestor, os.W_OK | os.X_OK, effective_ids=True)
+            return None if writable and ancestor.is_dir() else ancestor
+    return None

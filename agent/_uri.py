@@ -12,6 +12,7 @@ escaped and shortened (agent._exceptions.quoted), never raw.
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from agent._exceptions import InvalidRequest, UnsafeObjectKey, quoted
@@ -23,7 +24,9 @@ __all__ = [
     "ModelUri",
     "forbidden_character",
     "parse_uri",
+    "refuse_whole_bucket",
     "safe_relative_path",
+    "valid_bucket_name",
 ]
 
 # NAME_MAX of every Linux file system the tiers live on.
@@ -73,7 +76,7 @@ def parse_uri(raw: str) -> ModelUri:
             f"The model URI {quoted(raw)} is not an S3 URI (only s3:// is supported). " + _URI_HELP
         )
     bucket, _, prefix = rest.partition("/")
-    if not _BUCKET_RE.fullmatch(bucket) or ".." in bucket:
+    if not valid_bucket_name(bucket):
         raise InvalidRequest(
             f"{quoted(bucket, 80)} in {quoted(raw)} is not a valid S3 bucket name "
             "(3-63 lowercase letters, digits, dots or hyphens). " + _URI_HELP
@@ -93,6 +96,29 @@ def parse_uri(raw: str) -> ModelUri:
             fix=_URI_HELP,
         )
     return ModelUri(bucket=bucket, prefix=prefix)
+
+
+def valid_bucket_name(name: str) -> bool:
+    """Whether ``name`` follows S3's bucket naming rules (the subset every endpoint accepts)."""
+    return bool(_BUCKET_RE.fullmatch(name)) and ".." not in name
+
+
+def refuse_whole_bucket(uri: ModelUri, allowed: Collection[str]) -> None:
+    """Refuse a URI with no prefix unless its bucket is one that may be asked for whole.
+
+    ``s3://models`` caches every object in the bucket as one model: a typo of
+    ``s3://models/llama/`` would list and pull all of it, evicting other models to
+    make room up to the tier's budget. A bucket that holds exactly one model is
+    named in ``access.whole_buckets`` (an explicit, per-bucket opt-in).
+    """
+    if uri.prefix or uri.bucket in allowed:
+        return
+    raise InvalidRequest(
+        f"{uri} names a whole bucket (no prefix): every object in it would be cached as one "
+        f"model. Name the model's prefix (s3://{uri.bucket}/<model>/); if this bucket holds "
+        f'exactly one model, allow it with access.whole_buckets = ["{uri.bucket}"] in '
+        "agent.toml."
+    )
 
 
 def safe_relative_path(uri: ModelUri, key: str) -> str:

@@ -10,8 +10,10 @@
 #     --prefix DIR      where the virtualenv goes (default /opt/prewarm); must be its final path
 #     --python PROG     interpreter for the virtualenv, Python >= 3.11 (default: the first of
 #                       python3.14 ... python3.11, python3 that is new enough)
-#     --wheel FILE      install this wheel instead of the source tree around this script
-#     --extras LIST     optional extras, e.g. "streamer" (the Run:ai Model Streamer data plane)
+#     --wheel FILE      install this wheel (make wheel: dist/prewarm_agent-*.whl) instead of the
+#                       source tree around this script
+#     --extras LIST     more extras besides "daemon" (always installed: prewarmd's own
+#                       dependencies), e.g. "streamer" (the Run:ai Model Streamer data plane)
 #     --pip-arg ARG     pass ARG to pip install (repeatable), e.g. --pip-arg=--no-index
 #                       --pip-arg=--find-links=/tmp/wheelhouse for an image built offline
 #     --gid N           the prewarm group's GID (default 2929, as in the DaemonSet's image; pods
@@ -96,14 +98,15 @@ else
     [ -f "$source_dir/pyproject.toml" ] || die "no source tree at $source_dir; pass --wheel"
     target="$source_dir"
 fi
-[ -z "$extras" ] || target="${target}[${extras}]"
+# The distribution's base is the pods' client; the node agent is its "daemon" extra.
+target="${target}[daemon${extras:+,$extras}]"
 
 say "creating the virtualenv in $prefix with $("$python" --version 2>&1)"
 mkdir -p "$prefix"
 "$python" -m venv "$prefix"
 # An upgrade may carry the same version number (a rebuilt checkout): remove it first so pip
-# does not call it satisfied.
-"$prefix/bin/python" -m pip uninstall --quiet --yes prewarm 2>/dev/null || true
+# does not call it satisfied ("prewarm" is the name it had before it had one of its own).
+"$prefix/bin/python" -m pip uninstall --quiet --yes prewarm-agent prewarm 2>/dev/null || true
 "$prefix/bin/python" -m pip install --quiet --disable-pip-version-check \
     ${pip_args[@]+"${pip_args[@]}"} "$target"
 version="$("$prefix/bin/prewarmd" --version)"

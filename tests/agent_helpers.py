@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
+import shutil
 import subprocess
 import threading
 from collections.abc import Callable, Iterator
@@ -21,7 +23,7 @@ T = TypeVar("T")
 RunningAgent = InProcessAgent | AgentProcess
 # start_agent(config_toml="", s3=None) -> a started agent (see conftest).
 AgentFactory = Callable[..., RunningAgent]
-# start_agent_process(config_toml="", s3=None) -> a started daemon subprocess.
+# start_agent_process(config_toml="", s3=None, env=None) -> a started daemon subprocess.
 ProcessFactory = Callable[..., AgentProcess]
 
 
@@ -107,3 +109,23 @@ def when_logged(
         answer = condition()
     assert answer is not None, f"{what} within {timeout:g} s"
     return answer
+
+
+NOBODY = 65534
+
+
+def outside_the_socket_group(socket: Path) -> list[str]:
+    """An argv prefix that runs a command the way a user outside the socket's group sees it.
+
+    The interpreter lives under /root here, which no other uid may enter, so the
+    command stays uid 0 but loses CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH
+    (``setpriv`` drops them from the bounding set before exec), and the socket
+    is handed to nobody:nogroup, mode 0660: the kernel then refuses the connect
+    (EACCES) and access(2) refuses R_OK, exactly as for a non-root user.
+    """
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        pytest.skip("needs root and setpriv to drop the DAC capabilities")
+    os.chown(socket, NOBODY, NOBODY)
+    socket.chmod(0o660)
+    return [setpriv, "--bounding-set=-dac_override,-dac_read_search", "--"]

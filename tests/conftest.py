@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -146,11 +146,14 @@ def agent_daemon(start_agent: AgentFactory) -> RunningAgent:
 
 @pytest.fixture
 def start_agent_process(s3_server: S3Server) -> Iterator[ProcessFactory]:
-    """Start real daemon subprocesses (``python -m agent``); each is stopped at teardown."""
+    """Start real daemon subprocesses (``python -m agent``, ``env`` added to theirs); each is
+    stopped at teardown."""
     started: list[AgentProcess] = []
 
-    def start(config: str = "", s3: S3Server | None = None) -> AgentProcess:
-        agent = AgentProcess(env=(s3 or s3_server).env(), config=config)
+    def start(
+        config: str = "", s3: S3Server | None = None, env: Mapping[str, str] | None = None
+    ) -> AgentProcess:
+        agent = AgentProcess(env=(s3 or s3_server).env() | dict(env or {}), config=config)
         started.append(agent)
         return agent.start()
 

@@ -2,26 +2,36 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from agent_helpers import AgentFactory, outside_the_socket_group
+from rich.console import Console
+from rich.progress import Progress
+
 from agent import __version__
+from agent.cli import _render as render
 from agent.client import Client
 from agent.testing import AgentProcess, SampleModel
 
 _NUMBER = r"\d+(?:\.\d+)?"
 
 
-def prewarm(*args: str, socket: Path) -> subprocess.CompletedProcess[str]:
+def prewarm(
+    *args: str, socket: Path, prefix: Sequence[str] = ()
+) -> subprocess.CompletedProcess[str]:
+    """``prewarm ARGS`` on ``socket``; ``prefix`` runs it through another program (setpriv)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}
     env["PREWARM_SOCKET_PATH"] = str(socket)
     return subprocess.run(
-        [sys.executable, "-m", "agent.cli", *args],
+        [*prefix, sys.executable, "-m", "agent.cli", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -47,7 +57,7 @@ def test_pull_prints_phase_timings_then_a_hit(
     match = re.fullmatch(
         rf"cold pull of {re.escape(small_model.uri)} in {_NUMBER} s "
         rf"\(resolve {_NUMBER} s, download {_NUMBER} s, verify {_NUMBER} s, "
-        rf"publish {_NUMBER} s\), {_NUMBER} MiB at {_NUMBER} MB/s -> (?P<path>\S+)\n",
+        rf"publish {_NUMBER} s\), {_NUMBER} MiB at {_NUMBER} [KMG]iB/s -> (?P<path>\S+)\n",
         cold.stdout,
     )
     assert match, cold.stdout
@@ -102,13 +112,28 @@ def test_ls_json_lists_the_pulled_model(
 def test_ls_shows_a_table_with_the_short_key(
     agent_daemon: AgentProcess, small_model: SampleModel
 ) -> None:
-    """`ls` prints a table whose rows start with the 12-character key, URI and tier."""
+    """`ls` prints a table whose rows start with the 12-character key, URI, filters and tier."""
     handle = prewarm_json("pull", small_model.uri, socket=agent_daemon.socket_path)
     listing = prewarm("ls", socket=agent_daemon.socket_path)
     assert listing.returncode == 0, listing.stderr
     header, row = listing.stdout.splitlines()
-    assert header.split()[:3] == ["key", "uri", "tier"]
-    assert row.split()[:3] == [handle["key"][:12], small_model.uri, "shm"]
+    assert header.split()[:4] == ["key", "uri", "filters", "tier"]
+    assert row.split()[:4] == [handle["key"][:12], small_model.uri, "-", "shm"]
+
+
+def test_ls_tells_apart_snapshots_of_one_uri_with_other_filters(
+    agent_daemon: AgentProcess, small_model: SampleModel
+) -> None:
+    """Two snapshots of one URI pulled with different globs are two rows showing their filters."""
+    sock = agent_daemon.socket_path
+    whole = prewarm_json("pull", small_model.uri, socket=sock)
+    some = prewarm_json(
+        "pull", small_model.uri, "--include", "*.json", "--exclude", "*index*", socket=sock
+    )
+    listing = prewarm("ls", socket=sock)
+    assert listing.returncode == 0, listing.stderr
+    rows = {line.split()[0]: line.split()[2:4] for line in listing.stdout.splitlines()[1:]}
+    assert rows == {whole["key"][:12]: ["-", "shm"], some["key"][:12]: ["+*.json", "-*index*"]}
 
 
 def test_show_finds_a_model_by_key_prefix(
@@ -302,11 +327,19 @@ def test_verify_reports_a_changed_file_and_exits_1(
     assert prewarm_json("ls", socket=sock) == []
 
 
-def test_verify_needs_a_model_or_all(agent_daemon: AgentProcess) -> None:
-    """`verify` with neither a model nor --all exits 2."""
-    done = prewarm("verify", socket=agent_daemon.socket_path)
-    assert done.returncode == 2
-    assert "not neither" in done.stderr
+def test_verify_needs_a_model_or_all_in_the_commands_own_words(
+    agent_daemon: AgentProcess,
+) -> None:
+    """`verify` with neither a model nor --all, or with both, exits 2 naming --all (not the
+    client's all=True)."""
+    neither = prewarm("verify", socket=agent_daemon.socket_path)
+    both = prewarm("verify", "s3://b/m/", "--all", socket=agent_daemon.socket_path)
+    assert (neither.returncode, both.returncode) == (2, 2)
+    assert neither.stderr == (
+        "error: give one model to verify (a URI or a key) or --all, e.g. `prewarm verify --all`.\n"
+    )
+    assert both.stderr.endswith("or --all, not both.\n")
+    assert "all=True" not in neither.stderr + both.stderr
 
 
 def test_a_16_kib_uri_exits_2_with_a_short_message(agent_daemon: AgentProcess) -> None:
@@ -315,3 +348,67 @@ def test_a_16_kib_uri_exits_2_with_a_short_message(agent_daemon: AgentProcess) -
     assert done.returncode == 2, done.stderr
     assert "over the limit of 1100 bytes" in done.stderr
     assert len(done.stderr) < 400
+
+
+def test_cached_only_pull_with_s3_up_says_cached_only_not_unreachable(
+    agent_daemon: AgentProcess, small_model: SampleModel
+) -> None:
+    """`pull --cached-only` with S3 up says the answer is from the cache without asking S3; it
+    never claims S3 was unreachable."""
+    sock = agent_daemon.socket_path
+    assert prewarm("pull", small_model.uri, socket=sock).returncode == 0
+    done = prewarm("pull", small_model.uri, "--cached-only", socket=sock)
+    assert done.returncode == 0, done.stderr
+    assert "(cached only: the newest cached snapshot, S3 not asked" in done.stdout
+    assert "unreachable" not in done.stdout
+
+
+def test_sizes_and_speeds_share_one_unit_system() -> None:
+    """The summary's rate and the progress bar's speed are binary (MiB/s) like the sizes beside
+    them, never decimal MB/s next to MiB."""
+    size = int(87.4 * 1024**2)
+    assert (render.human_bytes(size), render.rate(size, 0.5)) == ("87.4 MiB", "174.8 MiB/s")
+    progress = Progress(console=Console(file=io.StringIO()))
+    task_id = progress.add_task("download", total=size)
+    task = progress.tasks[0]
+    assert task.id == task_id
+    task.finished_speed = 3 * 1024**3
+    assert render.BinarySpeedColumn().render(task).plain == "3.0 GiB/s"
+
+
+def test_a_user_outside_the_sockets_group_is_told_which_group_to_join(
+    agent_daemon: AgentProcess,
+) -> None:
+    """On a socket the user may not open, every command exits 3 with the client's sentence naming
+    the socket's group, never click's "path ... is not readable" box (exit 2)."""
+    sock = agent_daemon.socket_path
+    outsider = outside_the_socket_group(sock)
+    for command in (["ls"], ["status"], ["compile", "ls"]):
+        done = prewarm(*command, socket=sock, prefix=outsider)
+        assert done.returncode == 3, (command, done.stderr)
+        assert done.stderr == (
+            f"error: permission denied on the prewarm agent's socket {sock}: run as a member of "
+            "the socket's group (see socket_group in /etc/prewarm/agent.toml) or as root.\n"
+        ), command
+
+
+def test_a_whole_bucket_uri_is_refused_naming_the_opt_in(
+    agent_daemon: AgentProcess, small_model: SampleModel
+) -> None:
+    """`pull s3://bucket` (no prefix) exits 2 before any S3 call, naming the prefix form and
+    access.whole_buckets; nothing is pulled."""
+    done = prewarm("pull", f"s3://{small_model.bucket}", socket=agent_daemon.socket_path)
+    assert done.returncode == 2, done.stderr
+    assert f"s3://{small_model.bucket}/ names a whole bucket (no prefix)" in done.stderr
+    assert f'access.whole_buckets = ["{small_model.bucket}"]' in done.stderr
+    assert prewarm_json("ls", socket=agent_daemon.socket_path) == []
+
+
+def test_a_bucket_named_in_whole_buckets_may_be_pulled_whole(
+    start_agent: AgentFactory, small_model: SampleModel
+) -> None:
+    """With the bucket in access.whole_buckets, s3://bucket pulls everything in it as one model."""
+    agent = start_agent(f'[access]\nwhole_buckets = ["{small_model.bucket}"]\n')
+    handle = prewarm_json("pull", f"s3://{small_model.bucket}", socket=agent.socket_path)
+    assert handle["uri"] == f"s3://{small_model.bucket}/"
+    assert len(handle["files"]) == len(small_model.keys)

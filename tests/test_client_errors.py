@@ -29,7 +29,9 @@ from agent.client import (
     SourceUnavailable,
     aensure,
     ensure,
+    wait_for_agent,
 )
+from agent.testing import AgentProcess
 
 
 @pytest.fixture
@@ -166,3 +168,25 @@ def test_exception_from_the_progress_callback_reaches_the_caller(socket_path: Pa
 
     with pytest.raises(Stop):
         ensure("s3://b/m/", socket_path=socket_path, progress=on_progress)
+
+
+def test_wait_for_agent_gives_up_after_its_timeout_naming_what_was_missing(
+    tmp_path: Path,
+) -> None:
+    """wait_for_agent on a socket that never appears raises AgentUnavailable after the timeout,
+    saying how long it waited and that the socket does not exist; 0 fails at once."""
+    missing = tmp_path / "agent.sock"
+    said: list[str] = []
+    with pytest.raises(AgentUnavailable, match=r"within 0\.3 s \(the socket does not exist yet\)"):
+        wait_for_agent(missing, 0.3, waiting=said.append)
+    assert said == ["the socket does not exist yet"]
+    with pytest.raises(AgentUnavailable, match="the socket does not exist"):
+        wait_for_agent(missing, 0, waiting=said.append)
+    assert len(said) == 1
+
+
+def test_wait_for_agent_returns_at_once_when_the_agent_serves(agent_daemon: AgentProcess) -> None:
+    """A serving agent: wait_for_agent returns without calling ``waiting``."""
+    said: list[str] = []
+    wait_for_agent(agent_daemon.socket_path, 5, waiting=said.append)
+    assert said == []

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from agent_helpers import ProcessFactory
 
-from agent._config import ConfigError, load_settings, render_toml
+from agent._config import ConfigError, Settings, load_settings, render_toml
+from agent._config_env import NOT_SETTINGS, settings_env_names
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -137,4 +142,94 @@ def test_a_tenant_named_node_is_refused(tmp_path: Path) -> None:
     config = tmp_path / "agent.toml"
     config.write_text('[[access.sockets]]\nname = "node"\npath = "/run/prewarm/t.sock"\n')
     with pytest.raises(ConfigError, match="own API socket"):
+        load_settings(config)
+
+
+def print_config(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """``prewarmd --print-config`` on an empty config file with only ``env`` set."""
+    config = tmp_path / "agent.toml"
+    config.write_text("")
+    return subprocess.run(
+        [sys.executable, "-m", "agent", "--config", str(config), "--print-config"],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={"PATH": "/usr/bin:/bin", **env},
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "sources"),
+    [
+        ("s3://models/*", ["s3://models/*"]),
+        ("s3://models-prod/*, s3://shared/llama/", ["s3://models-prod/*", "s3://shared/llama/"]),
+        ('["s3://models/*"]', ["s3://models/*"]),
+    ],
+)
+def test_access_sources_from_the_environment_take_one_a_list_or_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str, sources: list[str]
+) -> None:
+    """PREWARM_ACCESS__SOURCES takes a single pattern, comma-separated ones, or a JSON list."""
+    config = tmp_path / "agent.toml"
+    config.write_text("")
+    monkeypatch.setenv("PREWARM_ACCESS__SOURCES", value)
+    assert load_settings(config).access.sources == sources
+
+
+def test_a_table_in_the_environment_that_is_not_json_exits_2_saying_to_write_json(
+    tmp_path: Path,
+) -> None:
+    """A PREWARM_* table that is not JSON is one sentence naming the variable and JSON, exit 2,
+    not pydantic-settings' traceback."""
+    result = print_config(tmp_path, PREWARM_ACCESS__SOCKETS="team-a")
+    assert result.returncode == 2
+    assert result.stderr.startswith(
+        "prewarmd: Cannot read the PREWARM_* environment (PREWARM_ACCESS__SOCKETS): a list or a "
+        "table in a PREWARM_* variable is written as JSON"
+    )
+    assert "Traceback" not in result.stderr
+
+
+def test_a_prewarm_variable_that_names_no_setting_is_warned_about_with_the_likely_one(
+    tmp_path: Path,
+) -> None:
+    """PREWARM_METRICS_PORT (one underscore short) changes nothing, so prewarmd warns naming
+    PREWARM_METRICS__PORT; the CLI's own variables are not warned about."""
+    result = print_config(
+        tmp_path, PREWARM_METRICS_PORT="9464", PREWARM_CACHED_ONLY="1", PREWARM_S3__REGION="x"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == (
+        "prewarmd: warning: PREWARM_METRICS_PORT is not a prewarm setting and is ignored; did "
+        "you mean PREWARM_METRICS__PORT? (nested keys take two underscores)\n"
+    )
+    assert "port = 0" in result.stdout
+
+
+def test_the_daemon_logs_a_warning_for_a_prewarm_variable_it_ignores(
+    start_agent_process: ProcessFactory,
+) -> None:
+    """The running daemon logs the same warning at start, where journalctl shows it."""
+    agent = start_agent_process(env={"PREWARM_METRICS_PORT": "9464"})
+    assert "did you mean PREWARM_METRICS__PORT?" in agent.log_text()
+
+
+def test_every_prewarm_variable_the_code_reads_is_a_setting_or_known() -> None:
+    """The PREWARM_* names in agent/ are settings or in NOT_SETTINGS: prewarmd never warns about
+    a variable that prewarm itself reads."""
+    known = set(settings_env_names(Settings)) | NOT_SETTINGS
+    used = {
+        name
+        for path in (REPO / "agent").rglob("*.py")
+        if path.name != "_config_env.py"  # its docstring quotes a typo on purpose
+        for name in re.findall(r"PREWARM_[A-Z0-9_]*[A-Z0-9]", path.read_text())
+    }
+    assert used - known == set()
+
+
+def test_whole_buckets_take_bare_bucket_names(tmp_path: Path) -> None:
+    """access.whole_buckets refuses a URI where a bucket name belongs, naming the form."""
+    config = tmp_path / "agent.toml"
+    config.write_text('[access]\nwhole_buckets = ["s3://models"]\n')
+    with pytest.raises(ConfigError, match="write the bare name"):
         load_settings(config)

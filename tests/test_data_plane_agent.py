@@ -100,7 +100,7 @@ def test_streamer_config_without_the_extra_refuses_to_start(
         agent.close()
     assert "data_plane is 'streamer'" in log
     assert "runai_model_streamer" in log
-    assert "prewarm[streamer]" in log
+    assert "prewarm-agent[streamer]" in log
 
 
 def test_asking_for_the_streamer_without_the_extra_is_invalid(

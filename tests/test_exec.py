@@ -6,19 +6,23 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
+from agent_helpers import outside_the_socket_group
+
 from agent.client import Client
-from agent.testing import AgentProcess, SampleModel
+from agent.testing import AgentProcess, InProcessAgent, S3Server, SampleModel
 
 CHILD = str(Path(__file__).with_name("exec_child.py"))
 
 
-def start_exec(*args: str, socket: Path) -> subprocess.Popen[str]:
+def start_exec(*args: str, socket: Path, prefix: Sequence[str] = ()) -> subprocess.Popen[str]:
+    """``prewarm exec ARGS`` on ``socket``; ``prefix`` runs it through another program."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}
     env["PREWARM_SOCKET_PATH"] = str(socket)
     return subprocess.Popen(
-        [sys.executable, "-m", "agent.cli", "exec", *args],
+        [*prefix, sys.executable, "-m", "agent.cli", "exec", *args],
         env=env,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -95,6 +99,8 @@ def test_exec_with_fallback_runs_the_command_on_the_uri_when_no_agent_answers(
     show_argv = "import sys; print(sys.argv[1:]); sys.exit(5)"
     launcher = start_exec(
         "--fallback",
+        "--wait-for-agent",
+        "0",
         uri,
         "--",
         sys.executable,
@@ -110,10 +116,13 @@ def test_exec_with_fallback_runs_the_command_on_the_uri_when_no_agent_answers(
     assert "--fallback" in stderr
 
 
-def test_exec_without_fallback_exits_3_when_no_agent_answers(tmp_path: Path) -> None:
-    """Without --fallback and no agent, prewarm exec exits 3 naming the socket, running nothing."""
+def test_exec_without_fallback_exits_3_when_no_agent_answers_in_time(tmp_path: Path) -> None:
+    """Without --fallback, prewarm exec waits --wait-for-agent seconds for an agent, then exits 3
+    naming the socket, the wait and what was missing, running nothing."""
     marker = tmp_path / "ran"
     launcher = start_exec(
+        "--wait-for-agent",
+        "0.5",
         "s3://models/llama/",
         "--",
         sys.executable,
@@ -123,5 +132,61 @@ def test_exec_without_fallback_exits_3_when_no_agent_answers(tmp_path: Path) -> 
     )
     _, stderr = launcher.communicate(timeout=60)
     assert launcher.returncode == 3, stderr
-    assert "no-agent.sock" in stderr
+    assert "waiting for it (--wait-for-agent / PREWARM_WAIT_FOR_AGENT)" in stderr
+    assert (
+        f"no prewarm agent answered on {tmp_path / 'no-agent.sock'} within 0.5 s "
+        "(the socket does not exist yet)"
+    ) in stderr
     assert not marker.exists()
+
+
+def test_exec_started_before_the_agent_waits_for_it_then_runs_the_command(
+    s3_server: S3Server, small_model: SampleModel
+) -> None:
+    """A pod that starts before the node's agent: prewarm exec says it waits, and runs the command
+    on the cached model once the agent serves, instead of exiting 3 at once."""
+    agent = InProcessAgent(env=s3_server.env())
+    try:
+        launcher = start_exec(
+            small_model.uri,
+            "--",
+            sys.executable,
+            "-c",
+            "import sys; print(sys.argv[1])",
+            "{model}",
+            socket=agent.socket_path,
+        )
+        assert launcher.stderr is not None
+        said = launcher.stderr.readline()
+        assert said.startswith("prewarm: the agent is not serving yet (the socket does not "), said
+        agent.start()
+        stdout, stderr = launcher.communicate(timeout=60)
+        assert launcher.returncode == 0, stderr
+        assert Path(stdout.strip()).is_relative_to(agent.shm_root)
+    finally:
+        agent.close()
+
+
+def test_exec_with_fallback_falls_back_when_the_socket_refuses_this_user(
+    agent_daemon: AgentProcess,
+) -> None:
+    """A user outside the socket's group: --fallback runs the command on the URI at once, after a
+    warning that names the group fix (not click's exit 2 for an unreadable path)."""
+    uri = "s3://models/llama/"
+    launcher = start_exec(
+        "--fallback",
+        uri,
+        "--",
+        sys.executable,
+        "-c",
+        "import sys; print(sys.argv[1:])",
+        "{model}",
+        socket=agent_daemon.socket_path,
+        prefix=outside_the_socket_group(agent_daemon.socket_path),
+    )
+    stdout, stderr = launcher.communicate(timeout=60)
+    assert launcher.returncode == 0, stderr
+    assert stdout == f"['{uri}']\n"
+    assert "permission denied on the prewarm agent's socket" in stderr
+    assert "--fallback: running the command against" in stderr
+    assert "waiting" not in stderr  # group membership cannot change: no wait for it

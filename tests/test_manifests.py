@@ -272,6 +272,37 @@ async def test_an_entry_removed_while_the_agent_was_down_is_unpinned_at_start(
         assert not pinned(service)
 
 
+async def test_a_pinned_entry_evicted_by_force_is_pinned_again_at_the_next_rescan(
+    service: AgentService, manifest_dir: Path, agent_log: LogWatch
+) -> None:
+    """evict --force, then any change of the directory: the entry is pulled and pinned again,
+    though prefetch-pins.json still names its key."""
+    manifest = manifest_dir / "llama.toml"
+    manifest.write_text(f'[[model]]\nuri = "{MODEL_URI}"\npin = true\n')
+    async with watcher(service, manifest_dir):
+        await agent_log.wait_for(f"pinned {MODEL_URI}")
+        await service.evict(MODEL_URI, force=True)
+        agent_log.records.clear()
+        write_atomically(manifest_dir / "other.toml", "")  # any change rescans
+        await agent_log.wait_for(f"pinned {MODEL_URI}")
+        assert pinned(service)
+
+
+async def test_a_pinned_entry_evicted_by_force_is_pinned_again_at_the_next_start(
+    service: AgentService, manifest_dir: Path, agent_log: LogWatch
+) -> None:
+    """The pin record names the evicted snapshot's key; the next start pins its new pull."""
+    manifest = manifest_dir / "llama.toml"
+    manifest.write_text(f'[[model]]\nuri = "{MODEL_URI}"\npin = true\n')
+    async with watcher(service, manifest_dir):
+        await agent_log.wait_for(f"pinned {MODEL_URI}")
+    await service.evict(MODEL_URI, force=True)
+    agent_log.records.clear()
+    async with watcher(service, manifest_dir):
+        await agent_log.wait_for(f"pinned {MODEL_URI}")
+        assert pinned(service)
+
+
 async def test_a_pin_made_by_hand_survives_the_manifest_going_away(
     service: AgentService, manifest_dir: Path, agent_log: LogWatch
 ) -> None:

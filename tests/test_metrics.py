@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import socket
 import urllib.request
 
@@ -10,7 +12,7 @@ import pytest
 from agent_helpers import AgentFactory, RunningAgent
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.client import Client, NotFound
+from agent.client import AsyncClient, Client, NotFound
 from agent.testing import SampleModel
 
 
@@ -58,6 +60,15 @@ class Meter:
         key = (name, frozenset(labels.items()))
         return self._latest.get(key, 0.0) - self._baseline.get(key, 0.0)
 
+    def grown(self, name: str) -> Samples:
+        """Every label set of a counter that grew since the agent started, with its growth."""
+        growth = {
+            key: value - self._baseline.get(key, 0.0)
+            for key, value in self._latest.items()
+            if key[0] == name
+        }
+        return {key: value for key, value in growth.items() if value}
+
 
 @pytest.fixture
 def metered_agent(start_agent: AgentFactory) -> tuple[RunningAgent, Meter]:
@@ -87,6 +98,25 @@ def test_metrics_show_a_pull_and_a_hit(
     assert meter.now("prewarm_tier_models", tier="shm") == 1
     assert meter.now("prewarm_tier_budget_bytes", tier="shm") > total
     assert meter.now("prewarm_pulls_in_flight") == 0
+
+
+def test_metrics_show_free_space_per_tier_and_the_process(
+    metered_agent: tuple[RunningAgent, Meter],
+) -> None:
+    """Each tier's filesystem free and total bytes (as statvfs says) and the process_* gauges of
+    prometheus-client's process collector are scraped."""
+    agent, meter = metered_agent
+    meter.scrape()
+    for tier, root in (("shm", agent.shm_root), ("disk", agent.disk_root)):
+        fs = os.statvfs(root)
+        capacity = meter.now("prewarm_tier_capacity_bytes", tier=tier)
+        assert capacity == fs.f_blocks * fs.f_frsize
+        free = meter.now("prewarm_tier_free_bytes", tier=tier)
+        # Other tests write to the same filesystems meanwhile: free is a moment's reading.
+        assert 0 < free <= capacity
+    assert meter.now("process_resident_memory_bytes") > 0
+    assert meter.now("process_open_fds") > 0
+    assert meter.now("process_start_time_seconds") > 0
 
 
 def test_metrics_count_a_failed_request_by_its_status_code(
@@ -120,6 +150,35 @@ def test_metrics_count_leases_and_manual_evictions(
     assert meter.now("prewarm_leases") == 0
     assert meter.grew("prewarm_evictions_total", tier="shm", reason="manual") == 1
     assert meter.now("prewarm_tier_used_bytes", tier="shm") == 0
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_a_normal_lease_release_counts_no_failed_request(
+    metered_agent: tuple[RunningAgent, Meter], small_model: SampleModel, flavour: str
+) -> None:
+    """leased() ending normally sends no ReleaseLease that the agent would count as NOT_FOUND,
+    so the documented failing-requests alert stays quiet on every pod exit."""
+    agent, meter = metered_agent
+
+    async def lease_async() -> None:
+        async with AsyncClient(agent.socket_path) as client, client.leased(small_model.uri):
+            pass
+
+    if flavour == "sync":
+        with Client(agent.socket_path) as client, client.leased(small_model.uri):
+            pass
+    else:
+        asyncio.run(lease_async())
+    with Client(agent.socket_path) as client:
+        client.status()  # counted after any request sent before it (see above)
+    meter.scrape()
+    failed = {
+        labels: value
+        for (name, labels), value in meter.grown("prewarm_requests_total").items()
+        if dict(labels)["result"] != "ok"
+    }
+    assert failed == {}
+    assert meter.now("prewarm_leases") == 0
 
 
 def test_every_log_line_of_a_pull_carries_the_uri_key_peer_and_client(

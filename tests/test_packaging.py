@@ -1,7 +1,8 @@
-"""Packaging: the packaged config, the manifests, the health probe and the pod's view.
+"""Packaging: the packaged config, the health probe, the image and the pod's view.
 
-The manifests are read as YAML and held to what docs/node-setup.md promises
-about them. The install script itself is tested in test_packaging_install.py.
+The Image Builder component is read as YAML and held to what docs/node-setup.md
+promises about it; the Kubernetes manifests are tested in test_k8s_manifests.py
+and the install script in test_packaging_install.py.
 """
 
 from __future__ import annotations
@@ -20,14 +21,11 @@ import pytest
 import yaml
 
 from agent._config import Settings, load_settings
-from agent._uri import parse_uri
-from agent.testing import AgentProcess, SampleModel
+from agent.testing import AgentProcess, InProcessAgent, S3Server, SampleModel
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGING = REPO / "packaging"
 AGENT_TOML = PACKAGING / "agent.toml"
-UNIT = REPO / "systemd" / "prewarmd.service"
-HOST_DIRS = {"/run/prewarm", "/dev/shm/prewarm", "/var/lib/prewarm"}
 GID = 2929  # systemd/prewarm.sysusers, packaging/Containerfile, the pod specs
 SERVICE = "prewarm.v1.Prewarm"
 
@@ -58,16 +56,6 @@ def flat_keys(document: dict[str, Any], prefix: str = "") -> set[str]:
 def load_yaml(name: str) -> list[dict[str, Any]]:
     with (PACKAGING / name).open() as fh:
         return [doc for doc in yaml.safe_load_all(fh) if doc]
-
-
-def of_kind(documents: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    (found,) = (doc for doc in documents if doc["kind"] == kind)
-    return found
-
-
-def unit_value(key: str) -> str:
-    (line,) = (line for line in UNIT.read_text().splitlines() if line.startswith(f"{key}="))
-    return line.partition("=")[2]
 
 
 # -- the packaged config -------------------------------------------------------------------
@@ -108,91 +96,6 @@ def test_packaged_config_hands_the_sockets_to_the_prewarm_group(
     """The packaged config gives the sockets to the prewarm group."""
     monkeypatch.delenv("PREWARM_SOCKET_GROUP", raising=False)
     assert load_settings(AGENT_TOML).socket_group == "prewarm"
-
-
-# -- Kubernetes ----------------------------------------------------------------------------
-
-
-def daemonset_pod() -> dict[str, Any]:
-    daemonset = of_kind(load_yaml("k8s/daemonset.yaml"), "DaemonSet")
-    pod: dict[str, Any] = daemonset["spec"]["template"]["spec"]
-    return pod
-
-
-def test_daemonset_mounts_the_host_directories_the_unit_uses() -> None:
-    """The DaemonSet mounts the unit's writable host directories at the same paths inside."""
-    pod = daemonset_pod()
-    host_paths = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
-    assert set(host_paths.values()) == HOST_DIRS
-    (agent,) = pod["containers"]
-    mounted = {m["mountPath"] for m in agent["volumeMounts"] if m["name"] in host_paths}
-    assert mounted == HOST_DIRS  # the same paths inside: the agent answers with host paths
-    assert set(unit_value("ReadWritePaths").split()) == HOST_DIRS
-
-
-def test_daemonset_probes_ask_the_grpc_health_service_over_the_socket() -> None:
-    """Every DaemonSet probe runs prewarm health on the agent's socket."""
-    (agent,) = daemonset_pod()["containers"]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        command = agent[probe]["exec"]["command"]
-        assert command[:2] == ["/opt/prewarm/bin/prewarm", "health"], probe
-        assert command[command.index("--socket") + 1] == "/run/prewarm/agent.sock"
-
-
-def test_daemonset_requests_resources_but_sets_no_memory_limit() -> None:
-    """The DaemonSet requests CPU and memory but sets no memory limit (tmpfs pages count against
-    it).
-    """
-    (agent,) = daemonset_pod()["containers"]
-    assert {"cpu", "memory"} <= set(agent["resources"]["requests"])
-    # tmpfs pages the agent writes are charged to its cgroup: a limit would OOM-kill pulls.
-    assert "memory" not in agent["resources"].get("limits", {})
-
-
-def test_daemonset_stop_grace_matches_the_units() -> None:
-    """The pod's termination grace equals the unit's TimeoutStopSec."""
-    pod = daemonset_pod()
-    assert pod["terminationGracePeriodSeconds"] == int(unit_value("TimeoutStopSec").rstrip("s"))
-
-
-def test_daemonset_runs_as_the_images_user_with_a_valid_config(tmp_path: Path) -> None:
-    """The DaemonSet runs as the image's uid/gid, one image for all containers, with a config the
-    daemon loads.
-    """
-    pod = daemonset_pod()
-    (agent,) = pod["containers"]
-    containerfile = (PACKAGING / "Containerfile").read_text()
-    assert f"USER {GID}:{GID}" in containerfile
-    assert (agent["securityContext"]["runAsUser"], agent["securityContext"]["runAsGroup"]) == (
-        GID,
-        GID,
-    )
-    assert {c["image"] for c in pod["containers"] + pod["initContainers"]} == {agent["image"]}
-    config = tmp_path / "agent.toml"
-    config.write_text(of_kind(load_yaml("k8s/daemonset.yaml"), "ConfigMap")["data"]["agent.toml"])
-    assert load_settings(config).socket_group == "prewarm"
-
-
-def test_vllm_pod_mounts_socket_and_cache_read_only_at_the_host_paths() -> None:
-    """The vLLM pod mounts the socket and cache directories read-only at the host paths."""
-    (pod,) = load_yaml("k8s/vllm-pod.yaml")
-    volumes = {v["name"]: v["hostPath"]["path"] for v in pod["spec"]["volumes"] if "hostPath" in v}
-    (vllm,) = pod["spec"]["containers"]
-    mounts = [m for m in vllm["volumeMounts"] if m["name"] in volumes]
-    assert {(volumes[m["name"]], m["mountPath"], m["readOnly"]) for m in mounts} == {
-        (path, path, True) for path in HOST_DIRS
-    }
-
-
-def test_vllm_pod_launches_through_prewarm_exec() -> None:
-    """The vLLM pod starts through prewarm exec with a valid URI and {model} in its argv."""
-    (pod,) = load_yaml("k8s/vllm-pod.yaml")
-    (vllm,) = pod["spec"]["containers"]
-    command = vllm["command"]
-    assert command[:2] == ["prewarm", "exec"]
-    parse_uri(command[2])  # a valid s3:// URI
-    engine = command[command.index("--") + 1 :]
-    assert engine[:3] == ["vllm", "serve", "{model}"]
 
 
 # -- the probe command --------------------------------------------------------------------
@@ -238,6 +141,34 @@ def test_health_exits_3_when_nothing_answers(tmp_path: Path) -> None:
     )
 
 
+def test_health_with_wait_for_agent_waits_for_an_agent_that_starts_later(
+    s3_server: S3Server,
+) -> None:
+    """`prewarm health --wait-for-agent` (an init container's wait) started before the agent
+    exits 0 once the agent serves, and 3 with a sentence when none comes in time."""
+    agent = InProcessAgent(env=s3_server.env())
+    try:
+        health = [sys.executable, "-m", "agent.cli", "health", "--wait-for-agent", "60"]
+        waiting = subprocess.Popen(
+            [*health, "--socket", str(agent.socket_path)],
+            env=clean_env() | {"PYTHONPATH": str(REPO)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert waiting.stderr is not None
+        said = waiting.stderr.readline()
+        assert said.startswith("prewarm: the agent is not serving yet"), said
+        agent.start()
+        stdout, stderr = waiting.communicate(timeout=60)
+        assert (waiting.returncode, stdout) == (0, "SERVING\n"), stderr
+    finally:
+        agent.close()
+    gone = prewarm_health("--wait-for-agent", "0.5", "--socket", str(agent.socket_path))
+    assert gone.returncode == 3
+    assert f"no prewarm agent answered on {agent.socket_path} within 0.5 s" in gone.stderr
+
+
 # -- the image -----------------------------------------------------------------------------
 
 
@@ -267,6 +198,7 @@ def test_image_builder_component_installs_validates_and_tests() -> None:
 
     assert "packaging/install.sh" in commands("build")
     assert "prewarmd --version" in commands("validate")
+    assert "pip show --quiet prewarm-agent" in commands("validate")
     assert "systemd-analyze verify /etc/systemd/system/prewarmd.service" in commands("validate")
     assert "prewarm health" in commands("test")
 

@@ -1,23 +1,26 @@
-"""packaging/install.sh, for real: a fresh prefix, then the installed daemon asked for its health.
+"""Installs for real: install.sh into a fresh prefix, and the pods' client-only wheel.
 
-The install builds a new virtualenv with every dependency from the package
+install.sh builds a new virtualenv with every dependency from the package
 index and writes the unit, users and cache roots under a temporary root; it
 runs once per module (it takes half a minute) and needs root for the users and
-the chowns.
+the chowns. The wheel ``make wheel`` builds is installed without extras into
+another fresh virtualenv, as a pod's image would: grpcio and protobuf only.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from agent import __version__
-from agent.testing import AgentProcess, S3Server
+from agent.testing import AgentProcess, S3Server, SampleModel
 
 REPO = Path(__file__).resolve().parents[1]
 AGENT_TOML = REPO / "packaging" / "agent.toml"
@@ -158,3 +161,94 @@ def test_reinstall_upgrades_in_place_and_keeps_an_edited_config(installed: Insta
     finally:
         config.write_text(original)
         (config.parent / "agent.toml.default").unlink(missing_ok=True)
+
+
+# -- the wheel, client only ---------------------------------------------------------------
+
+# What `pip install prewarm_agent-*.whl` may bring, and nothing else: the client's two
+# dependencies (grpcio's own typing-extensions) and what a fresh virtualenv starts with.
+CLIENT_ONLY = {"prewarm-agent", "grpcio", "protobuf", "typing-extensions", "pip", "setuptools"}
+DISTRIBUTIONS = (
+    "import importlib.metadata as m, json; "
+    "print(json.dumps(sorted({d.metadata['Name'].lower().replace('_', '-') "
+    "for d in m.distributions()})))"
+)
+
+
+@pytest.fixture(scope="module")
+def client_only(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh virtualenv with the wheel ``make wheel`` builds installed without extras."""
+    base = tmp_path_factory.mktemp("client-only")
+    source = base / "src"
+    shutil.copytree(REPO / "agent", source / "agent", ignore=shutil.ignore_patterns("__pycache__"))
+    for part in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / part, source / part)
+    # The Makefile's wheel target, on a copy (a build writes build/ and egg-info beside it).
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", base, source],
+        capture_output=True,
+        check=True,
+        timeout=280,
+    )
+    (wheel,) = base.glob(f"prewarm_agent-{__version__}-py3-none-any.whl")
+    venv = base / "venv"
+    subprocess.run([sys.executable, "-m", "venv", venv], check=True, timeout=120)
+    subprocess.run(
+        [venv / "bin" / "python", "-m", "pip", "install", "--quiet", wheel],
+        capture_output=True,
+        env=clean_env(),
+        check=True,
+        timeout=280,
+    )
+    return venv
+
+
+def in_client_only(venv: Path, *argv: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        argv, capture_output=True, text=True, env=clean_env(), cwd=venv, timeout=120, check=False
+    )
+
+
+@pytest.mark.slow
+def test_the_wheel_without_extras_installs_only_grpcio_and_protobuf(client_only: Path) -> None:
+    """pip install of the wheel alone brings the client's two dependencies and nothing else."""
+    done = in_client_only(client_only, client_only / "bin" / "python", "-c", DISTRIBUTIONS)
+    assert done.returncode == 0, done.stderr
+    assert set(json.loads(done.stdout)) <= CLIENT_ONLY
+    assert {"prewarm-agent", "grpcio", "protobuf"} <= set(json.loads(done.stdout))
+
+
+@pytest.mark.slow
+def test_a_client_only_install_ensures_a_model_from_the_agent(
+    client_only: Path, agent_daemon: AgentProcess, small_model: SampleModel
+) -> None:
+    """In the client-only install, agent.client imports and asks the real agent for a model."""
+    code = (
+        "import sys\n"
+        "from agent.client import ensure, wait_for_agent\n"
+        "wait_for_agent(sys.argv[1], 10)\n"
+        "print(ensure(sys.argv[2], socket_path=sys.argv[1]).path)\n"
+    )
+    done = in_client_only(
+        client_only,
+        client_only / "bin" / "python",
+        "-c",
+        code,
+        agent_daemon.socket_path,
+        small_model.uri,
+    )
+    assert done.returncode == 0, done.stderr
+    assert Path(done.stdout.strip()).is_relative_to(agent_daemon.shm_root)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("script", "extra"), [("prewarmd", "daemon"), ("prewarm", "cli")])
+def test_a_client_only_install_names_the_extra_a_command_needs(
+    client_only: Path, script: str, extra: str
+) -> None:
+    """prewarmd and prewarm in a client-only install exit 2 naming the extra to install, not an
+    ImportError traceback."""
+    done = in_client_only(client_only, client_only / "bin" / script, "--version")
+    assert done.returncode == 2
+    assert f"pip install 'prewarm-agent[{extra}]'" in done.stderr
+    assert "Traceback" not in done.stderr

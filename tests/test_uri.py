@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agent import InvalidRequest, UnsafeObjectKey
-from agent._uri import ModelUri, parse_uri, safe_relative_path
+from agent._uri import ModelUri, parse_uri, refuse_whole_bucket, safe_relative_path
 
 
 @pytest.mark.parametrize(
@@ -131,3 +131,12 @@ def test_parse_uri_refuses_huge_uris_and_control_characters(raw: str, fragment: 
     assert fragment in message
     assert message.isprintable()
     assert len(message) < 600
+
+
+def test_a_whole_bucket_is_refused_unless_its_bucket_is_allowed() -> None:
+    """s3://bucket with no prefix is InvalidRequest naming the opt-in; an allowed bucket and any
+    URI with a prefix pass."""
+    with pytest.raises(InvalidRequest, match=r'access.whole_buckets = \["models"\]'):
+        refuse_whole_bucket(parse_uri("s3://models"), allowed=["other"])
+    refuse_whole_bucket(parse_uri("s3://models/"), allowed=["models"])
+    refuse_whole_bucket(parse_uri("s3://models/llama/"), allowed=[])

@@ -19,7 +19,6 @@ from rich.progress import (
     TaskID,
     TextColumn,
     TimeRemainingColumn,
-    TransferSpeedColumn,
 )
 
 from agent._exceptions import printable
@@ -38,7 +37,7 @@ from . import _render as render
 from ._compile import compile_app
 from ._exec import exec_command
 from ._health import health_command
-from ._options import AsRequesterOption, CachedOnlyOption
+from ._options import AsRequesterOption, CachedOnlyOption, SocketOption
 
 __all__ = ["app"]
 
@@ -71,15 +70,6 @@ def _parse_size(text: str) -> int:
     return int(number) * int(base**power)
 
 
-SocketOption = Annotated[
-    Path | None,
-    typer.Option(
-        "--socket",
-        envvar="PREWARM_SOCKET_PATH",
-        help="The agent's socket [default: /run/prewarm/agent.sock].",
-        show_default=False,
-    ),
-]
 JsonOption = Annotated[
     bool, typer.Option("--json", help="Print machine-readable JSON on stdout, nothing else.")
 ]
@@ -160,7 +150,7 @@ def _pull_with_bar(client: Client, uri: str, **kwargs: object) -> ModelHandle:
         TextColumn("{task.description:<8}"),
         BarColumn(),
         DownloadColumn(binary_units=True),
-        TransferSpeedColumn(),
+        render.BinarySpeedColumn(),
         TextColumn("{task.fields[files]}"),
         TimeRemainingColumn(),
         console=console,
@@ -240,12 +230,16 @@ def pull(
             sys.stdout.write(render.to_json(handle) + "\n")
         else:
             handle = _pull_with_bar(client, uri, **request)
-            _stdout().print(render.pull_summary(handle), soft_wrap=True)
+            _stdout().print(render.pull_summary(handle, cached_only=cached_only), soft_wrap=True)
 
 
 @app.command("ls")
 def list_models(socket: SocketOption = None, json_out: JsonOption = False) -> None:
-    """List the models in the node cache."""
+    """List the models in the node cache.
+
+    FILTERS shows a snapshot's include (+GLOB) and exclude (-GLOB) globs: one URI pulled
+    with other filters is another snapshot, on a row of its own.
+    """
     with _agent_errors(), Client(socket) as client:
         models = client.list_models()
     if json_out:
@@ -326,6 +320,15 @@ def verify(
     json_out: JsonOption = False,
 ) -> None:
     """Re-hash cached files; snapshots that fail are evicted. Exits 1 if any failed."""
+    if all_models == bool(ref):
+        # Said in the command's own terms (the client's check names its all=True).
+        _fail(
+            InvalidRequest(
+                "give one model to verify (a URI or a key) or --all, "
+                + ("not both." if all_models else "e.g. `prewarm verify --all`.")
+            ),
+            EXIT_INVALID,
+        )
     with _agent_errors(), Client(socket) as client:
         results = client.verify(ref, all=all_models, report_only=report_only)
     if json_out:

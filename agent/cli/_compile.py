@@ -6,7 +6,6 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -25,6 +24,7 @@ from agent.client import (
 from agent.client._compile_types import CompileVerdict
 
 from . import _render as render
+from ._options import SocketOption
 
 __all__ = ["compile_app"]
 
@@ -42,15 +42,6 @@ compile_app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-SocketOption = Annotated[
-    Path | None,
-    typer.Option(
-        "--socket",
-        envvar="PREWARM_SOCKET_PATH",
-        help="The agent's socket [default: /run/prewarm/agent.sock].",
-        show_default=False,
-    ),
-]
 JsonOption = Annotated[
     bool, typer.Option("--json", help="Print machine-readable JSON on stdout, nothing else.")
 ]

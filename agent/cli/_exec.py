@@ -12,9 +12,12 @@
    means a terminal's Ctrl-C reaches it once, through this process);
 4. exits with the child's exit status, or 128 + the signal that killed it.
 
-With ``--fallback``, an agent that cannot be reached is not fatal: the command
-runs with ``{model}`` replaced by the original URI (engines such as vLLM can
-stream from S3 themselves), after a warning on stderr. Without it, exit 3.
+An agent that is not serving yet (a pod that started first on a new node) is
+waited for, up to ``--wait-for-agent`` seconds (``PREWARM_WAIT_FOR_AGENT``,
+60 by default). With ``--fallback``, an agent that cannot be reached by then is
+not fatal: the command runs with ``{model}`` replaced by the original URI
+(engines such as vLLM can stream from S3 themselves), after a warning on
+stderr. Without it, exit 3.
 
 With ``--ready-url URL`` or ``--ready-file PATH`` the compile cache is
 published only once the engine is ready (see ``_ready``): then one line on
@@ -52,7 +55,6 @@ from rich.progress import (
     Progress,
     TextColumn,
     TimeRemainingColumn,
-    TransferSpeedColumn,
 )
 
 from agent.client import (
@@ -63,6 +65,7 @@ from agent.client import (
     ModelHandle,
     PrewarmError,
     detect_key_parts,
+    wait_for_agent,
 )
 from agent.client import Progress as PullProgress
 from agent.client._compile import key_fields_from_text
@@ -70,7 +73,7 @@ from agent.client._compile import key_parts as key_parts_from
 
 from . import _render as render
 from ._engine_flags import detect_engine, engine_key_fields, merged_key_fields
-from ._options import AsRequesterOption, CachedOnlyOption
+from ._options import AsRequesterOption, CachedOnlyOption, SocketOption, WaitForAgentOption
 from ._ready import ReadyWatch, ready_waiter, report_ready
 
 __all__ = ["CachedOnlyOption", "exec_command"]
@@ -160,15 +163,8 @@ def exec_command(
             show_default=False,
         ),
     ] = None,
-    socket: Annotated[
-        Path | None,
-        typer.Option(
-            "--socket",
-            envvar="PREWARM_SOCKET_PATH",
-            help="The agent's socket (default: /run/prewarm/agent.sock).",
-            show_default=False,
-        ),
-    ] = None,
+    socket: SocketOption = None,
+    wait_for_agent_seconds: WaitForAgentOption = 60.0,
 ) -> None:
     """Run COMMAND on the node's cached copy of a model, holding a lease while it runs.
 
@@ -191,6 +187,7 @@ def exec_command(
     with contextlib.ExitStack() as stack:
         client = stack.enter_context(Client(socket))
         try:
+            wait_for_agent(client.socket_path, wait_for_agent_seconds, waiting=_say_waiting)
             # The display ends with the pull; the lease stays in the stack.
             with _progress_display(uri) as show:
                 handle = stack.enter_context(
@@ -217,7 +214,8 @@ def exec_command(
             _fail(str(exc), EXIT_INVALID)
         except PrewarmError as exc:
             _fail(str(exc), EXIT_ERROR)
-        sys.stderr.write(f"prewarm: {render.pull_summary(handle)}\n")
+        summary = render.pull_summary(handle, cached_only=cached_only)
+        sys.stderr.write(f"prewarm: {summary}\n")
         env = dict(os.environ)
         watch: ReadyWatch | None = None
         if key_parts:
@@ -333,6 +331,15 @@ def _default_name(command: Sequence[str]) -> str:
     return f"{host}: {Path(command[0]).name}"
 
 
+def _say_waiting(why: str) -> None:
+    # The wait's bound and the flag that sets it are in the pod's log, in case it runs out.
+    sys.stderr.write(
+        f"prewarm: the agent is not serving yet ({why}); waiting for it "
+        "(--wait-for-agent / PREWARM_WAIT_FOR_AGENT)\n"
+    )
+    sys.stderr.flush()
+
+
 def _fail(message: str, code: int) -> NoReturn:
     sys.stderr.write(f"prewarm: error: {message}\n")
     raise typer.Exit(code)
@@ -349,7 +356,7 @@ def _progress_display(uri: str) -> Iterator[Callable[[PullProgress], None]]:
         TextColumn("{task.description:<8}"),
         BarColumn(),
         DownloadColumn(binary_units=True),
-        TransferSpeedColumn(),
+        render.BinarySpeedColumn(),
         TimeRemainingColumn(),
         console=console,
         transient=True,

@@ -7,12 +7,17 @@ It makes one ``grpc.health.v1.Health/Check`` call and answers with its exit stat
 - 0: SERVING (the cache index is rebuilt and the sockets are bound);
 - 1: the agent answered but is not serving (starting, or draining after SIGTERM);
 - 3: nothing answered on the socket within ``--timeout``.
+
+``--wait-for-agent SECONDS`` makes it an init container's wait: it follows the
+health service's Watch stream (grpc waits for the socket to appear) until the
+agent reports SERVING, or the time runs out.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -20,7 +25,10 @@ import grpc
 import typer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from agent.client import AgentUnavailable, wait_for_agent
 from agent.client._convert import CHANNEL_OPTIONS, channel_target, resolve_socket_path
+
+from ._options import SocketOption, WaitForAgentOption
 
 __all__ = ["health_command"]
 
@@ -29,15 +37,7 @@ EXIT_NO_AGENT = 3
 
 
 def health_command(
-    socket: Annotated[
-        Path | None,
-        typer.Option(
-            "--socket",
-            envvar="PREWARM_SOCKET_PATH",
-            help="The agent's socket [default: /run/prewarm/agent.sock].",
-            show_default=False,
-        ),
-    ] = None,
+    socket: SocketOption = None,
     service: Annotated[
         str,
         typer.Option(help="Health service name; empty is the whole agent, or prewarm.v1.Prewarm."),
@@ -46,10 +46,18 @@ def health_command(
     json_out: Annotated[
         bool, typer.Option("--json", help="Print machine-readable JSON on stdout, nothing else.")
     ] = False,
+    wait_for_agent: WaitForAgentOption = 0.0,
 ) -> None:
-    """Exit 0 if the agent reports SERVING, 1 if it answers otherwise, 3 if it does not answer."""
+    """Exit 0 if the agent reports SERVING, 1 if it answers otherwise, 3 if it does not answer.
+
+    With --wait-for-agent SECONDS (an init container on a new node), wait that long for the
+    agent to start and report SERVING before answering.
+    """
     path = resolve_socket_path(socket)
-    status, error = _check(path, service, timeout)
+    if wait_for_agent > 0:
+        status, error = _wait_until_serving(path, service, wait_for_agent)
+    else:
+        status, error = _check(path, service, timeout)
     if json_out:
         document = {"socket": str(path), "service": service, "status": status, "error": error}
         sys.stdout.write(json.dumps(document) + "\n")
@@ -77,3 +85,33 @@ def _check(path: Path, service: str, timeout: float) -> tuple[str, str]:
                 "is prewarmd running (systemctl status prewarmd), and is the socket mounted?"
             )
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status), ""
+
+
+def _wait_until_serving(path: Path, service: str, seconds: float) -> tuple[str, str]:
+    """Wait for the socket, then follow the health Watch stream until SERVING or the deadline."""
+    deadline = time.monotonic() + seconds
+    try:
+        wait_for_agent(path, seconds, waiting=_say_waiting)
+    except AgentUnavailable as exc:
+        return "UNREACHABLE", str(exc)
+    request = health_pb2.HealthCheckRequest(service=service)
+    status = "UNREACHABLE"
+    with grpc.insecure_channel(channel_target(path), options=CHANNEL_OPTIONS) as channel:
+        updates = health_pb2_grpc.HealthStub(channel).Watch(
+            request, timeout=max(deadline - time.monotonic(), 0.1)
+        )
+        try:
+            for update in updates:
+                status = health_pb2.HealthCheckResponse.ServingStatus.Name(update.status)
+                if status == "SERVING":
+                    return status, ""
+        except grpc.RpcError:
+            pass  # the deadline, or the agent went away: report what was last seen
+        finally:
+            updates.cancel()
+    return status, f"the prewarm agent on {path} was not SERVING within {seconds:g} s ({status})"
+
+
+def _say_waiting(why: str) -> None:
+    sys.stderr.write(f"prewarm: the agent is not serving yet ({why}); waiting for it\n")
+    sys.stderr.flush()

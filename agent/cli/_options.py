@@ -1,13 +1,29 @@
-"""Options shared by ``prewarm pull`` and ``prewarm exec``; each env var lets a pod spec turn
-it on without new arguments."""
+"""Options shared by the ``prewarm`` commands; each env var lets a pod spec turn it on without
+new arguments."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
-__all__ = ["AsRequesterOption", "CachedOnlyOption"]
+__all__ = ["AsRequesterOption", "CachedOnlyOption", "SocketOption", "WaitForAgentOption"]
+
+SocketOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--socket",
+        envvar="PREWARM_SOCKET_PATH",
+        help="The agent's socket [default: /run/prewarm/agent.sock].",
+        show_default=False,
+        # A socket is connected to, never read: click's readable check (os.access R_OK)
+        # would stop a user outside the socket's group with "path ... is not readable",
+        # exit 2, before the client could say which group to join (exit 3), and before
+        # `exec --fallback` could fall back.
+        readable=False,
+    ),
+]
 
 CachedOnlyOption = Annotated[
     bool,
@@ -26,5 +42,17 @@ AsRequesterOption = Annotated[
         help="Send this pod's own AWS credentials (botocore's chain): the agent checks they "
         "may read the model, and pulls a miss with them. Required on a requester-scoped "
         "socket.",
+    ),
+]
+WaitForAgentOption = Annotated[
+    float,
+    typer.Option(
+        "--wait-for-agent",
+        envvar="PREWARM_WAIT_FOR_AGENT",
+        min=0,
+        metavar="SECONDS",
+        help="How long to wait for the agent to serve on its socket (a pod may start before "
+        "the agent on a new node); 0 fails at once. A socket this user may not open is never "
+        "waited for.",
     ),
 ]

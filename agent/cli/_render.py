@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from rich.console import Group, RenderableType
+from rich.progress import ProgressColumn, Task
 from rich.table import Table
 from rich.text import Text
 
@@ -30,7 +31,9 @@ from agent.client import (
 )
 
 __all__ = [
+    "BinarySpeedColumn",
     "evict_summary",
+    "filters_text",
     "gc_summary",
     "human_bytes",
     "model_detail",
@@ -66,11 +69,23 @@ def human_bytes(n: int) -> str:
 
 
 def rate(n: int, seconds: float) -> str:
-    """Decimal MB/s, the unit network and S3 throughput is quoted in."""
+    """Bytes per second in the binary units of the sizes printed beside it (MiB/s, GiB/s)."""
     if seconds <= 0:
-        return "- MB/s"
-    mb_per_s = n / seconds / 1e6
-    return f"{mb_per_s:.0f} MB/s" if mb_per_s >= 10 else f"{mb_per_s:.2f} MB/s"
+        return "- MiB/s"
+    return f"{human_bytes(int(n / seconds))}/s"
+
+
+class BinarySpeedColumn(ProgressColumn):
+    """A progress bar's transfer speed in binary units, like its DownloadColumn(binary_units).
+
+    rich's TransferSpeedColumn is decimal only, which put "MiB" and "MB/s" on one line.
+    """
+
+    def render(self, task: Task) -> Text:
+        speed = task.finished_speed or task.speed
+        if speed is None:
+            return Text("?", style="progress.data.speed")
+        return Text(f"{human_bytes(int(speed))}/s", style="progress.data.speed")
 
 
 def _when(moment: datetime) -> str:
@@ -92,18 +107,26 @@ def _uptime(seconds: float) -> str:
     return f"{minutes}m {secs}s" if minutes else f"{seconds:.1f}s"
 
 
-def pull_summary(handle: ModelHandle) -> Text:
-    """One line: what happened, where the time went, where the model is."""
-    return plain(_pull_line(handle))
+def pull_summary(handle: ModelHandle, *, cached_only: bool = False) -> Text:
+    """One line: what happened, where the time went, where the model is.
+
+    ``cached_only``: the request asked S3 nothing, so an unchecked answer says
+    that rather than blaming S3 (the handle is ``resolved_offline`` either way).
+    """
+    return plain(_pull_line(handle, cached_only))
 
 
-def _pull_line(handle: ModelHandle) -> str:
+def _unchecked_note(handle: ModelHandle, cached_only: bool) -> str:
+    if not handle.resolved_offline:
+        return ""
+    if cached_only:
+        return " (cached only: the newest cached snapshot, S3 not asked whether it is current)"
+    return " (S3 unreachable: served the newest cached snapshot without checking it is current)"
+
+
+def _pull_line(handle: ModelHandle, cached_only: bool) -> str:
     t = handle.timings
-    offline = (
-        " (S3 unreachable: served the newest cached snapshot without checking it is current)"
-        if handle.resolved_offline
-        else ""
-    )
+    offline = _unchecked_note(handle, cached_only)
     if handle.hit:
         return f"hit: {handle.uri} in {t.total:.3f} s{offline} -> {handle.path}"
     phases = [f"resolve {t.resolve:.2f} s"]
@@ -128,6 +151,8 @@ def models_table(models: list[ModelInfo]) -> Table:
     table = Table(box=None, header_style="bold", pad_edge=False)
     table.add_column("key", no_wrap=True)
     table.add_column("uri", overflow="fold")
+    # Snapshots of one URI with other include/exclude globs are other rows.
+    table.add_column("filters", overflow="fold")
     table.add_column("tier")
     table.add_column("size", justify="right")
     table.add_column("files", justify="right")
@@ -140,6 +165,7 @@ def models_table(models: list[ModelInfo]) -> Table:
         table.add_row(
             plain(m.key[:_KEY_WIDTH]),
             plain(m.uri),
+            plain(filters_text(m.include, m.exclude)),
             m.tier,
             human_bytes(m.total_bytes),
             str(m.file_count),
@@ -150,6 +176,12 @@ def models_table(models: list[ModelInfo]) -> Table:
             "pinned" if m.pinned else "-",
         )
     return table
+
+
+def filters_text(include: tuple[str, ...], exclude: tuple[str, ...]) -> str:
+    """A snapshot's globs in one cell: ``+GLOB`` included, ``-GLOB`` excluded, ``-`` none."""
+    globs = [f"+{glob}" for glob in include] + [f"-{glob}" for glob in exclude]
+    return " ".join(globs) or "-"
 
 
 def _fields(rows: list[tuple[str, str]]) -> Table:

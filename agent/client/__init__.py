@@ -61,6 +61,7 @@ from ._types import (
     TierStatus,
     Verification,
 )
+from ._wait import wait_for_agent
 
 __all__ = [
     "DEFAULT_LEASE_SOCKET_PATH",
@@ -113,4 +114,5 @@ __all__ = [
     "ensure",
     "load_safetensors",
     "megacache",
+    "wait_for_agent",
 ]

@@ -92,8 +92,9 @@ class AsyncClient(Endpoint, ClosedOnAsyncExit):
         finally:
             # As in Client. On cancellation this release is cut short, but the
             # hold's connection is already closed, which ends the lease.
-            with contextlib.suppress(*LEASE_ALREADY_ENDED):
-                await self._run(calls.release_lease(hold.lease.id))
+            if not hold.ended:
+                with contextlib.suppress(*LEASE_ALREADY_ENDED):
+                    await self._run(calls.release_lease(hold.lease.id))
 
     ensure = coroutine_method(calls.ensure, _run)
     leased = method(calls.leased, _holding_lease)

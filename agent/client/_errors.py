@@ -16,7 +16,13 @@ from agent._exceptions import (
 
 from ._types import LeaseGrant, ModelHandle
 
-__all__ = ["error_for_code", "granted_lease", "missing_handle", "translate_rpc_error"]
+__all__ = [
+    "agent_unavailable",
+    "error_for_code",
+    "granted_lease",
+    "missing_handle",
+    "translate_rpc_error",
+]
 
 # UNAVAILABLE means two different things: the agent itself could not be
 # reached (grpc core says so, in these words, before any agent code ran), or
@@ -28,7 +34,7 @@ _TRANSPORT_FAILURE = re.compile(
 _START_HINT = "start it (systemctl start prewarmd) or pass --socket / PREWARM_SOCKET_PATH"
 
 
-def _agent_unavailable(socket_path: Path, details: str) -> AgentUnavailable:
+def agent_unavailable(socket_path: Path, details: str) -> AgentUnavailable:
     if not socket_path.exists():
         return AgentUnavailable(
             f"no prewarm agent is listening on {socket_path} (the socket does not exist): "
@@ -57,7 +63,7 @@ def translate_rpc_error(exc: grpc.RpcError, socket_path: Path) -> PrewarmError:
     details: str = exc.details() or ""
     if code == grpc.StatusCode.UNAVAILABLE:
         if _TRANSPORT_FAILURE.match(details) or not socket_path.exists():
-            return _agent_unavailable(socket_path, details)
+            return agent_unavailable(socket_path, details)
         return SourceUnavailable(details or "The agent reports that S3 is unavailable.")
     message = details or f"The prewarm agent answered {code.name} without a message."
     error_type = error_type_for_status(code.name)

@@ -10,8 +10,10 @@ costs no thread and no timer: the open socket is the whole mechanism.
 
 ``close()`` half-closes the connection and waits (up to the timeout) for the
 agent to close its end, which it does once the lease has ended: when close
-returns, the lease is over on the agent too, and a ReleaseLease after it is
-NotFound rather than refused (the API cannot release a lease while it is held).
+returns and ``ended`` is True, the lease is over on the agent too, so nothing
+needs releasing; a ReleaseLease after it would only be answered NotFound (and
+counted as a failed request). ``ended`` stays False when the hold never opened
+or the agent did not confirm in time: then a ReleaseLease is what ends it.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class _Hold(Generic[Connection]):
         self._socket_path = Path(socket_path) if socket_path is not None else lease.socket_path
         self._timeout = timeout
         self._connection: Connection | None = None
+        self._ended = False
 
     @property
     def lease(self) -> LeaseGrant:
@@ -69,6 +72,11 @@ class _Hold(Generic[Connection]):
     def held(self) -> bool:
         """True from a successful ``open()`` until ``close()``."""
         return self._connection is not None
+
+    @property
+    def ended(self) -> bool:
+        """True once ``close()`` saw the agent end the lease (it closed its end)."""
+        return self._ended
 
     def __repr__(self) -> str:
         return (
@@ -188,6 +196,7 @@ class LeaseHold(_Hold[socket.socket], ClosedOnExit):
             sock.settimeout(self._timeout)
             while sock.recv(_LINE_LIMIT):
                 pass  # the agent closes its end once the lease has ended
+            self._ended = True
         except OSError:
             pass  # the agent is gone or slow: closing below ends the lease all the same
         finally:
@@ -234,6 +243,7 @@ class AsyncLeaseHold(_Hold[tuple[asyncio.StreamReader, asyncio.StreamWriter]], C
             async with asyncio.timeout(self._timeout):
                 while await reader.read(_LINE_LIMIT):
                     pass  # the agent closes its end once the lease has ended
+            self._ended = True
         except (OSError, TimeoutError):
             pass  # the agent is gone or slow: closing below ends the lease all the same
         finally:

@@ -86,11 +86,12 @@ class Client(Endpoint, ClosedOnExit):
             with hold:
                 yield handle
         finally:
-            # Closing the hold already ended the lease; releasing as well makes
-            # that true by the time the block has exited (the agent may not
-            # have seen the close yet), and ends it when the hold never opened.
-            with contextlib.suppress(*LEASE_ALREADY_ENDED):
-                self._run(calls.release_lease(hold.lease.id))
+            # A hold the agent saw closed has ended the lease: releasing it too
+            # would be a NOT_FOUND on every exit. Release when the hold never
+            # opened or the agent did not confirm the close in time.
+            if not hold.ended:
+                with contextlib.suppress(*LEASE_ALREADY_ENDED):
+                    self._run(calls.release_lease(hold.lease.id))
 
     ensure = method(calls.ensure, _run)
     leased = method(calls.leased, _holding_lease)

@@ -2,10 +2,12 @@
 
 Counters and histograms are updated as events happen (requests in the API's
 interceptor, lookups and phases in the service, bytes in the puller, evictions
-where they are decided). Gauges of state (tier bytes and budgets, pulls in
-flight, leases) are read when scraped, by ``StateCollector``, so they can never
-drift from the store; the daemon registers one for its service and serves
-``REGISTRY`` over HTTP only when ``metrics.port`` is set (see _metrics_server).
+where they are decided). Gauges of state (tier bytes, budgets and free space,
+pulls in flight, leases) are read when scraped, by ``StateCollector``, so they can
+never drift from the store; the daemon registers one for its service. The
+process's own gauges (``process_*``) come from prometheus-client's
+ProcessCollector. ``REGISTRY`` is served over HTTP only when ``metrics.port`` is
+set (see _metrics_server).
 Every name is documented in docs/observability.md.
 """
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -119,6 +121,11 @@ MANIFEST_ERRORS = Counter(
 )
 
 
+# process_* (CPU seconds, resident memory, open files, start time) of the agent itself, read
+# from /proc at each scrape: what a DaemonSet's memory limit and a node's dashboards need.
+ProcessCollector(registry=REGISTRY)
+
+
 @dataclass(frozen=True, slots=True)
 class TierReading:
     tier: str
@@ -127,6 +134,9 @@ class TierReading:
     staging_bytes: int
     budget_bytes: int
     model_count: int
+    # The tier's filesystem as statvfs sees it (other users' files included).
+    free_bytes: int
+    capacity_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,16 +164,19 @@ class StateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         reading = self._read()
-        used, staging, budget, models, pulls, leases, info = self._families()
+        families = self._families()
+        used, staging, budget, models, free, capacity, pulls, leases, info = families
         for tier in reading.tiers:
             used.add_metric([tier.tier], tier.used_bytes)
             staging.add_metric([tier.tier], tier.staging_bytes)
             budget.add_metric([tier.tier], tier.budget_bytes)
             models.add_metric([tier.tier], tier.model_count)
+            free.add_metric([tier.tier], tier.free_bytes)
+            capacity.add_metric([tier.tier], tier.capacity_bytes)
         pulls.add_metric([], reading.pulls_in_flight)
         leases.add_metric([], reading.leases)
         info.add_metric([__version__], 1)
-        yield from (used, staging, budget, models, pulls, leases, info)
+        yield from families
 
     @staticmethod
     def _families() -> tuple[GaugeMetricFamily, ...]:
@@ -183,6 +196,16 @@ class StateCollector(Collector):
             ),
             GaugeMetricFamily(
                 "prewarm_tier_models", "Published snapshots on each tier.", labels=["tier"]
+            ),
+            GaugeMetricFamily(
+                "prewarm_tier_free_bytes",
+                "Free bytes on each tier's filesystem (statvfs; other users' files count too).",
+                labels=["tier"],
+            ),
+            GaugeMetricFamily(
+                "prewarm_tier_capacity_bytes",
+                "Size of each tier's filesystem (statvfs).",
+                labels=["tier"],
             ),
             GaugeMetricFamily("prewarm_pulls_in_flight", "Pulls running now."),
             GaugeMetricFamily("prewarm_leases", "Live leases (held open or within their TTL)."),

@@ -259,20 +259,28 @@ class ManifestWatcher:
         if owned is not None and owned != key:
             # The URI's objects changed: the old snapshot needs no protection now.
             await self._unpin(entry.identity, f"{entry.uri} now resolves to {key}")
-        if entry.pin and self._pinned.get(entry.identity) != key:
-            if self._service.usage(key).pinned:
+        if entry.pin:
+            await self._pin(entry, key)
+        if entry.compile is not None:
+            await self._restore_compile_cache(entry, entry.compile, key)
+
+    async def _pin(self, entry: ManifestEntry, key: str) -> None:
+        """Pin the entry's snapshot unless it is pinned already (by this watcher or by hand)."""
+        # The snapshot's own usage says whether it is pinned, not the record: a
+        # snapshot evicted by force and pulled again comes back unpinned under the
+        # same key, while the record still names that key.
+        if self._service.usage(key).pinned:
+            if self._pinned.get(entry.identity) != key:
                 log.info(
                     "%s (%s) was already pinned by hand; leaving that pin alone", entry.uri, key
                 )
-            else:
-                # Recorded first: if the entry goes away while the pin is being
-                # written, the removal finds it and undoes it.
-                self._pinned[entry.identity] = key
-                await self._service.pin(key, True)
-                await self._save_state()
-                log.info("pinned %s (%s) for %s", entry.uri, key, entry.where)
-        if entry.compile is not None:
-            await self._restore_compile_cache(entry, entry.compile, key)
+            return
+        # Recorded first: if the entry goes away while the pin is being
+        # written, the removal finds it and undoes it.
+        self._pinned[entry.identity] = key
+        await self._service.pin(key, True)
+        await self._save_state()
+        log.info("pinned %s (%s) for %s", entry.uri, key, entry.where)
 
     async def _restore_compile_cache(
         self, entry: ManifestEntry, spec: CompileSpec, key: str

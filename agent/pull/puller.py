@@ -96,7 +96,7 @@ class Puller:
         if self._settings.data_plane == "streamer" and self._streamer is None:
             raise ConfigError(
                 f"s3.data_plane is 'streamer' but {self._streamer_missing}. Install the "
-                "streamer extra (pip install 'prewarm[streamer]') or set data_plane = 'auto'."
+                "streamer extra (pip install 'prewarm-agent[streamer]') or set data_plane = 'auto'."
             )
         if self._settings.data_plane == "processes" and self._processes is None:
             raise ConfigError(

@@ -11,7 +11,7 @@ from pathlib import Path
 from agent._config import Settings
 from agent._exceptions import Conflict, NotFound
 from agent._snapshot import check_globs
-from agent._uri import parse_uri
+from agent._uri import parse_uri, refuse_whole_bucket
 from agent._version import __version__
 from agent._vocabulary import PullOptions, TierName
 from agent.check.hashes import verify_files
@@ -108,6 +108,7 @@ class AgentService:
         started = time.monotonic()
         requester = _calling_socket(requester) or ""
         uri = parse_uri(raw_uri)
+        refuse_whole_bucket(uri, self._settings.access.whole_buckets)
         access.check_source(uri)  # before any S3 call, cached_only included
         includes = check_globs(include, what="Include")
         excludes = check_globs(exclude, what="Exclude")

@@ -1,0 +1,95 @@
+"""Waiting for the agent on a node that has just started, instead of failing at once.
+
+On a new node a pod can start before the agent's DaemonSet pod (or unit) has
+bound its socket. ``wait_for_agent`` returns as soon as the socket accepts a
+connection, and gives up after a bounded time with a sentence saying what was
+missing. The waiting itself is grpc's: a channel reconnecting with a short
+backoff until it is ready, so the agent is found within about a second of
+binding its socket, and nothing here sleeps or polls.
+
+A socket this user may not open (EACCES) is not waited for: group membership
+does not change while a process runs, so it fails at once with the fix.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+
+from agent._exceptions import AgentUnavailable
+
+from . import _convert as convert
+from ._errors import agent_unavailable
+
+__all__ = ["wait_for_agent"]
+
+# Reconnect quickly while waiting: grpc's default backoff grows to two minutes.
+_WAITING_OPTIONS = (
+    *convert.CHANNEL_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
+
+def wait_for_agent(
+    socket_path: str | os.PathLike[str] | None = None,
+    timeout: float = 60.0,
+    *,
+    waiting: Callable[[str], None] | None = None,
+) -> None:
+    """Return once the agent accepts connections on its socket; wait at most ``timeout`` s.
+
+    ``waiting`` is called once, with the reason (``the socket does not exist
+    yet``), when the agent is not there at the first try and the wait begins.
+    Raises ``AgentUnavailable`` when the time runs out (naming what was
+    missing), at once when ``timeout`` is 0, and at once when this user may not
+    open the socket. Blocking; from asyncio, ``await asyncio.to_thread(...)``.
+    """
+    path = convert.resolve_socket_path(socket_path)
+    problem = _connect_once(path)
+    if problem is None:
+        return
+    if isinstance(problem, PermissionError) or timeout <= 0:
+        raise _unavailable(path, problem)
+    if waiting is not None:
+        waiting(_why(problem))
+    with grpc.insecure_channel(convert.channel_target(path), options=_WAITING_OPTIONS) as channel:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            last = _connect_once(path) or problem
+            raise AgentUnavailable(
+                f"no prewarm agent answered on {path} within {timeout:g} s ({_why(last)}): "
+                "check that the agent runs on this node (the prewarm DaemonSet's pod, or "
+                "systemctl status prewarmd) and that its socket directory is mounted here."
+            ) from None
+
+
+def _connect_once(path: Path) -> OSError | None:
+    """One plain connect: None if the socket accepted it, else why not."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError as exc:
+            return exc
+    return None
+
+
+def _why(problem: OSError) -> str:
+    if isinstance(problem, FileNotFoundError):
+        return "the socket does not exist yet"
+    if isinstance(problem, ConnectionRefusedError):
+        return "nothing listens on the socket yet"
+    return problem.strerror or errno.errorcode.get(problem.errno or 0, str(problem))
+
+
+def _unavailable(path: Path, problem: OSError) -> AgentUnavailable:
+    # The same sentences as a failed call (permission: which group to join).
+    details = "Permission denied" if isinstance(problem, PermissionError) else "failed to connect"
+    return agent_unavailable(path, details)

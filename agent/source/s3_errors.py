@@ -102,7 +102,7 @@ def translate_s3_error(
             f"Cannot reach S3 at {endpoint} while {doing}: {exc}. "
             "Check the node's network, DNS and AWS_ENDPOINT_URL."
         )
-    if isinstance(exc, boto.ConnectionClosedError):
+    if isinstance(exc, boto.ConnectionClosedError) or _broke_an_open_connection(exc):
         return SourceUnavailable(
             f"S3 at {endpoint} closed the connection while {doing}: {exc}. "
             "Check the network and AWS_ENDPOINT_URL."
@@ -120,13 +120,32 @@ def _is_unreachable(exc: BaseException) -> bool:
     botocore's ConnectionError covers its endpoint, connect-timeout, proxy and
     TLS errors; aiobotocore wraps aiohttp's connector errors into them, and the
     raw aiohttp/socket forms are checked too in case one comes through unwrapped.
+    A connection that was made and then reset is not among them, although
+    aiobotocore wraps it in the same EndpointConnectionError.
     """
+    if _broke_an_open_connection(exc):
+        return False
     return isinstance(
         exc,
         boto.ConnectionError
         | aiohttp.ClientConnectorError
         | socket.gaierror
         | ConnectionRefusedError,
+    )
+
+
+def _broke_an_open_connection(exc: BaseException) -> bool:
+    """True for aiobotocore's EndpointConnectionError around a reset of a connection it had.
+
+    aiohttp raises ClientConnectorError when the connection cannot be made and
+    another ClientConnectionError (ClientOSError: ECONNRESET, EPIPE) when an
+    open one breaks; aiobotocore wraps both alike, so the cause tells them apart.
+    """
+    if not isinstance(exc, boto.EndpointConnectionError):
+        return False
+    cause = exc.kwargs.get("error")
+    return isinstance(cause, aiohttp.ClientConnectionError) and not isinstance(
+        cause, aiohttp.ClientConnectorError
     )
 
 

@@ -75,8 +75,8 @@ class Fault:
         return cls("slow_down", key=key, times=times)
 
     @classmethod
-    def reset(cls, *, key: str = "", times: int | None = 1) -> Fault:
-        return cls("reset", key=key, times=times)
+    def reset(cls, *, key: str = "", method: str = "GET", times: int | None = 1) -> Fault:
+        return cls("reset", key=key, method=method, times=times)
 
     @classmethod
     def truncate(cls, *, after_bytes: int, key: str = "", times: int | None = 1) -> Fault:

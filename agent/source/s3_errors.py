@@ -16,9 +16,17 @@ import aiohttp
 from botocore import exceptions as boto
 
 from agent._exceptions import AccessDenied, NotFound, SourceChanged, SourceUnavailable
+from agent.source.deadlines import silence_advice
 from agent.source.interface import RangeReadError
 
-__all__ = ["MISSING_CODES", "SourceUnreachable", "error_code", "translate_s3_error"]
+__all__ = [
+    "MISSING_CODES",
+    "SourceSilent",
+    "SourceUnreachable",
+    "error_code",
+    "silent_error",
+    "translate_s3_error",
+]
 
 _DENIED_CODES = frozenset(
     {
@@ -54,6 +62,23 @@ class SourceUnreachable(SourceUnavailable):
     """
 
 
+class SourceSilent(SourceUnavailable):
+    """S3 took the connection but sent no answer within the bound (a read timeout).
+
+    Unlike a refused connection this costs the whole wait, so the message says
+    how long was waited and which endpoint kept silent.
+    """
+
+
+def silent_error(endpoint: str, doing: str, waited: float | None) -> SourceSilent:
+    """The error for a request to ``endpoint`` that got no answer in ``waited`` seconds."""
+    within = f" in {waited:.1f} s" if waited is not None else ""
+    return SourceSilent(
+        f"S3 at {endpoint} accepted the connection but sent no answer{within} while "
+        f"{doing}. {silence_advice(endpoint)}"
+    )
+
+
 def translate_s3_error(
     exc: BaseException,
     doing: str,
@@ -61,13 +86,15 @@ def translate_s3_error(
     endpoint: str,
     bucket: str = "",
     broken_off: tuple[type[BaseException], ...] = (),
+    waited: float | None = None,
 ) -> BaseException:
     """Map a botocore / aiohttp / socket failure onto the prewarm error tree.
 
     ``doing`` says what the agent was doing ("reading s3://b/k bytes 0-9");
     ``broken_off`` adds the failures that mean "the transfer broke off, try
-    again" for the caller's own reader (http.client's, say). Anything not
-    recognised is returned as is.
+    again" for the caller's own reader (http.client's, say); ``waited`` is how
+    long the request waited, said when S3 kept silent. Anything not recognised
+    is returned as is.
     """
     if isinstance(exc, boto.ClientError):
         error = exc.response.get("Error", {})
@@ -102,6 +129,8 @@ def translate_s3_error(
             f"Cannot reach S3 at {endpoint} while {doing}: {exc}. "
             "Check the node's network, DNS and AWS_ENDPOINT_URL."
         )
+    if isinstance(exc, boto.ReadTimeoutError):
+        return silent_error(endpoint, doing, waited)
     if isinstance(exc, boto.ConnectionClosedError) or _broke_an_open_connection(exc):
         return SourceUnavailable(
             f"S3 at {endpoint} closed the connection while {doing}: {exc}. "

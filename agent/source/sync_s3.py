@@ -22,6 +22,8 @@ from botocore.config import Config
 from botocore.session import get_session
 
 from agent._config import S3Settings
+from agent.source.deadlines import attempt_read_timeout, total_attempts
+from agent.source.retry_log import log_retries
 from agent.source.s3_errors import translate_s3_error
 from agent.source.transfer import connection_pool_size
 
@@ -40,7 +42,9 @@ def make_sync_client(settings: S3Settings) -> Any:
     config = Config(
         max_pool_connections=connection_pool_size(settings),
         connect_timeout=settings.connect_timeout_seconds,
-        read_timeout=settings.read_timeout_seconds,
+        # The listing's per-attempt bound (agent.source.deadlines), so a silent GET
+        # here fails as soon as one there would.
+        read_timeout=attempt_read_timeout(settings),
         retries={"max_attempts": settings.max_attempts, "mode": "standard"},
         s3={"addressing_style": settings.addressing_style},
         user_agent_extra=THREADS_USER_AGENT,
@@ -52,7 +56,10 @@ def make_sync_client(settings: S3Settings) -> Any:
         kwargs["endpoint_url"] = settings.endpoint_url
     if settings.region:
         kwargs["region_name"] = settings.region
-    return get_session().create_client("s3", **kwargs)
+    client = get_session().create_client("s3", **kwargs)
+    endpoint = str(client.meta.endpoint_url)
+    log_retries(client, endpoint=endpoint, max_attempts=total_attempts(settings))
+    return client
 
 
 def body_reader(body: Any) -> Callable[[memoryview], int]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from agent._exceptions import InvalidRequest, NotFound, SourceUnavailable
 from agent._snapshot import Snapshot, SourceObject, select_objects, snapshot_key
 from agent._uri import ModelUri, safe_relative_path
+from agent.pull.snapshot_limits import SnapshotLimit
 from agent.source.interface import ObjectSource
 from agent.store.store import CachedModel, Store
 
@@ -39,10 +40,12 @@ async def resolve_or_fall_back(
     fallback: bool,
     offline_after: float,
     cached_only: bool,
+    limits: Sequence[SnapshotLimit] = (),
 ) -> Snapshot | Unchecked:
     """The snapshot S3 lists now, or the newest cached one when S3 is not asked or cannot answer.
 
     ``cached_only`` makes no S3 call: the newest cached snapshot, else NotFound.
+    ``limits`` cut the listing short (see ``resolve``).
     With ``fallback`` and a cached snapshot, a listing that fails is answered
     from the cache: at once when no connection can be made (the source does not
     retry that), after ``offline_after`` seconds when S3 is slow to answer.
@@ -54,10 +57,10 @@ async def resolve_or_fall_back(
         log.info("serving cached %s (%s) without asking S3 (cached_only)", uri, newest.key)
         return Unchecked(newest)
     if newest is None or not fallback:
-        return await resolve(source, uri, include, exclude)
+        return await resolve(source, uri, include, exclude, limits)
     try:
         async with asyncio.timeout(offline_after):
-            return await resolve(source, uri, include, exclude)
+            return await resolve(source, uri, include, exclude, limits)
     except (SourceUnavailable, TimeoutError) as exc:
         why = str(exc) or f"no answer to the listing within {offline_after:g} s"
         log.warning("S3 unreachable (%s); serving cached %s (%s) unchecked", why, uri, newest.key)
@@ -65,33 +68,55 @@ async def resolve_or_fall_back(
 
 
 async def resolve(
-    source: ObjectSource, uri: ModelUri, include: tuple[str, ...], exclude: tuple[str, ...]
+    source: ObjectSource,
+    uri: ModelUri,
+    include: tuple[str, ...],
+    exclude: tuple[str, ...],
+    limits: Sequence[SnapshotLimit] = (),
 ) -> Snapshot:
-    """List the prefix and pin down exactly which bytes make this snapshot."""
-    listed = await source.list_objects(uri)
-    objects = [
-        SourceObject(
-            key=item.key,
-            relative_path=safe_relative_path(uri, item.key),
-            size=item.size,
-            etag=item.etag,
-            checksum_algorithm=item.checksum_algorithm,
-        )
-        for item in listed
-        # Zero-byte keys ending in "/" are folder markers made by consoles, not files.
-        if not (item.key.endswith("/") and item.size == 0)
-    ]
-    if not objects:
+    """List the prefix and pin down exactly which bytes make this snapshot.
+
+    The files and bytes that pass the filters are counted against ``limits`` as
+    each page of the listing arrives: past a limit the listing stops there, with
+    LimitExceeded naming it.
+    """
+    listed = 0
+    selected: list[SourceObject] = []
+    size = 0
+    pages = source.list_pages(uri)
+    try:
+        async for page in pages:
+            objects = [
+                SourceObject(
+                    key=item.key,
+                    relative_path=safe_relative_path(uri, item.key),
+                    size=item.size,
+                    etag=item.etag,
+                    checksum_algorithm=item.checksum_algorithm,
+                )
+                for item in page
+                # Zero-byte keys ending in "/" are folder markers made by consoles, not files.
+                if not (item.key.endswith("/") and item.size == 0)
+            ]
+            listed += len(objects)
+            chosen = select_objects(objects, include, exclude)
+            selected += chosen
+            size += sum(obj.size for obj in chosen)
+            for limit in limits:
+                limit.check(uri, len(selected), size, complete=False)
+    finally:
+        await pages.aclose()  # a listing stopped early asks S3 for no further page
+    if not listed:
         raise NotFound(
             f"No objects under {uri}. Check the prefix: it names a directory, "
             "e.g. s3://bucket/models/llama-3-8b/."
         )
-    selected = sorted(select_objects(objects, include, exclude), key=lambda o: o.relative_path)
     if not selected:
         raise NotFound(
-            f"{len(objects)} objects under {uri}, but none passes the include/exclude "
+            f"{listed} objects under {uri}, but none passes the include/exclude "
             f"filters {list(include)} / {list(exclude)}. Loosen the filters."
         )
+    selected.sort(key=lambda o: o.relative_path)
     _check_no_clashes(uri, selected)
     return Snapshot(
         uri=uri,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import TracebackType
 from typing import Any, Self
@@ -119,7 +119,7 @@ class S3Source:
         """Every object under the prefix (see ``list_pages``)."""
         return [item async for page in self.list_pages(uri) for item in page]
 
-    async def list_pages(self, uri: ModelUri) -> AsyncIterator[list[ListedObject]]:
+    async def list_pages(self, uri: ModelUri) -> AsyncGenerator[list[ListedObject], None]:
         """The objects under the prefix, one S3 page (up to 1,000) at a time.
 
         A caller that stops iterating stops the listing: no further page is

@@ -150,19 +150,27 @@ class S3Source:
                 return
 
     async def _first_list_page(self, uri: ModelUri, doing: str) -> dict[str, Any]:
+        since = asyncio.get_running_loop().time()
         deadline = self._deadline()
         try:
             return await self._list_page(self._one_try_client, uri, doing, "", deadline)
         except SourceUnreachable:
             raise
         except SourceUnavailable:
-            return await self._list_page(self._client, uri, doing, "", deadline)
+            return await self._list_page(self._client, uri, doing, "", deadline, since=since)
 
     async def _list_page(
-        self, client: Any, uri: ModelUri, doing: str, token: str, deadline: float
+        self,
+        client: Any,
+        uri: ModelUri,
+        doing: str,
+        token: str,
+        deadline: float,
+        *,
+        since: float | None = None,
     ) -> dict[str, Any]:
         more = {"ContinuationToken": token} if token else {}
-        async with self._answer(doing, bucket=uri.bucket, deadline=deadline):
+        async with self._answer(doing, bucket=uri.bucket, deadline=deadline, since=since):
             page: dict[str, Any] = await client.list_objects_v2(
                 Bucket=uri.bucket, Prefix=uri.prefix, **more
             )
@@ -318,16 +326,18 @@ class S3Source:
         *,
         bucket: str = "",
         deadline: float | None = None,
+        since: float | None = None,
         passed: Callable[[Exception], bool] = lambda _: False,
     ) -> AsyncIterator[None]:
         """Wait for one request's answer until ``deadline`` (default: one bound from now).
 
         Its failures leave translated into the error tree, with how long it
-        waited; one that ``passed`` accepts leaves as ``_Missing`` instead, for
-        the caller to judge. A deadline that passes is SourceSilent.
+        waited (since ``since``, default now: an earlier try of the same
+        request counts); one that ``passed`` accepts leaves as ``_Missing``
+        instead, for the caller to judge. A deadline that passes is SourceSilent.
         """
         loop = asyncio.get_running_loop()
-        started = loop.time()
+        started = loop.time() if since is None else since
         try:
             async with asyncio.timeout_at(
                 self._deadline() if deadline is None else deadline

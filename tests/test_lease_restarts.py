@@ -130,6 +130,39 @@ def test_a_held_lease_survives_a_restart_and_evict_without_force_refuses(
     assert _evict(agent, small_model.uri).returncode == 0
 
 
+def test_prewarm_exec_keeps_its_engines_lease_across_a_restart(
+    start_agent_process: ProcessFactory, small_model: SampleModel
+) -> None:
+    """The issue's case: `prewarm exec URI -- <engine>`, then the agent restarts. The engine's
+    snapshot keeps its lease throughout, exec says on stderr that it took the lease again,
+    and evict without --force refuses.
+    """
+    agent = start_agent_process()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}
+    env["PREWARM_SOCKET_PATH"] = str(agent.socket_path)
+    engine = [sys.executable, "-c", "import signal; signal.pause()"]
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "agent.cli", "exec", small_model.uri, "--", *engine],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        read_until(launcher, re.compile(rb"prewarm: .*-> "), timeout=60)
+        agent.restart()
+        after_restart = _leases(agent, small_model.uri)
+        refused = _evict(agent, small_model.uri)
+        read_until(launcher, re.compile(rb"prewarm: warning: .* is held again"), timeout=30)
+        taken_back = _leases(agent, small_model.uri)
+    finally:
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=30)
+        assert launcher.stdout is not None
+        launcher.stdout.close()
+    assert after_restart == taken_back == [(launcher.pid, True)]
+    assert refused.returncode == 1, refused.stderr
+
+
 def test_a_lease_whose_holder_died_while_the_agent_was_down_is_not_restored(
     start_agent_process: ProcessFactory, small_model: SampleModel, holders: list[Holder]
 ) -> None:

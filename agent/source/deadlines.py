@@ -2,44 +2,39 @@
 
 An S3 endpoint that accepts the connection and never answers (a black-holed
 address, a proxy that lost its upstream, a wedged S3-compatible server) is not
-refused, so nothing fails fast: botocore waits its read timeout on every attempt
-(``max_attempts`` retries after the first), with backoff between. With a 60 s read
-timeout a cold pull sat silent for over six minutes. Two bounds make the wait
-short and known:
+refused, so nothing fails fast: botocore waits its read timeout on every
+attempt (``max_attempts`` retries after the first), with backoff between. With a
+60 s read timeout a cold pull sat silent for over seven minutes. Now each
+request has a deadline, ``first_byte_timeout_seconds`` after it is sent, over
+all of its attempts:
 
-- every botocore client of the source (aiobotocore's, and the synchronous one of
-  the threads plane) reads with ``attempt_read_timeout``: ``read_timeout_seconds``,
-  or less, so that every attempt and botocore's longest backoff between them fit
-  in ``first_byte_timeout_seconds``;
-- the aiobotocore source also gives each request it waits on (a listing page, a
-  HEAD, a GET until its headers, a small object) a deadline of
-  ``first_byte_timeout_seconds`` over all its attempts, so a server that trickles
-  bytes just faster than the read timeout cannot stretch the wait either.
+- ``bound_requests`` hooks a botocore client (aiobotocore's, and the threads
+  plane's synchronous one alike) so that each attempt waits for S3's bytes at
+  most ``read_timeout_seconds`` and never past the deadline (botocore's own
+  per-request ``read_timeout``), and no retry starts once the deadline is near;
+- the aiobotocore source also puts the deadline on each request it waits on
+  (``asyncio.timeout``), so a server that trickles bytes cannot stretch it.
+
+With the defaults (60 s, 20 s a read) a silent endpoint costs three attempts,
+each retry logged (agent.source.retry_log), and fails at 60 s naming it.
 """
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 from agent._config import S3Settings
 
-__all__ = [
-    "MIN_ATTEMPT_SECONDS",
-    "attempt_read_timeout",
-    "longest_backoff",
-    "silence_advice",
-    "total_attempts",
-]
+__all__ = ["bound_requests", "silence_advice", "total_attempts"]
 
-# No attempt waits less than this for S3's next byte, whatever the bound: a shorter
-# read timeout would fail requests that a healthy but busy S3 answers.
-MIN_ATTEMPT_SECONDS = 1.0
-# botocore's standard retry backoff: rand(0, 1) x min(2 ** (attempt - 1), 20) seconds.
-_BACKOFF_BASE = 2.0
-_BACKOFF_CAP = 20.0
-
-
-def longest_backoff(attempts: int) -> float:
-    """The most botocore may sleep between ``attempts`` attempts of one request."""
-    return sum(min(_BACKOFF_BASE**retry, _BACKOFF_CAP) for retry in range(attempts - 1))
+# Where a request's deadline (time.monotonic) lives in botocore's request context.
+_DEADLINE = "prewarm_deadline"
+# No retry starts with less than this left of its request's deadline: it could
+# not get an answer from a healthy S3 anyway.
+_LEAST_USEFUL_ATTEMPT = 0.5
+# The read timeout of an attempt that starts at (or, after a backoff, past) the deadline.
+_OUT_OF_TIME = 0.01
 
 
 def total_attempts(settings: S3Settings) -> int:
@@ -47,17 +42,34 @@ def total_attempts(settings: S3Settings) -> int:
     return settings.max_attempts + 1
 
 
-def attempt_read_timeout(settings: S3Settings) -> float:
-    """Seconds one attempt waits for S3's next byte: botocore's ``read_timeout``.
+def bound_requests(client: Any, settings: S3Settings) -> None:
+    """Give every request of ``client`` a deadline of ``first_byte_timeout_seconds``.
 
-    ``read_timeout_seconds``, lowered so that every silent attempt and the
-    longest backoff between them end within ``first_byte_timeout_seconds``
-    (about 4.8 s with the defaults: 6 attempts, up to 31 s of backoff, 60 s),
-    but never under ``MIN_ATTEMPT_SECONDS``.
+    Its first attempt stamps the deadline on botocore's request context (one
+    per API call, shared by its attempts); every attempt then reads with a
+    timeout of what is left, at most ``read_timeout_seconds``; and a retry is
+    refused (botocore's ``needs-retry`` answered False, ahead of its own retry
+    handler) once less than ``_LEAST_USEFUL_ATTEMPT`` is left.
     """
-    attempts = total_attempts(settings)
-    share = (settings.first_byte_timeout_seconds - longest_backoff(attempts)) / attempts
-    return max(MIN_ATTEMPT_SECONDS, min(settings.read_timeout_seconds, share))
+    bound = settings.first_byte_timeout_seconds
+    longest_read = settings.read_timeout_seconds
+
+    def time_the_attempt(request: Any, **_: Any) -> None:
+        context = getattr(request, "context", None)
+        if context is None:
+            return
+        now = time.monotonic()
+        left = context.setdefault(_DEADLINE, now + bound) - now
+        context["read_timeout"] = max(_OUT_OF_TIME, min(longest_read, left))
+
+    def no_retry_out_of_time(request_dict: dict[str, Any], **_: Any) -> bool | None:
+        deadline = request_dict.get("context", {}).get(_DEADLINE)
+        if deadline is not None and deadline - time.monotonic() < _LEAST_USEFUL_ATTEMPT:
+            return False
+        return None  # botocore's retry handler decides
+
+    client.meta.events.register("request-created.s3", time_the_attempt)
+    client.meta.events.register_first("needs-retry.s3", no_retry_out_of_time)
 
 
 def silence_advice(endpoint: str) -> str:

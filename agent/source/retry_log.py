@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-__all__ = ["log_retries"]
+__all__ = ["log_retries", "log_second_try"]
 
 log = logging.getLogger("agent.source.retries")
 
@@ -61,6 +61,21 @@ def log_retries(client: Any, *, endpoint: str, max_attempts: int) -> None:
 
     client.meta.events.register("needs-retry.s3", note_failure)
     client.meta.events.register("request-created.s3", announce_retry)
+
+
+def log_second_try(
+    endpoint: str, operation: str, failure: BaseException, *, max_attempts: int
+) -> None:
+    """The listing's single first try failed (not refused): botocore's retries take over."""
+    cause = _describe(None, failure)
+    log.warning(
+        "S3 at %s: %s failed on its first try (%s); trying again, up to %d attempts",
+        endpoint,
+        operation,
+        cause,
+        max_attempts,
+        extra={"endpoint": endpoint, "operation": operation, "attempt": 1, "failure": cause},
+    )
 
 
 def _describe(response: tuple[Any, dict[str, Any]] | None, caught: BaseException | None) -> str:

@@ -23,7 +23,7 @@ from agent._config import S3Settings
 from agent._exceptions import Conflict, SourceChanged, SourceUnavailable
 from agent._uri import ModelUri
 from agent.source.checksums import s3_checksum_of
-from agent.source.deadlines import attempt_read_timeout, total_attempts
+from agent.source.deadlines import bound_requests, total_attempts
 from agent.source.interface import (
     ListedObject,
     ObjectHead,
@@ -32,7 +32,7 @@ from agent.source.interface import (
     RangeReadError,
     StoredObject,
 )
-from agent.source.retry_log import log_retries
+from agent.source.retry_log import log_retries, log_second_try
 from agent.source.s3_errors import (
     MISSING_CODES,
     SourceSilent,
@@ -69,7 +69,7 @@ class S3Source:
         config = AioConfig(
             max_pool_connections=connection_pool_size(settings),
             connect_timeout=settings.connect_timeout_seconds,
-            read_timeout=attempt_read_timeout(settings),
+            read_timeout=settings.read_timeout_seconds,
             retries={"max_attempts": settings.max_attempts, "mode": "standard"},
             s3={"addressing_style": settings.addressing_style},
         )
@@ -88,6 +88,8 @@ class S3Source:
         self._one_try_client = await self._stack.enter_async_context(
             session.create_client("s3", config=one_try, **kwargs)
         )
+        for client in (self._client, self._one_try_client):
+            bound_requests(client, settings)
         return self
 
     async def __aexit__(
@@ -156,7 +158,10 @@ class S3Source:
             return await self._list_page(self._one_try_client, uri, doing, "", deadline)
         except SourceUnreachable:
             raise
-        except SourceUnavailable:
+        except SourceUnavailable as exc:
+            attempts = total_attempts(self._settings)
+            cause = exc.__cause__ or exc
+            log_second_try(self.endpoint, "ListObjectsV2", cause, max_attempts=attempts)
             return await self._list_page(self._client, uri, doing, "", deadline, since=since)
 
     async def _list_page(

@@ -22,7 +22,7 @@ from botocore.config import Config
 from botocore.session import get_session
 
 from agent._config import S3Settings
-from agent.source.deadlines import attempt_read_timeout, total_attempts
+from agent.source.deadlines import bound_requests, total_attempts
 from agent.source.retry_log import log_retries
 from agent.source.s3_errors import translate_s3_error
 from agent.source.transfer import connection_pool_size
@@ -42,9 +42,7 @@ def make_sync_client(settings: S3Settings) -> Any:
     config = Config(
         max_pool_connections=connection_pool_size(settings),
         connect_timeout=settings.connect_timeout_seconds,
-        # The listing's per-attempt bound (agent.source.deadlines), so a silent GET
-        # here fails as soon as one there would.
-        read_timeout=attempt_read_timeout(settings),
+        read_timeout=settings.read_timeout_seconds,
         retries={"max_attempts": settings.max_attempts, "mode": "standard"},
         s3={"addressing_style": settings.addressing_style},
         user_agent_extra=THREADS_USER_AGENT,
@@ -59,6 +57,8 @@ def make_sync_client(settings: S3Settings) -> Any:
     client = get_session().create_client("s3", **kwargs)
     endpoint = str(client.meta.endpoint_url)
     log_retries(client, endpoint=endpoint, max_attempts=total_attempts(settings))
+    # The listing's deadline per request, so a silent GET here fails when one there would.
+    bound_requests(client, settings)
     return client
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from agent._config import ConfigError, Settings, load_settings, render_toml
 from agent._exceptions import PrewarmError
+from agent._malloc import return_large_buffers
 from agent._version import __version__
 from agent.compile.cache import CompileCaches
 from agent.compile.keys import CompileKeyParts
@@ -253,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(render_toml(settings))
         return 0
     configure_logging(settings.log_level)
+    return_large_buffers()  # before any thread: freed data-plane buffers go back to the OS
     try:
         asyncio.run(serve(settings))
     except PrewarmError as exc:

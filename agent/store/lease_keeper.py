@@ -57,6 +57,8 @@ class LeaseKeeper:
         self._boot = boot_id()
         # pidfd of each restored lease's holder, by the lease's restored id.
         self._watches: dict[str, int] = {}
+        # The held leases last written: most changes (grants, renewals) leave them be.
+        self._written: frozenset[str] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -147,14 +149,18 @@ class LeaseKeeper:
             await changed.wait()
 
     async def _save(self) -> None:
-        """Write the held leases now; a failure is logged and the agent goes on."""
+        """Write the held leases if they changed; a failure is logged and the agent goes on."""
         records = self._table.active()
         live = {record.id for record in records}
         # A restored lease taken back by its holder is watched by its connection now.
         for lease_id in [i for i in self._watches if i not in live]:
             self._unwatch(lease_id)
+        held = frozenset(record.id for record in records if record.held)
+        if held == self._written:
+            return
         try:
             await asyncio.to_thread(save_held_leases, self._path, records, self._boot)
+            self._written = held
         except OSError as exc:
             log.warning(
                 "cannot save the held leases to %s (%s): a restart now would drop them",

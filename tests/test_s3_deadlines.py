@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -36,8 +37,17 @@ from agent.testing import AgentProcess, Fault, FaultProxy, S3Server, SampleModel
 # byte: a silent endpoint is tried about three times within the bound.
 BOUND = 3.0
 READ = 1.0
-# What a test allows beyond the bound: interpreter start-up for the CLI, scheduling.
-SLACK = 2.0
+# What a test's wall clock allows beyond the bound: interpreter start-up for the CLI,
+# a loaded machine. The wait the agent itself reports is held to the bound exactly.
+SLACK = 6.0
+_WAITED = re.compile(r"sent no answer in (\d+\.\d) s")
+
+
+def _waited(message: str) -> float:
+    """The wait an error reports ("... sent no answer in 3.0 s ...")."""
+    found = _WAITED.search(message)
+    assert found, message
+    return float(found[1])
 
 
 @pytest.fixture
@@ -82,7 +92,7 @@ async def test_a_listing_that_gets_no_answer_fails_within_the_bound_naming_the_e
     assert waited < BOUND + SLACK, waited
     message = str(caught.value)
     assert f"S3 at {silent_proxy.endpoint_url} accepted the connection" in message
-    assert "sent no answer in " in message
+    assert _waited(message) <= BOUND + 0.2
     assert "first_byte_timeout_seconds" in message
     retries = [r for r in caught_records(caplog) if "retrying ListObjectsV2" in r]
     assert retries, caplog.text
@@ -125,7 +135,7 @@ def test_a_cold_pull_from_a_silent_s3_fails_within_the_bound_and_says_what_to_ch
     assert done.returncode == 1, done.stderr
     assert waited < BOUND + SLACK, waited
     assert f"S3 at {silent_proxy.endpoint_url} accepted the connection" in done.stderr
-    assert "sent no answer in " in done.stderr
+    assert _waited(done.stderr) <= BOUND + 0.2
     assert "first_byte_timeout_seconds" in done.stderr
     retries = [line for line in log.splitlines() if "retrying ListObjectsV2" in line]
     assert retries, log
@@ -170,6 +180,7 @@ async def test_a_data_plane_get_that_gets_no_answer_fails_within_the_bound(
         waited = time.monotonic() - started
     assert waited < BOUND + SLACK, waited
     assert f"S3 at {silent_proxy.endpoint_url} accepted the connection" in str(caught.value)
+    assert _waited(str(caught.value)) <= BOUND + 0.2
     assert store.models() == []
 
 

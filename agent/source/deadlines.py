@@ -21,12 +21,13 @@ each retry logged (agent.source.retry_log), and fails at 60 s naming it.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
 from agent._config import S3Settings
 
-__all__ = ["bound_requests", "silence_advice", "total_attempts"]
+__all__ = ["bound_requests", "request_waited", "silence_advice", "total_attempts"]
 
 # Where a request's deadline (time.monotonic) lives in botocore's request context.
 _DEADLINE = "prewarm_deadline"
@@ -35,6 +36,8 @@ _DEADLINE = "prewarm_deadline"
 _LEAST_USEFUL_ATTEMPT = 0.5
 # The read timeout of an attempt that starts at (or, after a backoff, past) the deadline.
 _OUT_OF_TIME = 0.01
+# Where the hook leaves, on the error botocore raises, how long its request waited.
+_WAITED = "prewarm_waited"
 
 
 def total_attempts(settings: S3Settings) -> int:
@@ -62,14 +65,29 @@ def bound_requests(client: Any, settings: S3Settings) -> None:
         left = context.setdefault(_DEADLINE, now + bound) - now
         context["read_timeout"] = max(_OUT_OF_TIME, min(longest_read, left))
 
-    def no_retry_out_of_time(request_dict: dict[str, Any], **_: Any) -> bool | None:
+    def no_retry_out_of_time(
+        request_dict: dict[str, Any], caught_exception: BaseException | None = None, **_: Any
+    ) -> bool | None:
         deadline = request_dict.get("context", {}).get(_DEADLINE)
-        if deadline is not None and deadline - time.monotonic() < _LEAST_USEFUL_ATTEMPT:
+        if deadline is None:
+            return None
+        now = time.monotonic()
+        if caught_exception is not None:
+            # How long the request has waited so far, for the error to say (``request_waited``).
+            with contextlib.suppress(AttributeError):
+                setattr(caught_exception, _WAITED, now - (deadline - bound))
+        if deadline - now < _LEAST_USEFUL_ATTEMPT:
             return False
         return None  # botocore's retry handler decides
 
     client.meta.events.register("request-created.s3", time_the_attempt)
     client.meta.events.register_first("needs-retry.s3", no_retry_out_of_time)
+
+
+def request_waited(exc: BaseException) -> float | None:
+    """How long the request that failed with ``exc`` had waited, if its deadline hook knew."""
+    seconds = getattr(exc, _WAITED, None)
+    return seconds if isinstance(seconds, float) else None
 
 
 def silence_advice(endpoint: str) -> str:

@@ -16,7 +16,7 @@ import aiohttp
 from botocore import exceptions as boto
 
 from agent._exceptions import AccessDenied, NotFound, SourceChanged, SourceUnavailable
-from agent.source.deadlines import silence_advice
+from agent.source.deadlines import request_waited, silence_advice
 from agent.source.interface import RangeReadError
 
 __all__ = [
@@ -130,7 +130,7 @@ def translate_s3_error(
             "Check the node's network, DNS and AWS_ENDPOINT_URL."
         )
     if isinstance(exc, boto.ReadTimeoutError):
-        return silent_error(endpoint, doing, waited)
+        return silent_error(endpoint, doing, waited if waited is not None else request_waited(exc))
     if isinstance(exc, boto.ConnectionClosedError) or _broke_an_open_connection(exc):
         return SourceUnavailable(
             f"S3 at {endpoint} closed the connection while {doing}: {exc}. "

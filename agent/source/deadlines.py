@@ -27,8 +27,17 @@ from typing import Any
 
 from agent._config import S3Settings
 
-__all__ = ["bound_requests", "request_waited", "silence_advice", "total_attempts"]
+__all__ = [
+    "BOUNDED_OPERATIONS",
+    "bound_requests",
+    "request_waited",
+    "silence_advice",
+    "total_attempts",
+]
 
+# The requests that wait for S3's answer. Uploads are left out: sending a large part
+# may rightly take longer than any first-byte bound.
+BOUNDED_OPERATIONS = ("ListObjectsV2", "HeadObject", "GetObject")
 # Where a request's deadline (time.monotonic) lives in botocore's request context.
 _DEADLINE = "prewarm_deadline"
 # No retry starts with less than this left of its request's deadline: it could
@@ -46,7 +55,7 @@ def total_attempts(settings: S3Settings) -> int:
 
 
 def bound_requests(client: Any, settings: S3Settings) -> None:
-    """Give every request of ``client`` a deadline of ``first_byte_timeout_seconds``.
+    """Give each listing, HEAD and GET of ``client`` a deadline of ``first_byte_timeout_seconds``.
 
     Its first attempt stamps the deadline on botocore's request context (one
     per API call, shared by its attempts); every attempt then reads with a
@@ -80,8 +89,9 @@ def bound_requests(client: Any, settings: S3Settings) -> None:
             return False
         return None  # botocore's retry handler decides
 
-    client.meta.events.register("request-created.s3", time_the_attempt)
-    client.meta.events.register_first("needs-retry.s3", no_retry_out_of_time)
+    for operation in BOUNDED_OPERATIONS:
+        client.meta.events.register(f"request-created.s3.{operation}", time_the_attempt)
+        client.meta.events.register_first(f"needs-retry.s3.{operation}", no_retry_out_of_time)
 
 
 def request_waited(exc: BaseException) -> float | None:

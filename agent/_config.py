@@ -105,7 +105,13 @@ class S3Settings(BaseModel):
     # Extra attempts per range when a response body breaks off mid-stream.
     range_retries: int = Field(default=5, ge=0, le=20)
     connect_timeout_seconds: float = Field(default=10.0, gt=0)
-    read_timeout_seconds: float = Field(default=60.0, gt=0)
+    # Longest wait for one read of an attempt; shorter than first_byte_timeout_seconds,
+    # so a silent endpoint is tried (and each retry logged) more than once within it.
+    read_timeout_seconds: float = Field(default=20.0, gt=0)
+    # Most a request (listing page, HEAD, GET until its headers) waits for S3's
+    # answer over all its attempts: an endpoint that connects and stays silent fails
+    # within this, naming the endpoint, instead of after minutes (agent.source.deadlines).
+    first_byte_timeout_seconds: float = Field(default=60.0, gt=0, le=3600)
     # A GET that moves less than low_speed_limit bytes/s for request_timeout_ms is
     # abandoned and retried (both planes), so one slow connection never stalls a pull.
     request_timeout_ms: int = Field(default=3000, ge=100)

@@ -21,6 +21,7 @@ from agent._config import (
 )
 from agent._exceptions import PrewarmError
 from agent._fs import blocking_ancestor
+from agent._malloc import return_large_buffers
 from agent._version import __version__
 from agent.compile.cache import NODE_SCOPE, CompileCaches, Scope
 from agent.compile.domains import domain_specs
@@ -37,6 +38,8 @@ from agent.pull.puller import Puller
 from agent.service import access as access_rules
 from agent.service.operations import AgentService
 from agent.source.s3 import S3Source
+from agent.store.lease_file import HELD_LEASES_NAME
+from agent.store.lease_keeper import LeaseKeeper
 from agent.store.leases import LeaseTable
 from agent.store.store import Store, TierBudget
 
@@ -83,14 +86,22 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
         max_per_peer=settings.leases.max_per_peer,
     )
 
+    keeper = LeaseKeeper(
+        leases, tiers.shm_root / HELD_LEASES_NAME, lambda key: store.get(key) is not None
+    )
+
     async with (
         S3Source(settings.s3) as source,
         Puller(store, source, settings.s3, settings.integrity) as puller,
         # Before the service starts: compile caches count in the disk budget.
         CompileCaches(settings, store, source) as compile_caches,
+        # Leases held before a restart, back before any hello and any eviction.
+        keeper,
         LeaseServer(
             leases, settings.lease_socket_path, settings.socket_mode, settings.socket_group
         ),
+        # Left before the lease socket closes its connections: the last state is kept.
+        keeper.saving(),
         # Owned by serve(), closed before the puller: metrics endpoint, manifest watcher.
         contextlib.AsyncExitStack() as background,
     ):
@@ -323,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(settings.log_level)
     for sentence in ignored:
         log.warning(sentence)
+    return_large_buffers()  # before any thread: freed data-plane buffers go back to the OS
     try:
         asyncio.run(serve(settings))
     except PrewarmError as exc:

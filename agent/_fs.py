@@ -124,16 +124,19 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_json_atomic(path: Path, document: Mapping[str, Any], *, durable: bool = False) -> None:
+def write_json_atomic(
+    path: Path, document: Mapping[str, Any], *, durable: bool = False, mode: int = 0o644
+) -> None:
     """Replace ``path`` with ``document`` so a reader sees the old or the new file, never half.
 
     ``durable`` also fsyncs the file and its directory (for what must survive a
-    power cut, such as a snapshot manifest).
+    power cut, such as a snapshot manifest); ``mode`` is the new file's (0600 for
+    what only the agent may read).
     """
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        with os.fdopen(os.open(tmp, flags, 0o644), "w") as fh:
+        with os.fdopen(os.open(tmp, flags, mode), "w") as fh:
             json.dump(document, fh, separators=(",", ":"))
             fh.flush()
             if durable:

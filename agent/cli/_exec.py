@@ -37,6 +37,7 @@ credentials go with the request (see ``Client.ensure``).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -184,6 +185,7 @@ def exec_command(
     except InvalidRequest as exc:
         _fail(str(exc), EXIT_INVALID)
     client_name = name or _default_name(command)
+    _report_lease_holding()
     with contextlib.ExitStack() as stack:
         client = stack.enter_context(Client(socket))
         try:
@@ -227,6 +229,15 @@ def exec_command(
         # The lease stays held (ExitStack) until the child has exited.
         code = run_child(substitute(command, str(handle.path)), env, watch)
     raise typer.Exit(code)
+
+
+def _report_lease_holding() -> None:
+    """Say on stderr when the agent restarts under the command and the lease is taken again."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("prewarm: warning: %(message)s"))
+    logger = logging.getLogger("agent.client.leases")
+    logger.addHandler(handler)
+    logger.propagate = False
 
 
 def substitute(command: Sequence[str], model: str) -> list[str]:

@@ -29,7 +29,7 @@ from ._spec import (
     coroutine_method,
     method,
 )
-from ._types import ModelHandle
+from ._types import LeaseGrant, ModelHandle
 
 __all__ = ["AsyncClient"]
 
@@ -85,7 +85,11 @@ class AsyncClient(Endpoint, ClosedOnAsyncExit):
     @contextlib.asynccontextmanager
     async def _holding_lease(self, call: Leased) -> AsyncIterator[ModelHandle]:
         handle = await self._run(call.ensure)
-        hold = call.hold(AsyncLeaseHold, handle, self._socket_path, self._timeout)
+
+        async def regrant() -> LeaseGrant:
+            return call.regranted(handle, await self._run(call.again()), self._socket_path)
+
+        hold = call.hold(AsyncLeaseHold, handle, self._socket_path, self._timeout, regrant)
         try:
             async with hold:
                 yield handle

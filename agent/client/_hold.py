@@ -5,8 +5,17 @@ The protocol: connect to the lease socket, send one JSON line
 ``{"ok": true, "key": ...}`` or ``{"ok": false, "error": ..., "code": ...}``.
 From then on the lease lives exactly as long as the connection: when this
 process closes it, exits or is killed, the kernel closes the socket and the
-agent ends the lease at once. Nothing is sent after the hello, so holding
-costs no thread and no timer: the open socket is the whole mechanism.
+agent ends the lease at once. Nothing is sent after the hello.
+
+The agent closing its end first means it stopped (a restart, a rolling
+update) while this process still needs the snapshot: the hold then takes the
+lease again, without the caller doing anything. It reconnects to the lease
+socket with backoff and says the same hello; an agent that kept the lease
+across its restart hands it back to this same process (agent.store.lease_keeper).
+One that does not know it any more (NotFound) is asked for a new lease on the
+same cached snapshot through ``regrant`` (the client's EnsureModel with
+``cached_only``), which the hold then holds. A thread (sync) or a task (asyncio)
+per hold waits on the connection for this; it reads nothing but the close.
 
 ``close()`` half-closes the connection and waits (up to the timeout) for the
 agent to close its end, which it does once the lease has ended: when close
@@ -21,13 +30,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import socket
-from collections.abc import Iterator
+import threading
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Generic, Self, TypeVar
 
-from agent._exceptions import AgentUnavailable, PrewarmError
+from agent._exceptions import AgentUnavailable, NotFound, PrewarmError
 
 from ._closing import ClosedOnAsyncExit, ClosedOnExit
 from ._errors import error_for_code
@@ -38,6 +49,12 @@ __all__ = ["AsyncLeaseHold", "LeaseHold"]
 # The agent reads at most this much of a hello, and answers in one short line.
 _LINE_LIMIT = 4096
 _DEFAULT_TIMEOUT = 5.0
+# Waits between tries to take a lease again while the agent is away: quick at
+# first (a restart takes a second or two), then every few seconds.
+_RETRY_FIRST = 0.05
+_RETRY_MOST = 2.0
+
+log = logging.getLogger("agent.client.leases")
 # What stays open while the lease is held: a socket, or an asyncio stream's writer.
 Connection = TypeVar("Connection")
 
@@ -82,6 +99,31 @@ class _Hold(Generic[Connection]):
         return (
             f"{type(self).__name__}(lease={self._lease.id!r}, key={self._lease.key!r}, "
             f"socket_path={str(self._socket_path)!r})"
+        )
+
+    def _retry_delays(self) -> Iterator[float]:
+        """Backoff between tries to take the lease again: doubling, up to ``_RETRY_MOST``."""
+        delay = _RETRY_FIRST
+        while True:
+            yield delay
+            delay = min(_RETRY_MOST, delay * 2)
+
+    def _lost(self) -> None:
+        log.warning(
+            "the prewarm agent closed the connection holding the lease on snapshot %s "
+            "(restarting?); taking the lease again",
+            self._lease.key,
+        )
+
+    def _taken_again(self) -> None:
+        log.warning("the lease on snapshot %s is held again", self._lease.key)
+
+    def _given_up(self, exc: BaseException) -> None:
+        log.warning(
+            "cannot take the lease on snapshot %s again: %s; the files stay readable, but the "
+            "agent may now evict them",
+            self._lease.key,
+            exc,
         )
 
     def _refuse_second_open(self) -> None:
@@ -156,12 +198,29 @@ class LeaseHold(_Hold[socket.socket], ClosedOnExit):
     the agent named (``Client.leased`` finds it next to the API socket);
     ``timeout`` bounds the connect and the reply. An unknown or expired lease
     raises ``NotFound``; one another process holds ``AccessDenied``, one another
-    connection of this process holds ``Conflict``.
+    connection of this process holds ``Conflict``. When the agent restarts, a
+    thread of the hold takes the lease again (``regrant`` answers a new lease on
+    the same snapshot when the agent no longer knows this one).
 
     A child made by ``fork()`` without ``exec`` shares the open connection: the
     lease lasts while either process has it open, until ``close()`` here ends
     it for both (a child that outlives the block should hold its own lease).
     """
+
+    def __init__(
+        self,
+        lease: LeaseGrant,
+        *,
+        name: str = "",
+        socket_path: str | os.PathLike[str] | None = None,
+        timeout: float = _DEFAULT_TIMEOUT,
+        regrant: Callable[[], LeaseGrant] | None = None,
+    ) -> None:
+        super().__init__(lease, name=name, socket_path=socket_path, timeout=timeout)
+        self._regrant = regrant
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._keeper: threading.Thread | None = None
 
     def __enter__(self) -> Self:
         self.open()
@@ -170,6 +229,36 @@ class LeaseHold(_Hold[socket.socket], ClosedOnExit):
     def open(self) -> None:
         """Connect, send the hello, check the reply; the lease is held when this returns."""
         self._refuse_second_open()
+        self._connection = self._connect()
+        self._stopping.clear()
+        self._keeper = threading.Thread(
+            target=self._keep, name=f"prewarm-lease-{self._lease.key[:8]}", daemon=True
+        )
+        self._keeper.start()
+
+    def close(self) -> None:
+        """End the lease and wait for the agent to confirm it. Safe to call twice."""
+        with self._lock:
+            if self._keeper is None:
+                return
+            self._stopping.set()
+            sock = self._connection
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_WR)  # the agent ends the lease, then closes
+        keeper, self._keeper = self._keeper, None
+        keeper.join(self._timeout)
+        with self._lock:
+            sock, self._connection = self._connection, None
+        if sock is not None:
+            if keeper.is_alive():  # the agent is slow: stop waiting for it
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                keeper.join(self._timeout)
+            sock.close()
+
+    def _connect(self) -> socket.socket:
+        """A new connection that holds the lease (the hello said and answered)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(self._timeout)
@@ -178,33 +267,85 @@ class LeaseHold(_Hold[socket.socket], ClosedOnExit):
                 sock.sendall(self._hello())
                 line = _receive_line(sock)
             self._check_reply(line)
-            # From here on nothing is read or written: the socket only has to
-            # stay open. Blocking mode, so nothing times out while held.
+            # From here on nothing is written: the socket only has to stay open.
+            # Blocking mode, so the keeper's wait for the close never times out.
             sock.settimeout(None)
         except BaseException:
             sock.close()
             raise
-        self._connection = sock
+        return sock
 
-    def close(self) -> None:
-        """End the lease and wait for the agent to confirm it. Safe to call twice."""
-        sock, self._connection = self._connection, None
-        if sock is None:
-            return
+    def _keep(self) -> None:
+        """The hold's thread: wait until the agent closes the connection, then take it again."""
         try:
-            sock.shutdown(socket.SHUT_WR)
-            sock.settimeout(self._timeout)
-            while sock.recv(_LINE_LIMIT):
-                pass  # the agent closes its end once the lease has ended
-            self._ended = True
-        except OSError:
-            pass  # the agent is gone or slow: closing below ends the lease all the same
-        finally:
-            sock.close()
+            while (sock := self._connection) is not None:
+                _wait_until_closed(sock)
+                if self._stopping.is_set():
+                    self._ended = True  # the agent closed its end: the lease is over
+                    return
+                self._lost()
+                with self._lock:
+                    self._connection = None
+                sock.close()
+                if not self._take_again():
+                    return
+                self._taken_again()
+        except Exception as exc:  # a thread must not die with a traceback on stderr
+            self._given_up(exc)
+
+    def _take_again(self) -> bool:
+        """Hold the lease on a new connection; False once stopping or refused for good."""
+        for delay in self._retry_delays():
+            if self._stopping.wait(delay):
+                return False
+            try:
+                sock = self._connect()
+            except AgentUnavailable:
+                continue  # not back yet
+            except NotFound as exc:
+                if self._regrant is None:
+                    self._given_up(exc)
+                    return False
+                try:
+                    self._lease = self._regrant()
+                except AgentUnavailable:
+                    continue
+                except PrewarmError as refused:
+                    self._given_up(refused)
+                    return False
+                continue
+            except PrewarmError as exc:
+                self._given_up(exc)
+                return False
+            with self._lock:
+                if self._stopping.is_set():
+                    sock.close()
+                    return False
+                self._connection = sock
+            return True
+        return False  # pragma: no cover - the delays never run out
 
 
 class AsyncLeaseHold(_Hold[tuple[asyncio.StreamReader, asyncio.StreamWriter]], ClosedOnAsyncExit):
-    """``LeaseHold`` for asyncio code: ``async with AsyncLeaseHold(lease): ...``."""
+    """``LeaseHold`` for asyncio code: ``async with AsyncLeaseHold(lease): ...``.
+
+    A task of the hold, on the loop that opened it, takes the lease again when
+    the agent restarts (``regrant`` as for ``LeaseHold``, a coroutine function).
+    """
+
+    def __init__(
+        self,
+        lease: LeaseGrant,
+        *,
+        name: str = "",
+        socket_path: str | os.PathLike[str] | None = None,
+        timeout: float = _DEFAULT_TIMEOUT,
+        regrant: Callable[[], Awaitable[LeaseGrant]] | None = None,
+    ) -> None:
+        super().__init__(lease, name=name, socket_path=socket_path, timeout=timeout)
+        self._regrant = regrant
+        self._stopping = False
+        self._keeper: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Self:
         await self.open()
@@ -213,6 +354,40 @@ class AsyncLeaseHold(_Hold[tuple[asyncio.StreamReader, asyncio.StreamWriter]], C
     async def open(self) -> None:
         """Connect, send the hello, check the reply; the lease is held when this returns."""
         self._refuse_second_open()
+        self._connection = await self._connect()
+        self._stopping = False
+        self._keeper = asyncio.create_task(self._keep(), name="prewarm-lease-hold")
+
+    async def close(self) -> None:
+        """End the lease and wait for the agent to confirm it. Safe to call twice."""
+        keeper, self._keeper = self._keeper, None
+        if keeper is None:
+            return
+        self._stopping = True
+        if self._connection is None:
+            keeper.cancel()  # between connections (the agent is away): nothing to end
+        else:
+            with contextlib.suppress(OSError):
+                self._connection[1].write_eof()  # the agent ends the lease, then closes
+        try:
+            # The keeper returns once the agent has closed its end.
+            async with asyncio.timeout(self._timeout):
+                await asyncio.wait([keeper])
+        except TimeoutError:
+            pass  # the agent is gone or slow: closing below ends the lease all the same
+        finally:
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
+            connection, self._connection = self._connection, None
+            if connection is not None:
+                writer = connection[1]
+                writer.close()
+                with contextlib.suppress(ConnectionError):
+                    await writer.wait_closed()
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A new connection that holds the lease (the hello said and answered)."""
         writer: asyncio.StreamWriter | None = None
         try:
             with self._speaking():
@@ -230,26 +405,63 @@ class AsyncLeaseHold(_Hold[tuple[asyncio.StreamReader, asyncio.StreamWriter]], C
                 # this path free of awaits that a cancellation could cut.
                 writer.close()
             raise
-        self._connection = (reader, writer)
+        return reader, writer
 
-    async def close(self) -> None:
-        """End the lease and wait for the agent to confirm it. Safe to call twice."""
-        connection, self._connection = self._connection, None
-        if connection is None:
-            return
-        reader, writer = connection
+    async def _keep(self) -> None:
+        """The hold's task: wait until the agent closes the connection, then take it again."""
         try:
-            writer.write_eof()
-            async with asyncio.timeout(self._timeout):
+            await self._keep_held()
+        except Exception as exc:  # a task's error must not go unseen until close
+            self._given_up(exc)
+
+    async def _keep_held(self) -> None:
+        while (connection := self._connection) is not None:
+            reader, writer = connection
+            with contextlib.suppress(OSError):
                 while await reader.read(_LINE_LIMIT):
-                    pass  # the agent closes its end once the lease has ended
-            self._ended = True
-        except (OSError, TimeoutError):
-            pass  # the agent is gone or slow: closing below ends the lease all the same
-        finally:
+                    pass  # the agent sends nothing after its reply; only the close counts
+            if self._stopping:
+                self._ended = True  # the agent closed its end: the lease is over
+                return
+            self._lost()
+            self._connection = None
             writer.close()
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
+            if not await self._take_again():
+                return
+            self._taken_again()
+
+    async def _take_again(self) -> bool:
+        """Hold the lease on a new connection; False once refused for good."""
+        for delay in self._retry_delays():
+            await asyncio.sleep(delay)
+            try:
+                self._connection = await self._connect()
+            except AgentUnavailable:
+                continue  # not back yet
+            except NotFound as exc:
+                if self._regrant is None:
+                    self._given_up(exc)
+                    return False
+                try:
+                    self._lease = await self._regrant()
+                except AgentUnavailable:
+                    continue
+                except PrewarmError as refused:
+                    self._given_up(refused)
+                    return False
+                continue
+            except PrewarmError as exc:
+                self._given_up(exc)
+                return False
+            return True
+        return False  # pragma: no cover - the delays never run out
+
+
+def _wait_until_closed(sock: socket.socket) -> None:
+    """Block until the other end closes (or the connection breaks)."""
+    with contextlib.suppress(OSError):
+        while sock.recv(_LINE_LIMIT):
+            pass  # the agent sends nothing after its reply; only the close counts
 
 
 def _receive_line(sock: socket.socket) -> bytes:

@@ -149,6 +149,7 @@ def leased(
     the block runs; the lease ends when it exits, or when this process dies,
     whichever comes first. ``cached_only`` and ``as_requester`` are ``ensure``'s.
     """
+    include, exclude = tuple(include), tuple(exclude)
     call = ensure(
         uri,
         tier=tier,
@@ -163,7 +164,21 @@ def leased(
         cached_only=cached_only,
         as_requester=as_requester,
     )
-    return Leased(call, client_name)
+
+    def again() -> Streamed[ModelHandle]:
+        return ensure(
+            uri,
+            tier=tier,
+            include=include,
+            exclude=exclude,
+            client_name=client_name,
+            lease=True,
+            lease_ttl=lease_ttl,
+            cached_only=True,
+            as_requester=as_requester,
+        )
+
+    return Leased(call, client_name, again)
 
 
 def renew_lease(lease_id: str, ttl: float | None = None) -> Unary[LeaseGrant]:

@@ -23,12 +23,12 @@ from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeAlias, Ty
 
 from google.protobuf.message import Message
 
-from agent._exceptions import AgentUnavailable, NotFound
+from agent._exceptions import AgentUnavailable, Conflict, NotFound
 
 from . import _convert as convert
 from ._errors import granted_lease
 from ._hold import AsyncLeaseHold, LeaseHold
-from ._types import ModelHandle
+from ._types import LeaseGrant, ModelHandle
 
 __all__ = [
     "LEASE_ALREADY_ENDED",
@@ -101,9 +101,17 @@ class Leased:
 
     ensure: Streamed[ModelHandle]
     client_name: str
+    # The same request with cached_only (no S3 call, never a pull) and no pin: a new
+    # lease on the cached snapshot, for when the agent restarted without this one.
+    again: Callable[[], Streamed[ModelHandle]]
 
     def hold(
-        self, holder: type[Hold], handle: ModelHandle, api_socket: Path, timeout: float | None
+        self,
+        holder: type[Hold],
+        handle: ModelHandle,
+        api_socket: Path,
+        timeout: float | None,
+        regrant: Callable[[], Any],
     ) -> Hold:
         """The (not yet open) hold of the lease that ``handle`` carries."""
         grant = granted_lease(handle, api_socket)
@@ -112,7 +120,23 @@ class Leased:
             name=self.client_name,
             socket_path=convert.lease_socket_for(grant, api_socket),
             timeout=timeout or _HOLD_TIMEOUT,
+            regrant=regrant,
         )
+
+    @staticmethod
+    def regranted(first: ModelHandle, again: ModelHandle, api_socket: Path) -> LeaseGrant:
+        """The lease ``again`` carries, if it is on the snapshot the block uses; else Conflict.
+
+        A different snapshot (the cache now holds a newer one) protects nothing
+        the running block maps; its lease is left to expire.
+        """
+        grant = granted_lease(again, api_socket)
+        if again.key != first.key:
+            raise Conflict(
+                f"the node's cached snapshot of {first.uri} is now {again.key}, not {first.key}, "
+                "which this process uses; it cannot be leased again"
+            )
+        return grant
 
 
 def method(

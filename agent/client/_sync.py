@@ -24,7 +24,7 @@ from ._closing import ClosedOnExit
 from ._endpoint import Endpoint, cancelled_at_exit
 from ._hold import LeaseHold
 from ._spec import LEASE_ALREADY_ENDED, Call, Leased, Streamed, StreamReader, method
-from ._types import ModelHandle
+from ._types import LeaseGrant, ModelHandle
 
 __all__ = ["Client"]
 
@@ -81,7 +81,11 @@ class Client(Endpoint, ClosedOnExit):
     @contextlib.contextmanager
     def _holding_lease(self, call: Leased) -> Iterator[ModelHandle]:
         handle = self._run(call.ensure)
-        hold = call.hold(LeaseHold, handle, self._socket_path, self._timeout)
+
+        def regrant() -> LeaseGrant:
+            return call.regranted(handle, self._run(call.again()), self._socket_path)
+
+        hold = call.hold(LeaseHold, handle, self._socket_path, self._timeout, regrant)
         try:
             with hold:
                 yield handle

@@ -35,6 +35,7 @@ from agent.edge.unix_socket import (
     secure_socket,
     socket_group_id,
 )
+from agent.store.holders import start_time_of_peer
 from agent.store.leases import LeaseTable, PeerCredentials
 
 __all__ = [
@@ -244,10 +245,12 @@ class LeaseServer:
 
 
 def _peer_credentials(writer: asyncio.StreamWriter) -> PeerCredentials:
+    """The peer's pid/uid/gid (SO_PEERCRED) and its start time, which names it across restarts."""
     sock = writer.get_extra_info("socket")
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
     pid, uid, gid = _PEERCRED.unpack(raw)
-    return PeerCredentials(pid=pid, uid=uid, gid=gid)
+    started = start_time_of_peer(sock, pid)
+    return PeerCredentials(pid=pid, uid=uid, gid=gid, start_time=started)
 
 
 def _cgroup_of(pid: int) -> str:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from agent._exceptions import InvalidRequest, NotFound, SourceUnavailable
 from agent._snapshot import Snapshot, SourceObject, select_objects, snapshot_key
 from agent._uri import ModelUri, safe_relative_path
-from agent.source.interface import ObjectSource
+from agent.pull.snapshot_limits import SnapshotLimit
+from agent.source.interface import ListedObject, ObjectSource
 from agent.store.store import CachedModel, Store
 
 __all__ = ["Unchecked", "resolve", "resolve_or_fall_back"]
@@ -42,10 +43,12 @@ async def resolve_or_fall_back(
     fallback: bool,
     offline_after: float,
     cached_only: bool,
+    limits: Sequence[SnapshotLimit] = (),
 ) -> Snapshot | Unchecked:
     """The snapshot S3 lists now, or the newest cached one when S3 is not asked or cannot answer.
 
     ``cached_only`` makes no S3 call: the newest cached snapshot, else NotFound.
+    ``limits`` cut the listing short (see ``resolve``).
     With ``fallback`` and a cached snapshot, a listing that fails is answered
     from the cache: at once when no connection can be made (the source does not
     retry that), after ``offline_after`` seconds when S3 is slow to answer.
@@ -57,10 +60,10 @@ async def resolve_or_fall_back(
         log.info("serving cached %s (%s) without asking S3 (cached_only)", uri, newest.key)
         return Unchecked(newest)
     if newest is None or not fallback:
-        return await resolve(source, uri, include, exclude)
+        return await resolve(source, uri, include, exclude, limits)
     try:
         async with asyncio.timeout(offline_after):
-            return await resolve(source, uri, include, exclude)
+            return await resolve(source, uri, include, exclude, limits)
     except (SourceUnavailable, TimeoutError) as exc:
         why = str(exc) or f"no answer to the listing within {offline_after:g} s"
         log.warning("S3 unreachable (%s); serving cached %s (%s) unchecked", why, uri, newest.key)
@@ -68,11 +71,52 @@ async def resolve_or_fall_back(
 
 
 async def resolve(
-    source: ObjectSource, uri: ModelUri, include: tuple[str, ...], exclude: tuple[str, ...]
+    source: ObjectSource,
+    uri: ModelUri,
+    include: tuple[str, ...],
+    exclude: tuple[str, ...],
+    limits: Sequence[SnapshotLimit] = (),
 ) -> Snapshot:
-    """List the prefix and pin down exactly which bytes make this snapshot."""
-    listed = await source.list_objects(uri)
-    objects = [
+    """List the prefix and pin down exactly which bytes make this snapshot.
+
+    The files and bytes that pass the filters are counted against ``limits`` as
+    each page of the listing arrives: past a limit the listing stops there, with
+    LimitExceeded naming it.
+    """
+    loop = asyncio.get_running_loop()
+    listed = 0
+    selected: list[SourceObject] = []
+    size = 0
+    pages = source.list_pages(uri)
+    try:
+        async for page in pages:
+            objects = _objects_of(uri, page)
+            listed += len(objects)
+            # Up to 256 globs of 1 KiB each against every object can take seconds of
+            # CPU: never on the event loop, which answers every other request meanwhile,
+            # and in threads of their own, so hostile filters queue behind each other
+            # rather than take the threads every file operation of the agent runs in.
+            chosen = await loop.run_in_executor(
+                _SELECTING, select_objects, objects, include, exclude
+            )
+            selected += chosen
+            size += sum(obj.size for obj in chosen)
+            for limit in limits:
+                limit.check(uri, len(selected), size, complete=False)
+    finally:
+        await pages.aclose()  # a listing stopped early asks S3 for no further page
+    if not listed:
+        raise NotFound(
+            f"No objects under {uri}. Check the prefix: it names a directory, "
+            "e.g. s3://bucket/models/llama-3-8b/."
+        )
+    return await loop.run_in_executor(
+        _SELECTING, _snapshot_of, uri, listed, selected, include, exclude
+    )
+
+
+def _objects_of(uri: ModelUri, page: Sequence[ListedObject]) -> list[SourceObject]:
+    return [
         SourceObject(
             key=item.key,
             relative_path=safe_relative_path(uri, item.key),
@@ -80,43 +124,33 @@ async def resolve(
             etag=item.etag,
             checksum_algorithm=item.checksum_algorithm,
         )
-        for item in listed
+        for item in page
         # Zero-byte keys ending in "/" are folder markers made by consoles, not files.
         if not (item.key.endswith("/") and item.size == 0)
     ]
-    if not objects:
-        raise NotFound(
-            f"No objects under {uri}. Check the prefix: it names a directory, "
-            "e.g. s3://bucket/models/llama-3-8b/."
-        )
-    # Up to 256 globs of 1 KiB each against every object can take seconds of CPU:
-    # never on the event loop, which answers every other request meanwhile, and
-    # in threads of their own, so hostile filters queue behind each other rather
-    # than take the threads every file operation of the agent runs in.
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(_SELECTING, _snapshot_of, uri, objects, include, exclude)
 
 
 def _snapshot_of(
     uri: ModelUri,
-    objects: Sequence[SourceObject],
+    listed: int,
+    selected: list[SourceObject],
     include: tuple[str, ...],
     exclude: tuple[str, ...],
 ) -> Snapshot:
-    """The listed objects the filters select, checked and keyed (a worker thread's work)."""
-    selected = sorted(select_objects(objects, include, exclude), key=lambda o: o.relative_path)
+    """The selected objects, checked and keyed (a worker thread's work)."""
     if not selected:
         raise NotFound(
-            f"{len(objects)} objects under {uri}, but none passes the include/exclude "
+            f"{listed} objects under {uri}, but none passes the include/exclude "
             f"filters {list(include)} / {list(exclude)}. Loosen the filters."
         )
-    _check_no_clashes(uri, selected)
+    ordered = sorted(selected, key=lambda o: o.relative_path)
+    _check_no_clashes(uri, ordered)
     return Snapshot(
         uri=uri,
         include=include,
         exclude=exclude,
-        objects=tuple(selected),
-        key=snapshot_key(uri, include, exclude, selected),
+        objects=tuple(ordered),
+        key=snapshot_key(uri, include, exclude, ordered),
     )
 
 

@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from agent._config import AccessLimits, Settings
-from agent._exceptions import AccessDenied, NoSpace, SourceUnavailable
+from agent._exceptions import AccessDenied, SourceUnavailable
 from agent._snapshot import Snapshot
 from agent._uri import ModelUri, parse_uri
+from agent.pull.snapshot_limits import LimitExceeded, SnapshotLimit
 from agent.source.interface import ObjectSource
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "check_unchecked",
     "current_requester",
     "requester_bound",
+    "snapshot_limits",
     "start_pull",
     "tenants_from_settings",
 ]
@@ -53,10 +55,6 @@ NODE_TENANT = "node"
 # HEADs in flight at once while checking a requester's access to one snapshot.
 _HEAD_CONCURRENCY = 16
 _ECHO_LIMIT = 200
-
-
-class LimitExceeded(NoSpace):
-    """A request would go past one of the configured [access] limits."""
 
 
 class PullGate:
@@ -123,20 +121,18 @@ class Tenant:
         ttl = requested or default
         return min(ttl, cap) if ttl >= 0 else ttl
 
+    def snapshot_limits(self) -> tuple[SnapshotLimit, ...]:
+        """The node's files/bytes limits per snapshot, then this socket's own."""
+        return tuple(
+            SnapshotLimit(limits.max_files, int(limits.max_bytes), where)
+            for limits, where in ((self.node_limits, "[access.limits]"), (self.limits, self.name))
+            if limits.max_files or limits.max_bytes
+        )
+
     def check_snapshot(self, snapshot: Snapshot) -> None:
         """LimitExceeded when the snapshot has more files or bytes than a limit allows."""
-        for limits, where in ((self.node_limits, "[access.limits]"), (self.limits, self.name)):
-            files, size = len(snapshot.objects), snapshot.total_bytes
-            if limits.max_files and files > limits.max_files:
-                raise LimitExceeded(
-                    f"{_echo(snapshot.uri)} has {files} files; max_files of {where} is "
-                    f"{limits.max_files}. Narrow it with include/exclude or raise the limit."
-                )
-            if limits.max_bytes and size > limits.max_bytes:
-                raise LimitExceeded(
-                    f"{_echo(snapshot.uri)} holds {size} bytes; max_bytes of {where} is "
-                    f"{int(limits.max_bytes)}. Narrow it with include/exclude or raise the limit."
-                )
+        for limit in self.snapshot_limits():
+            limit.check(snapshot.uri, len(snapshot.objects), snapshot.total_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +210,12 @@ def check_source(uri: ModelUri | str) -> None:
             f"{_echo(parsed)} is not among the sources socket {tenant.name!r} may cache "
             f"({', '.join(allowed)}). Ask the node's admin to allow it in [access] sources."
         )
+
+
+def snapshot_limits() -> tuple[SnapshotLimit, ...]:
+    """The current tenant's limits per snapshot, which its listings are counted against."""
+    requester = _REQUESTER.get()
+    return () if requester is None else requester.tenant.snapshot_limits()
 
 
 def check_unchecked() -> None:

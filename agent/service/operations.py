@@ -124,6 +124,7 @@ class AgentService:
             fallback=self._settings.offline_fallback,
             offline_after=self._settings.offline_after_seconds,
             cached_only=cached_only,
+            limits=access.snapshot_limits(),
         )
         if isinstance(found, Unchecked):
             access.check_unchecked()

@@ -9,7 +9,7 @@ see a client library's exceptions or error codes.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterable
+from collections.abc import AsyncGenerator, AsyncIterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -80,7 +80,16 @@ class ObjectSource(Protocol):
         None when the source is not S3, so only planes of its own can read it."""
         ...
 
-    async def list_objects(self, uri: ModelUri) -> list[ListedObject]: ...
+    async def list_objects(self, uri: ModelUri) -> list[ListedObject]:
+        """Every object under the prefix."""
+        ...
+
+    def list_pages(self, uri: ModelUri) -> AsyncGenerator[list[ListedObject], None]:
+        """The objects under the prefix, a page (one listing request) at a time.
+
+        Closing the generator early stops the listing: no further request is sent.
+        """
+        ...
 
     def open_range(
         self, bucket: str, key: str, *, etag: str, start: int, length: int

@@ -2,12 +2,16 @@
 
 botocore's error shapes are translated into the prewarm error tree by
 agent.source.s3_errors (shared with the threads plane), with ``raise ... from exc``.
+Every request the agent waits on gets an answer or an error within
+``first_byte_timeout_seconds`` (agent.source.deadlines), and every retry
+botocore makes is logged with the endpoint (agent.source.retry_log).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import TracebackType
 from typing import Any, Self
@@ -20,6 +24,7 @@ from agent._config import S3Settings
 from agent._exceptions import Conflict, SourceChanged, SourceUnavailable
 from agent._uri import ModelUri
 from agent.source.checksums import s3_checksum_of
+from agent.source.deadlines import bound_requests, total_attempts
 from agent.source.interface import (
     ListedObject,
     ObjectHead,
@@ -28,15 +33,18 @@ from agent.source.interface import (
     RangeReadError,
     StoredObject,
 )
+from agent.source.retry_log import log_retries, log_second_try
 from agent.source.s3_errors import (
     MISSING_CODES,
+    SourceSilent,
     SourceUnreachable,
     error_code,
+    silent_error,
     translate_s3_error,
 )
 from agent.source.transfer import connection_pool_size
 
-__all__ = ["S3Source", "SourceUnreachable"]
+__all__ = ["S3Source", "SourceSilent", "SourceUnreachable"]
 
 # A conditional PUT that lost to another writer (409: two conditional writes at once).
 _LOST_RACE_CODES = frozenset({"PreconditionFailed", "412", "ConditionalRequestConflict", "409"})
@@ -80,10 +88,13 @@ class S3Source:
         self._client = await self._stack.enter_async_context(
             session.create_client("s3", config=config, **kwargs)
         )
+        log_retries(self._client, endpoint=self.endpoint, max_attempts=total_attempts(settings))
         one_try = config.merge(AioConfig(retries={"total_max_attempts": 1, "mode": "standard"}))
         self._one_try_client = await self._stack.enter_async_context(
             session.create_client("s3", config=one_try, **kwargs)
         )
+        for client in (self._client, self._one_try_client):
+            bound_requests(client, settings)
         return self
 
     async def __aexit__(
@@ -112,48 +123,78 @@ class S3Source:
         return str(self._client.meta.endpoint_url) if self._client else "(not started)"
 
     async def list_objects(self, uri: ModelUri) -> list[ListedObject]:
-        """The objects under the prefix; SourceUnreachable at once when S3 cannot be reached.
+        """Every object under the prefix (see ``list_pages``)."""
+        return [item async for page in self.list_pages(uri) for item in page]
 
-        The first try makes one attempt: a connection that cannot be made is
-        reported without retries. Any other failure (throttling, 5xx, a reset)
-        is tried again with botocore's full retry schedule.
+    async def list_pages(self, uri: ModelUri) -> AsyncGenerator[list[ListedObject], None]:
+        """The objects under the prefix, one S3 page (up to 1,000) at a time.
+
+        A caller that stops iterating stops the listing: no further page is
+        asked for. SourceUnreachable at once when S3 cannot be reached: the
+        first page's first try makes one attempt, so a connection that cannot
+        be made is reported without retries. Any other failure of it
+        (throttling, 5xx, a reset, no answer) is tried again with botocore's
+        full retry schedule, within what is left of that page's deadline.
         """
+        doing = f"listing {uri}"
+        token = ""
+        while True:
+            if token:
+                page = await self._list_page(self._client, uri, doing, token, self._deadline())
+            else:
+                page = await self._first_list_page(uri, doing)
+            yield [
+                ListedObject(
+                    key=item["Key"],
+                    size=int(item["Size"]),
+                    etag=item["ETag"],
+                    checksum_algorithm=",".join(item.get("ChecksumAlgorithm", ())),
+                )
+                for item in page.get("Contents", ())
+            ]
+            token = str(page.get("NextContinuationToken") or "") if page.get("IsTruncated") else ""
+            if not token:
+                return
+
+    async def _first_list_page(self, uri: ModelUri, doing: str) -> dict[str, Any]:
+        since = asyncio.get_running_loop().time()
+        deadline = self._deadline()
         try:
-            return await self._list(self._one_try_client, uri)
+            return await self._list_page(self._one_try_client, uri, doing, "", deadline)
         except SourceUnreachable:
             raise
-        except SourceUnavailable:
-            return await self._list(self._client, uri)
+        except SourceUnavailable as exc:
+            attempts = total_attempts(self._settings)
+            cause = exc.__cause__ or exc
+            log_second_try(self.endpoint, "ListObjectsV2", cause, max_attempts=attempts)
+            return await self._list_page(self._client, uri, doing, "", deadline, since=since)
 
-    async def _list(self, client: Any, uri: ModelUri) -> list[ListedObject]:
-        listed: list[ListedObject] = []
-        paginator = client.get_paginator("list_objects_v2")
-        try:
-            async for page in paginator.paginate(Bucket=uri.bucket, Prefix=uri.prefix):
-                listed.extend(
-                    ListedObject(
-                        key=item["Key"],
-                        size=int(item["Size"]),
-                        etag=item["ETag"],
-                        checksum_algorithm=",".join(item.get("ChecksumAlgorithm", ())),
-                    )
-                    for item in page.get("Contents", ())
-                )
-        except Exception as exc:
-            raise self._translate(exc, f"listing {uri}", bucket=uri.bucket) from exc
-        return listed
+    async def _list_page(
+        self,
+        client: Any,
+        uri: ModelUri,
+        doing: str,
+        token: str,
+        deadline: float,
+        *,
+        since: float | None = None,
+    ) -> dict[str, Any]:
+        more = {"ContinuationToken": token} if token else {}
+        async with self._answer(doing, bucket=uri.bucket, deadline=deadline, since=since):
+            page: dict[str, Any] = await client.list_objects_v2(
+                Bucket=uri.bucket, Prefix=uri.prefix, **more
+            )
+        return page
 
     @asynccontextmanager
     async def open_range(
         self, bucket: str, key: str, *, etag: str, start: int, length: int
     ) -> AsyncIterator[RangeReader]:
         where = f"s3://{bucket}/{key} bytes {start}-{start + length - 1}"
-        try:
+        async with self._answer(f"reading {where}", bucket=bucket):
             response = await self._client.get_object(
                 Bucket=bucket, Key=key, Range=f"bytes={start}-{start + length - 1}", IfMatch=etag
             )
-        except Exception as exc:
-            raise self._translate(exc, f"reading {where}", bucket=bucket) from exc
         body = response["Body"]
         try:
             if int(response.get("ContentLength", -1)) != length:
@@ -197,18 +238,19 @@ class S3Source:
     ) -> ObjectHead | None:
         condition = {"IfMatch": etag} if etag else {}
         try:
-            response = await self._client.head_object(
-                Bucket=bucket, Key=key, ChecksumMode="ENABLED", **condition
-            )
-        except Exception as exc:
-            if error_code(exc) in MISSING_CODES:
-                if etag is None:
-                    return None
-                raise SourceChanged(
-                    f"s3://{bucket}/{key} disappeared during the pull. "
-                    "Request the model again to pull the new snapshot."
-                ) from exc
-            raise self._translate(exc, f"reading the metadata of s3://{bucket}/{key}") from exc
+            async with self._answer(
+                f"reading the metadata of s3://{bucket}/{key}", passed=_missing
+            ):
+                response = await self._client.head_object(
+                    Bucket=bucket, Key=key, ChecksumMode="ENABLED", **condition
+                )
+        except _Missing as exc:
+            if etag is None:
+                return None
+            raise SourceChanged(
+                f"s3://{bucket}/{key} disappeared during the pull. "
+                "Request the model again to pull the new snapshot."
+            ) from exc.__cause__
         return ObjectHead(
             key=key,
             size=int(response.get("ContentLength", 0)),
@@ -219,17 +261,13 @@ class S3Source:
     async def get_object(self, bucket: str, key: str, *, max_bytes: int) -> StoredObject | None:
         doing = f"reading s3://{bucket}/{key}"
         try:
-            response = await self._client.get_object(Bucket=bucket, Key=key)
-        except Exception as exc:
-            if error_code(exc) in MISSING_CODES:
-                return None
-            raise self._translate(exc, doing, bucket=bucket) from exc
-        try:
-            async with response["Body"] as body:
-                # One byte past the cap tells "too large" without reading the rest.
-                data: bytes = await body.read(max_bytes + 1)
-        except Exception as exc:
-            raise self._translate(exc, doing, bucket=bucket) from exc
+            async with self._answer(doing, bucket=bucket, passed=_missing):
+                response = await self._client.get_object(Bucket=bucket, Key=key)
+        except _Missing:
+            return None
+        async with self._answer(doing, bucket=bucket), response["Body"] as body:
+            # One byte past the cap tells "too large" without reading the rest.
+            data: bytes = await body.read(max_bytes + 1)
         if len(data) > max_bytes:
             raise ObjectTooLarge(
                 f"s3://{bucket}/{key} holds more than the {max_bytes} bytes expected of it.",
@@ -267,10 +305,8 @@ class S3Source:
         return str(response.get("ETag", ""))
 
     async def delete_object(self, bucket: str, key: str) -> None:
-        try:
+        async with self._answer(f"deleting s3://{bucket}/{key}", bucket=bucket):
             await self._client.delete_object(Bucket=bucket, Key=key)
-        except Exception as exc:
-            raise self._translate(exc, f"deleting s3://{bucket}/{key}", bucket=bucket) from exc
 
     async def put_object_multipart(
         self,
@@ -310,9 +346,56 @@ class S3Source:
             raise
         return str(completed.get("ETag", ""))
 
-    def _translate(self, exc: Exception, doing: str, *, bucket: str = "") -> BaseException:
+    def _translate(
+        self, exc: Exception, doing: str, *, bucket: str = "", waited: float | None = None
+    ) -> BaseException:
         """Map a botocore/aiohttp failure onto the prewarm error tree (agent.source.s3_errors)."""
-        return translate_s3_error(exc, doing, endpoint=self.endpoint, bucket=bucket)
+        return translate_s3_error(exc, doing, endpoint=self.endpoint, bucket=bucket, waited=waited)
+
+    def _deadline(self) -> float:
+        """The loop time by which a request sent now must have its answer."""
+        return asyncio.get_running_loop().time() + self._settings.first_byte_timeout_seconds
+
+    @contextlib.asynccontextmanager
+    async def _answer(
+        self,
+        doing: str,
+        *,
+        bucket: str = "",
+        deadline: float | None = None,
+        since: float | None = None,
+        passed: Callable[[Exception], bool] = lambda _: False,
+    ) -> AsyncIterator[None]:
+        """Wait for one request's answer until ``deadline`` (default: one bound from now).
+
+        Its failures leave translated into the error tree, with how long it
+        waited (since ``since``, default now: an earlier try of the same
+        request counts); one that ``passed`` accepts leaves as ``_Missing``
+        instead, for the caller to judge. A deadline that passes is SourceSilent.
+        """
+        loop = asyncio.get_running_loop()
+        started = loop.time() if since is None else since
+        try:
+            async with asyncio.timeout_at(
+                self._deadline() if deadline is None else deadline
+            ) as bound:
+                yield
+        except TimeoutError as exc:
+            if not bound.expired():
+                raise self._translate(exc, doing, bucket=bucket) from exc
+            raise silent_error(self.endpoint, doing, loop.time() - started) from exc
+        except Exception as exc:
+            if passed(exc):
+                raise _Missing from exc
+            raise self._translate(exc, doing, bucket=bucket, waited=loop.time() - started) from exc
+
+
+class _Missing(Exception):
+    """The object a request named is not there (its cause is S3's answer)."""
+
+
+def _missing(exc: Exception) -> bool:
+    return error_code(exc) in MISSING_CODES
 
 
 class _BodyReader:

@@ -22,15 +22,18 @@ from agent._exceptions import (
     SourceChanged,
     SourceUnavailable,
 )
+from agent.source.deadlines import request_waited, silence_advice
 from agent.source.interface import RangeReadError
 from agent.source.pacing import is_transient_answer
 
 __all__ = [
     "MISSING_CODES",
+    "SourceSilent",
     "SourceUnreachable",
     "answer_error",
     "broken_off_error",
     "error_code",
+    "silent_error",
     "translate_s3_error",
     "unreachable_error",
 ]
@@ -69,6 +72,23 @@ class SourceUnreachable(SourceUnavailable):
     """
 
 
+class SourceSilent(SourceUnavailable):
+    """S3 took the connection but sent no answer within the bound (a read timeout).
+
+    Unlike a refused connection this costs the whole wait, so the message says
+    how long was waited and which endpoint kept silent.
+    """
+
+
+def silent_error(endpoint: str, doing: str, waited: float | None) -> SourceSilent:
+    """The error for a request to ``endpoint`` that got no answer in ``waited`` seconds."""
+    within = f" in {waited:.1f} s" if waited is not None else ""
+    return SourceSilent(
+        f"S3 at {endpoint} accepted the connection but sent no answer{within} while "
+        f"{doing}. {silence_advice(endpoint)}"
+    )
+
+
 def translate_s3_error(
     exc: BaseException,
     doing: str,
@@ -76,13 +96,15 @@ def translate_s3_error(
     endpoint: str,
     bucket: str = "",
     broken_off: tuple[type[BaseException], ...] = (),
+    waited: float | None = None,
 ) -> BaseException:
     """Map a botocore / aiohttp / socket failure onto the prewarm error tree.
 
     ``doing`` says what the agent was doing ("reading s3://b/k bytes 0-9");
     ``broken_off`` adds the failures that mean "the transfer broke off, try
-    again" for the caller's own reader (http.client's, say). Anything not
-    recognised is returned as is.
+    again" for the caller's own reader (http.client's, say); ``waited`` is how
+    long the request waited, said when S3 kept silent. Anything not recognised
+    is returned as is.
     """
     if isinstance(exc, boto.ClientError):
         error = exc.response.get("Error", {})
@@ -97,7 +119,9 @@ def translate_s3_error(
         )
     if _is_unreachable(exc):
         return unreachable_error(doing, endpoint=endpoint, cause=str(exc))
-    if isinstance(exc, boto.ConnectionClosedError):
+    if isinstance(exc, boto.ReadTimeoutError):
+        return silent_error(endpoint, doing, waited if waited is not None else request_waited(exc))
+    if isinstance(exc, boto.ConnectionClosedError) or _broke_an_open_connection(exc):
         return SourceUnavailable(
             f"S3 at {endpoint} closed the connection while {doing}: {exc}. "
             "Check the network and AWS_ENDPOINT_URL."
@@ -157,13 +181,32 @@ def _is_unreachable(exc: BaseException) -> bool:
     botocore's ConnectionError covers its endpoint, connect-timeout, proxy and
     TLS errors; aiobotocore wraps aiohttp's connector errors into them, and the
     raw aiohttp/socket forms are checked too in case one comes through unwrapped.
+    A connection that was made and then reset is not among them, although
+    aiobotocore wraps it in the same EndpointConnectionError.
     """
+    if _broke_an_open_connection(exc):
+        return False
     return isinstance(
         exc,
         boto.ConnectionError
         | aiohttp.ClientConnectorError
         | socket.gaierror
         | ConnectionRefusedError,
+    )
+
+
+def _broke_an_open_connection(exc: BaseException) -> bool:
+    """True for aiobotocore's EndpointConnectionError around a reset of a connection it had.
+
+    aiohttp raises ClientConnectorError when the connection cannot be made and
+    another ClientConnectionError (ClientOSError: ECONNRESET, EPIPE) when an
+    open one breaks; aiobotocore wraps both alike, so the cause tells them apart.
+    """
+    if not isinstance(exc, boto.EndpointConnectionError):
+        return False
+    cause = exc.kwargs.get("error")
+    return isinstance(cause, aiohttp.ClientConnectionError) and not isinstance(
+        cause, aiohttp.ClientConnectorError
     )
 
 

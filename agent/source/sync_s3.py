@@ -22,6 +22,8 @@ from botocore.config import Config
 from botocore.session import get_session
 
 from agent._config import S3Settings
+from agent.source.deadlines import bound_requests, total_attempts
+from agent.source.retry_log import log_retries
 from agent.source.s3_errors import translate_s3_error
 from agent.source.transfer import connection_pool_size
 
@@ -52,7 +54,12 @@ def make_sync_client(settings: S3Settings) -> Any:
         kwargs["endpoint_url"] = settings.endpoint_url
     if settings.region:
         kwargs["region_name"] = settings.region
-    return get_session().create_client("s3", **kwargs)
+    client = get_session().create_client("s3", **kwargs)
+    endpoint = str(client.meta.endpoint_url)
+    log_retries(client, endpoint=endpoint, max_attempts=total_attempts(settings))
+    # The listing's deadline per request, so a silent GET here fails when one there would.
+    bound_requests(client, settings)
+    return client
 
 
 def body_reader(body: Any) -> Callable[[memoryview], int]:

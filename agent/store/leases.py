@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from agent._exceptions import AccessDenied, Conflict, InvalidRequest, NoSpace, NotFound
-from agent.store.lease_records import LeaseRecord, PeerCredentials
+from agent.store.lease_records import LeaseRecord, PeerCredentials, restored_id
 
 __all__ = [
     "MAX_LEASES_PER_PEER",
@@ -202,7 +202,7 @@ class LeaseTable:
         process: AccessDenied (the holder is not named); by another connection
         of this process: Conflict.
         """
-        record = self._get(lease_id)
+        record = self._take_back(lease_id, creds) or self._get(lease_id)
         if record.held and record.holder is not None:
             if record.holder.pid != creds.pid or record.holder.uid != creds.uid:
                 raise AccessDenied(
@@ -222,6 +222,18 @@ class LeaseTable:
         )
         self._replace(record)
         return record
+
+    def adopt(self, record: LeaseRecord) -> None:
+        """Take in a lease held before the agent restarted, whose holder still runs.
+
+        ``record`` is ``orphaned``, known by its ``restored_id``, with the holder
+        it had; it protects its snapshot until that process comes back to the
+        lease socket with the lease's id (``hold``), or ends (``unhold``).
+        """
+        if not record.orphaned or record.holder is None or record.id in self._records:
+            raise ValueError(f"not a restorable lease: {record!r}")
+        self._add(dataclasses.replace(record, holder=None, held=False))
+        self._replace(record)
 
     def unhold(self, lease_id: str) -> LeaseRecord | None:
         """The holding connection closed: the lease ends now.
@@ -288,6 +300,40 @@ class LeaseTable:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, record.expires - self._clock())):
                     await changed.wait()
+
+    def changes(self) -> asyncio.Event:
+        """An event set at the table's next change (take it, read the table, then wait)."""
+        return self._changed
+
+    def _take_back(self, lease_id: str, creds: PeerCredentials) -> LeaseRecord | None:
+        """The restored lease ``lease_id`` names, handed back to its holder; None if none.
+
+        Only the process that held it before the restart may: the same pid, uid
+        and start time (a later process given that pid is someone else).
+        """
+        if lease_id in self._records:
+            return None
+        orphan = self._records.get(restored_id(lease_id))
+        if orphan is None or orphan.holder is None:
+            return None
+        if not orphan.holder.same_process(creds):
+            raise AccessDenied(
+                "This lease is held by another process; a lease belongs to the process "
+                "that held it first, for as long as its connection stays open."
+            )
+        self._remove(orphan.id)
+        # Timed until ``hold`` binds it again, so a hold refused now (the uid's cap)
+        # leaves nothing behind for ever.
+        expires = self._clock() + self._default_ttl
+        record = dataclasses.replace(
+            orphan, id=lease_id, holder=None, held=False, orphaned=False, expires=expires
+        )
+        self._add(record)
+        log.info(
+            "lease taken back by its holder after a restart",
+            extra={"key": record.key, "client": record.client_name, "pid": creds.pid},
+        )
+        return record
 
     def _ttl(self, ttl: float | None) -> float:
         if ttl is None or ttl == 0:

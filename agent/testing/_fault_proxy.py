@@ -14,7 +14,9 @@ Faults: ``internal_error`` (HTTP 500, S3's InternalError body), ``slow_down``
 response byte), ``truncate`` (the upstream response's headers, promising the
 whole body, then ``after_bytes`` of it, then the connection is closed) and
 ``stall`` (the same, but the connection stays open and silent until the client
-gives up: what a low-speed limit is for). A rule
+gives up: what a low-speed limit is for) and ``silent`` (the request is taken and
+never answered, not a byte, until the client gives up: an endpoint that accepts
+connections and says nothing, what a first-byte deadline is for). A rule
 matches requests by method and by a substring of the path, ``times`` times
 (``None``: every matching request); the first matching rule with uses left wins.
 
@@ -49,7 +51,7 @@ from ._process import Startable
 
 __all__ = ["Fault", "FaultKind", "FaultProxy"]
 
-FaultKind = Literal["internal_error", "slow_down", "reset", "truncate", "stall"]
+FaultKind = Literal["internal_error", "slow_down", "reset", "truncate", "stall", "silent"]
 
 
 @dataclass
@@ -75,8 +77,8 @@ class Fault:
         return cls("slow_down", key=key, times=times)
 
     @classmethod
-    def reset(cls, *, key: str = "", times: int | None = 1) -> Fault:
-        return cls("reset", key=key, times=times)
+    def reset(cls, *, key: str = "", method: str = "GET", times: int | None = 1) -> Fault:
+        return cls("reset", key=key, method=method, times=times)
 
     @classmethod
     def truncate(cls, *, after_bytes: int, key: str = "", times: int | None = 1) -> Fault:
@@ -85,6 +87,10 @@ class Fault:
     @classmethod
     def stall(cls, *, after_bytes: int = 0, key: str = "", times: int | None = 1) -> Fault:
         return cls("stall", key=key, times=times, after_bytes=after_bytes)
+
+    @classmethod
+    def silent(cls, *, key: str = "", method: str = "GET", times: int | None = 1) -> Fault:
+        return cls("silent", key=key, method=method, times=times)
 
     def _matches(self, method: str, target: str) -> bool:
         left = self.times is None or self.used < self.times
@@ -237,6 +243,10 @@ class FaultProxy(Startable):
                 fault = self._take(request.method, request.target)
                 if fault is not None and fault.kind == "reset":
                     reset(writer)
+                    return
+                if fault is not None and fault.kind == "silent":
+                    while await reader.read(PIECE):
+                        pass  # never a byte back, until the client hangs up
                     return
                 if fault is not None and fault.kind in S3_ERRORS:
                     writer.write(error_response(fault.kind, request.target))

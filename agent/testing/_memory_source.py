@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
 from dataclasses import dataclass, field
 
 from agent._config import S3Settings
@@ -61,6 +61,9 @@ class MemorySource:
     replace_on_read: dict[str, bytes] = field(default_factory=dict)
     # Each multipart upload: the key and its part sizes, in order.
     multipart_uploads: list[tuple[str, list[int]]] = field(default_factory=list)
+    # Objects per listing page (S3 sends up to 1,000), and the pages sent so far.
+    page_size: int = 1000
+    listing_pages: int = 0
     name: str = "memory"
     # Not S3: the streamer plane, which needs an S3 endpoint of its own, stays off.
     s3_settings: S3Settings | None = None
@@ -73,17 +76,25 @@ class MemorySource:
         return f'"{hash(self.objects[bucket][key]) & 0xFFFFFFFF:08x}"'
 
     async def list_objects(self, uri: ModelUri) -> list[ListedObject]:
+        return [item async for page in self.list_pages(uri) for item in page]
+
+    async def list_pages(self, uri: ModelUri) -> AsyncGenerator[list[ListedObject], None]:
+        """Pages of ``page_size`` objects, in key order; each counts in ``listing_pages``."""
         bucket = self._bucket(uri.bucket)
-        return [
-            ListedObject(
-                key=key,
-                size=len(data),
-                etag=self.etag(uri.bucket, key),
-                checksum_algorithm=self.checksums[key].algorithm if key in self.checksums else "",
-            )
-            for key, data in sorted(bucket.items())
-            if key.startswith(uri.prefix)
-        ]
+        keys = sorted(key for key in bucket if key.startswith(uri.prefix))
+        for first in range(0, max(len(keys), 1), self.page_size):
+            self.listing_pages += 1
+            yield [
+                ListedObject(
+                    key=key,
+                    size=len(bucket[key]),
+                    etag=self.etag(uri.bucket, key),
+                    checksum_algorithm=(
+                        self.checksums[key].algorithm if key in self.checksums else ""
+                    ),
+                )
+                for key in keys[first : first + self.page_size]
+            ]
 
     @contextlib.asynccontextmanager
     async def open_range(

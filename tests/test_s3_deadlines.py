@@ -142,17 +142,22 @@ def test_a_cold_pull_from_a_silent_s3_fails_within_the_bound_and_says_what_to_ch
     assert silent_proxy.endpoint_url in retries[0]
 
 
-@pytest.mark.parametrize("plane", ["threads", "aiobotocore"])
+@pytest.mark.parametrize(
+    ("plane", "range_retries"),
+    [("threads", 0), ("aiobotocore", 0), ("processes", 0), ("processes", 5)],
+)
 async def test_a_data_plane_get_that_gets_no_answer_fails_within_the_bound(
     plane: DataPlaneName,
+    range_retries: int,
     s3_env: S3Server,
     small_model: SampleModel,
     silent_proxy: FaultProxy,
     tmp_path: Path,
 ) -> None:
-    """Both ranged-GET planes keep the listing's bound, also with a read timeout longer
-    than it: a swallowed GET fails the pull within the bound (range retries off),
-    UNAVAILABLE naming the endpoint, nothing published.
+    """The ranged-GET planes keep the listing's bound, also with a read timeout longer
+    than it: a swallowed GET fails the pull within the bound (range retries off; the
+    processes plane counts the silence of a range's every retry against the bound, so
+    with retries on too), UNAVAILABLE naming the endpoint, nothing published.
     """
     silent_proxy.add(Fault.silent(key=small_model.prefix, times=None))
     settings = Settings.model_validate(
@@ -160,7 +165,7 @@ async def test_a_data_plane_get_that_gets_no_answer_fails_within_the_bound(
             "socket_path": tmp_path / "agent.sock",
             "tiers": {"shm_root": tmp_path / "shm", "disk_root": tmp_path / "disk"},
             "s3": _settings(
-                silent_proxy.endpoint_url, range_retries=0, read_timeout_seconds=60
+                silent_proxy.endpoint_url, range_retries=range_retries, read_timeout_seconds=60
             ).model_dump(),
         }
     )

@@ -46,7 +46,12 @@ from agent.source.interface import RangeReadError
 from agent.source.pacing import read_step
 from agent.source.plane import ByteRange, ProgressSink, RangeSink
 from agent.source.range_worker import MAX_MESSAGE, GetJob, decode, encode, job_message
-from agent.source.s3_errors import answer_error, broken_off_error, unreachable_error
+from agent.source.s3_errors import (
+    answer_error,
+    broken_off_error,
+    silent_error,
+    unreachable_error,
+)
 from agent.source.transfer import Tuning
 
 __all__ = ["Presigner", "ProcessPlane", "WorkerPool", "processes_unavailable"]
@@ -372,6 +377,7 @@ class ProcessPlane:
             low_speed_limit=tuning.low_speed_limit,
             connect_timeout=self._settings.connect_timeout_seconds,
             read_timeout=self._settings.read_timeout_seconds,
+            first_byte_timeout=self._settings.first_byte_timeout_seconds,
             direct=run.staging.bypass_page_cache,
         )
 
@@ -507,6 +513,8 @@ class _PullRun:
             error = answer_error(status, code, doing, endpoint=endpoint, bucket=bucket)
             if not isinstance(error, RangeReadError):
                 return error  # final: denied, changed, refused
+        elif kind == "silent":
+            return silent_error(endpoint, doing, float(report.get("waited", 0.0)))
         elif kind == "internal":
             return SourceUnavailable(f"The range worker reading {where} failed: {message}")
         elif kind == "connect":

@@ -79,6 +79,7 @@ class GetJob:
     low_speed_limit: int
     connect_timeout: float
     read_timeout: float
+    first_byte_timeout: float  # longest S3 may leave the range's GETs unanswered, in all
     direct: bool  # write around the page cache (O_DIRECT): the disk tier
 
     @property
@@ -191,6 +192,14 @@ class JobRun:
     hasher: ChunkHasher = field(default_factory=ChunkHasher)
     done: int = 0
     unreported: int = 0
+    silent: float = 0.0  # seconds this range's GETs waited for an answer that never came
+
+    @property
+    def answer_timeout(self) -> float:
+        """How long the next GET may wait for S3's answer: the read timeout, within what is
+        left of the first-byte deadline."""
+        left = self.job.first_byte_timeout - self.silent
+        return max(0.5, min(self.job.read_timeout, left))
 
     def write(self, piece: memoryview, send: Callable[[dict[str, Any]], None]) -> None:
         """Hash a piece, write it at its place; report progress once per io_block.
@@ -365,6 +374,11 @@ class RangeWorker:
                     self._get(run)
                 except Transient as exc:
                     failures += 1
+                    run.silent += float(exc.report.get("waited", 0.0))
+                    if run.silent >= job.first_byte_timeout - 0.5:
+                        silence = {"kind": "silent", "waited": run.silent}
+                        self.send({"failed": job.id, "attempts": failures} | silence)
+                        return
                     if failures > job.retries:
                         self.send({"failed": job.id, "attempts": failures} | exc.report)
                         return
@@ -426,7 +440,7 @@ class RangeWorker:
             "User-Agent": USER_AGENT,
         }
         place = (url.scheme, url.hostname or "", url.port or (443 if url.scheme == "https" else 80))
-        connection, sock, response = self._exchange(place, job, connections, target, headers)
+        connection, sock, response = self._exchange(place, run, target, headers)
         if response.status in (200, 206):
             length = response.getheader("Content-Length")
             if length is None or int(length) != wanted:
@@ -445,14 +459,14 @@ class RangeWorker:
         raise Final(report)
 
     def _exchange(
-        self,
-        place: tuple[str, str, int],
-        job: GetJob,
-        connections: Connections,
-        target: str,
-        headers: dict[str, str],
+        self, place: tuple[str, str, int], run: JobRun, target: str, headers: dict[str, str]
     ) -> tuple[http.client.HTTPConnection, socket.socket, http.client.HTTPResponse]:
-        """Send the request and read the answer's head; a kept connection gets one redo."""
+        """Send the request and read the answer's head; a kept connection gets one redo.
+
+        An answer that does not come within ``run.answer_timeout`` is a transient
+        failure that says how long it waited, counted against the first-byte deadline.
+        """
+        job, connections = run.job, run.connections
         reused = place in connections
         while True:
             connection = connections.get(place)
@@ -462,10 +476,16 @@ class RangeWorker:
             sock = connection.sock
             assert sock is not None
             # S3's answer must come within the read timeout (the body is read without one).
-            sock.settimeout(job.read_timeout)
+            waiting = run.answer_timeout
+            sock.settimeout(waiting)
             try:
                 connection.request("GET", target, headers=headers)
                 return connection, sock, connection.getresponse()
+            except TimeoutError:
+                connection.close()
+                connections.pop(place, None)
+                silence = {"kind": "silent", "message": "no answer", "waited": waiting}
+                raise Transient(silence) from None
             except _BROKEN_OFF as exc:
                 connection.close()
                 connections.pop(place, None)

@@ -29,10 +29,9 @@ from agent._exceptions import InvalidRequest, NoSpace, PrewarmError
 from agent.edge.request_limits import check_text
 from agent.edge.status import status_detail
 from agent.edge.unix_socket import (
+    SocketDirectory,
     clear_stale_socket,
     owner_only_umask,
-    remove_own_socket,
-    secure_socket,
     socket_group_id,
 )
 from agent.store.holders import start_time_of_peer
@@ -95,6 +94,7 @@ class LeaseServer:
         self._group = group
         self._server: asyncio.Server | None = None
         self._inode: int | None = None
+        self._directory: SocketDirectory | None = None
         self._handlers: set[asyncio.Task[None]] = set()
         self._pending: Counter[tuple[int, str]] = Counter()
         self._closing = False
@@ -115,14 +115,14 @@ class LeaseServer:
     async def __aenter__(self) -> Self:
         gid = socket_group_id(self._group)
         clear_stale_socket(self._path, "leases")
+        self._directory = SocketDirectory(self._path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             # Bound here, not inside start_unix_server, so that no await
             # happens under the umask.
             with owner_only_umask():
-                sock.bind(str(self._path))
-            self._inode = self._path.stat().st_ino
-            secure_socket(self._path, self._mode, gid)
+                sock.bind(self._directory.bind_address)
+            self._inode = self._directory.secure(self._mode, gid)
             self._server = await asyncio.start_unix_server(
                 self._accept, sock=sock, limit=HELLO_LIMIT
             )
@@ -260,7 +260,10 @@ class LeaseServer:
             )
 
     def _remove_socket_file(self) -> None:
-        remove_own_socket(self._path, self._inode)
+        if self._directory is not None:
+            self._directory.remove_own(self._inode)
+            self._directory.close()
+            self._directory = None
 
 
 def _peer_credentials(writer: asyncio.StreamWriter) -> PeerCredentials:

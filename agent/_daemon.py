@@ -41,6 +41,7 @@ from agent.source.s3 import S3Source
 from agent.store.lease_file import HELD_LEASES_NAME
 from agent.store.lease_keeper import LeaseKeeper
 from agent.store.leases import LeaseTable
+from agent.store.roots import traverse_group_id
 from agent.store.store import Store, TierBudget
 
 __all__ = ["main", "serve"]
@@ -75,6 +76,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
             "shm": TierBudget(tiers.shm_budget, tiers.shm_reserve),
             "disk": TierBudget(tiers.disk_budget, tiers.disk_reserve),
         },
+        traverse_group=traverse_group_id(tiers.group),
     )
     await store.open()
     api = _api_server(settings, node, tenants)

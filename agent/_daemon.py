@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import pwd
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -38,6 +39,7 @@ from agent.pull.puller import Puller
 from agent.service import access as access_rules
 from agent.service.operations import AgentService
 from agent.source.s3 import S3Source
+from agent.store.claim import claim_root
 from agent.store.lease_file import HELD_LEASES_NAME
 from agent.store.lease_keeper import LeaseKeeper
 from agent.store.leases import LeaseTable
@@ -314,8 +316,36 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--print-config", action="store_true", help="print the effective settings and exit"
     )
+    parser.add_argument(
+        "--claim-roots",
+        action="store_true",
+        help="as root, before an agent that is not root starts: move aside a tier root another "
+        "user made first in a shared directory (/dev/shm), give the root to --owner, and exit",
+    )
+    parser.add_argument(
+        "--owner",
+        default=str(os.geteuid()),
+        help="with --claim-roots: the user (name or uid) the agent runs as (default: this one)",
+    )
     parser.add_argument("--version", action="version", version=f"prewarmd {__version__}")
     return parser
+
+
+def _claim_roots(settings: Settings, owner: str) -> int:
+    """``--claim-roots``: one line per tier root on stderr; 1 if a root cannot be claimed."""
+    try:
+        uid = int(owner) if owner.isdigit() else pwd.getpwnam(owner).pw_uid
+    except KeyError:
+        print(f"prewarmd: --owner {owner!r} is no user on this host.", file=sys.stderr)
+        return 2
+    for root in (settings.tiers.shm_root, settings.tiers.disk_root):
+        try:
+            claim = claim_root(Path.cwd() / root, uid)
+        except OSError as exc:
+            print(f"prewarmd: cannot claim {root}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
+        print(f"prewarmd: {claim}", file=sys.stderr)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -333,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"prewarmd: warning: {sentence}", file=sys.stderr)
         sys.stdout.write(render_toml(settings))
         return 0
+    if args.claim_roots:
+        return _claim_roots(settings, args.owner)
     configure_logging(settings.log_level)
     for sentence in ignored:
         log.warning(sentence)

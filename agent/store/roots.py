@@ -36,6 +36,7 @@ from pathlib import Path
 from agent._config import ConfigError
 from agent._exceptions import PrewarmError
 from agent._fs import open_dir
+from agent.store.claim import claim_root
 
 __all__ = [
     "JOURNAL_KEY_NAME",
@@ -104,6 +105,7 @@ def prepare_root(root: Path, layout: RootLayout, group: int | None = None) -> No
     _check_links_on_the_way(root.parent)
     _check_ancestors(root.parent)
     root.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    _claim(root)
     with contextlib.suppress(FileExistsError):  # a dangling link too: refused below
         root.mkdir(mode=PRIVATE_DIR_MODE)
     try:
@@ -126,6 +128,21 @@ def prepare_root(root: Path, layout: RootLayout, group: int | None = None) -> No
     finally:
         os.close(fd)
     journal_key(root)
+
+
+def _claim(root: Path) -> None:
+    """Swap a root another user made first in a shared directory for one of the agent's."""
+    try:
+        claim = claim_root(root, os.geteuid())
+    except OSError as exc:
+        raise _refusal(
+            root,
+            f"could not be moved aside ({exc.strerror}). Run `prewarmd --claim-roots --owner "
+            "<the agent's user>` as root before the agent starts (the systemd unit and the "
+            "DaemonSet do), or remove it by hand",
+        ) from exc
+    if claim.moved is not None:
+        log.warning("%s", claim, extra={"root": str(root), "planted_by": claim.planted_by})
 
 
 def _prepare_entry(

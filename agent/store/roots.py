@@ -7,8 +7,10 @@ user's choosing. At start-up each root and every directory at its top level
 is checked: it must be a real directory (not a symlink), owned by the agent's
 uid and writable by nobody else. Its ancestors must not let another user swap
 it (owned by root or the agent; a group/world-writable one only if sticky,
-like ``/dev/shm`` and ``/tmp``). Anything else stops the agent with
-``UnsafeTierRoot`` saying what to fix; nothing is repaired silently.
+like ``/dev/shm`` and ``/tmp``). One thing is repaired, loudly: a root
+another user made first in such a shared directory is swapped for a fresh one
+of the agent's (``agent.store.claim``). Anything else stops the agent with
+``UnsafeTierRoot`` saying what to fix.
 
 Each root also holds ``journal.key``: 32 random bytes (mode 0600) with which
 the agent signs its staging journals, so a pull resumes only bytes this agent

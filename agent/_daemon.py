@@ -371,8 +371,23 @@ def main(argv: list[str] | None = None) -> int:
     return_large_buffers()  # before any thread: freed data-plane buffers go back to the OS
     try:
         asyncio.run(serve(settings))
-    except PrewarmError as exc:
-        log.error("cannot start: %s", exc)
-        SystemdNotifier.from_environment().status(f"Cannot start: {exc}")
+    except (PrewarmError, ExceptionGroup) as exc:
+        reason = _startup_error(exc)
+        if reason is None:
+            raise
+        log.error("cannot start: %s", reason)
+        SystemdNotifier.from_environment().status(f"Cannot start: {reason}")
         return 1
     return 0
+
+
+def _startup_error(exc: BaseException) -> PrewarmError | None:
+    """The PrewarmError that stopped the start, also out of a TaskGroup's ExceptionGroup
+    (a part that owns tasks wraps what fails inside its block); None for anything else."""
+    if isinstance(exc, PrewarmError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        causes = [_startup_error(inner) for inner in exc.exceptions]
+        if causes and all(causes):
+            return causes[0]
+    return None

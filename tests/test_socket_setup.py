@@ -150,7 +150,11 @@ def _start_and_settle(agent: AgentProcess) -> str:
     try:
         return when_logged(
             agent,
-            lambda: text if re.search(_SETTLED, text := agent.log_text()) else None,
+            lambda: (
+                text
+                if re.search(_SETTLED, text := agent.log_text()) or proc.poll() is not None
+                else None
+            ),
             "the daemon serving or refusing to start",
         )
     finally:

@@ -165,6 +165,9 @@ class TierSettings(BaseModel):
     low_watermark: float = Field(default=0.8, gt=0, le=1)
     # If the hinted tier cannot hold a model even after eviction, use the other one.
     fallback: bool = True
+    # The only group that may pass through the roots to a snapshot it was handed (roots 0710);
+    # empty: anyone may pass (0711), and a snapshot's unguessable path is the only key.
+    group: str = ""
 
     @model_validator(mode="after")
     def _watermarks_in_order(self) -> TierSettings:

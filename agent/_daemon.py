@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import pwd
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -38,9 +39,11 @@ from agent.pull.puller import Puller
 from agent.service import access as access_rules
 from agent.service.operations import AgentService
 from agent.source.s3 import S3Source
+from agent.store.claim import claim_root
 from agent.store.lease_file import HELD_LEASES_NAME
 from agent.store.lease_keeper import LeaseKeeper
 from agent.store.leases import LeaseTable
+from agent.store.roots import traverse_group_id
 from agent.store.store import Store, TierBudget
 
 __all__ = ["main", "serve"]
@@ -75,6 +78,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
             "shm": TierBudget(tiers.shm_budget, tiers.shm_reserve),
             "disk": TierBudget(tiers.disk_budget, tiers.disk_reserve),
         },
+        traverse_group=traverse_group_id(tiers.group),
     )
     await store.open()
     api = _api_server(settings, node, tenants)
@@ -312,8 +316,36 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--print-config", action="store_true", help="print the effective settings and exit"
     )
+    parser.add_argument(
+        "--claim-roots",
+        action="store_true",
+        help="as root, before an agent that is not root starts: move aside a tier root another "
+        "user made first in a shared directory (/dev/shm), give the root to --owner, and exit",
+    )
+    parser.add_argument(
+        "--owner",
+        default=str(os.geteuid()),
+        help="with --claim-roots: the user (name or uid) the agent runs as (default: this one)",
+    )
     parser.add_argument("--version", action="version", version=f"prewarmd {__version__}")
     return parser
+
+
+def _claim_roots(settings: Settings, owner: str) -> int:
+    """``--claim-roots``: one line per tier root on stderr; 1 if a root cannot be claimed."""
+    try:
+        uid = int(owner) if owner.isdigit() else pwd.getpwnam(owner).pw_uid
+    except KeyError:
+        print(f"prewarmd: --owner {owner!r} is no user on this host.", file=sys.stderr)
+        return 2
+    for root in (settings.tiers.shm_root, settings.tiers.disk_root):
+        try:
+            claim = claim_root(Path.cwd() / root, uid)
+        except OSError as exc:
+            print(f"prewarmd: cannot claim {root}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
+        print(f"prewarmd: {claim}", file=sys.stderr)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -331,14 +363,31 @@ def main(argv: list[str] | None = None) -> int:
             print(f"prewarmd: warning: {sentence}", file=sys.stderr)
         sys.stdout.write(render_toml(settings))
         return 0
+    if args.claim_roots:
+        return _claim_roots(settings, args.owner)
     configure_logging(settings.log_level)
     for sentence in ignored:
         log.warning(sentence)
     return_large_buffers()  # before any thread: freed data-plane buffers go back to the OS
     try:
         asyncio.run(serve(settings))
-    except PrewarmError as exc:
-        log.error("cannot start: %s", exc)
-        SystemdNotifier.from_environment().status(f"Cannot start: {exc}")
+    except (PrewarmError, ExceptionGroup) as exc:
+        reason = _startup_error(exc)
+        if reason is None:
+            raise
+        log.error("cannot start: %s", reason)
+        SystemdNotifier.from_environment().status(f"Cannot start: {reason}")
         return 1
     return 0
+
+
+def _startup_error(exc: BaseException) -> PrewarmError | None:
+    """The PrewarmError that stopped the start, also out of a TaskGroup's ExceptionGroup
+    (a part that owns tasks wraps what fails inside its block); None for anything else."""
+    if isinstance(exc, PrewarmError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        causes = [_startup_error(inner) for inner in exc.exceptions]
+        if causes and all(causes):
+            return causes[0]
+    return None

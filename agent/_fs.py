@@ -125,13 +125,14 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_json_atomic(
-    path: Path, document: Mapping[str, Any], *, durable: bool = False, mode: int = 0o644
+    path: Path, document: Mapping[str, Any], *, durable: bool = False, mode: int = 0o600
 ) -> None:
     """Replace ``path`` with ``document`` so a reader sees the old or the new file, never half.
 
     ``durable`` also fsyncs the file and its directory (for what must survive a
-    power cut, such as a snapshot manifest); ``mode`` is the new file's (0600 for
-    what only the agent may read).
+    power cut, such as a snapshot manifest); ``mode`` is the new file's. By
+    default the file is the agent's alone (0600): what it records about the cache
+    (URIs, keys, pins, leases) is no one else's to read.
     """
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:

@@ -86,7 +86,7 @@ async def test_returning_to_staging_never_changes_the_mode_of_a_hard_linked_file
     snapshot.mkdir()
     os.link(secret, snapshot / "weights.bin")
     (root / "staging" / key_of(7)).mkdir()
-    return_to_staging(root, key_of(7), root / "staging" / key_of(7) / DATA_DIR)
+    return_to_staging(snapshot, root / "staging" / key_of(7) / DATA_DIR)
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600
 
 

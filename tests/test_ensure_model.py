@@ -207,7 +207,7 @@ def test_published_models_survive_a_restart(
     assert warm.hit
     assert warm.path == cold.path
     assert cache_entries(agent) == {
-        "shm/snapshots": [cold.key],
+        "shm/snapshots": [cold.path.name],
         "shm/manifests": [f"{cold.key}.json"],
     }
 

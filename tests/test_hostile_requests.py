@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -265,3 +266,39 @@ def test_the_cli_shows_agent_values_escaped_and_never_as_markup(view: str) -> No
     assert "\\x1b" in text
     if view == "show":
         assert "[link=http://evil]click[/link]" in text
+
+
+_LONG_PART = "a" * 250
+_LONG_URI = "s3://no-such-bucket-echo/" + "/".join([_LONG_PART] * 3) + "/"
+_SPACED_URI = "s3://no-such-bucket-echo/" + "/".join([" ".join(["w" * 40] * 5)] * 4) + "/"
+_ECHOES = [
+    ("EnsureModel", pb.EnsureModelRequest(uri=_LONG_URI)),
+    ("EnsureModel", pb.EnsureModelRequest(uri=_LONG_URI, cached_only=True)),
+    ("GetModel", pb.GetModelRequest(ref=_LONG_URI)),
+    ("EvictModel", pb.EvictModelRequest(ref=_LONG_URI)),
+    ("PinModel", pb.PinModelRequest(ref=_LONG_URI, pinned=True)),
+    ("GetModel", pb.GetModelRequest(ref="z" * 1000)),
+    ("EnsureModel", pb.EnsureModelRequest(uri=_SPACED_URI, cached_only=True)),
+]
+
+
+@pytest.mark.parametrize(
+    ("method", "request_message"),
+    _ECHOES,
+    ids=["ensure", "cached-only", "get", "evict", "pin", "bad-ref", "spaced-uri"],
+)
+def test_a_value_under_its_field_limit_is_echoed_cut_to_200_characters(
+    agent_daemon: RunningAgent, method: str, request_message: Message
+) -> None:
+    """A URI or ref within its 1,100-byte limit but over 200 characters is quoted in the error
+    cut to 200 characters and marked with its length, whichever RPC repeats it and even when it
+    holds spaces; no 201 characters of the caller's value come back in a row.
+    """
+    error = _call(agent_daemon, method, request_message)
+    detail = _details(error)
+    for field in request_message.DESCRIPTOR.fields:
+        value = getattr(request_message, field.name)
+        if isinstance(value, str) and len(value) > 200:
+            assert value[:201] not in detail, detail
+            assert value[:150] in detail, detail
+            assert re.search(r"\u2026 \(\d+ characters\)", detail), detail

@@ -219,7 +219,7 @@ def test_the_namespace_admits_the_hostpath_pods_it_needs() -> None:
     host_paths = {
         v["hostPath"]["path"] for v in daemonset_pod()["spec"]["volumes"] if "hostPath" in v
     }
-    assert host_paths == HOST_DIRS
+    assert host_paths == HOST_DIRS | {"/dev/shm"}  # the host's /dev/shm: the init container's
 
 
 def test_the_daemonset_mounts_the_host_directories_the_unit_uses() -> None:
@@ -229,6 +229,21 @@ def test_the_daemonset_mounts_the_host_directories_the_unit_uses() -> None:
     mounted = {m["mountPath"] for m in agent_container()["volumeMounts"] if m["name"] in host_paths}
     assert mounted == HOST_DIRS  # the same paths inside: the agent answers with host paths
     assert set(unit_value("ReadWritePaths").split()) == HOST_DIRS
+
+
+def test_the_init_container_claims_the_shm_root_in_the_hosts_dev_shm() -> None:
+    """Before the agent starts, the init container runs `prewarmd --claim-roots --owner 2929`
+    with the daemon's config and the host's /dev/shm itself mounted (not the shm root's own
+    mount, which would be the planted directory), as root with FOWNER for the sticky rename."""
+    pod = daemonset_pod()["spec"]
+    (init,) = pod["initContainers"]
+    script = " ".join(init["command"])
+    assert f"--config {agent_container()['args'][-1]} --claim-roots --owner {GID}" in script
+    host_paths = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    mounts = {m["mountPath"]: host_paths.get(m["name"]) for m in init["volumeMounts"]}
+    assert mounts["/dev/shm"] == "/dev/shm"
+    assert "/dev/shm/prewarm" not in mounts
+    assert {"CHOWN", "FOWNER"} <= set(init["securityContext"]["capabilities"]["add"])
 
 
 def test_the_daemonset_probes_ask_the_grpc_health_service_over_the_socket() -> None:

@@ -395,4 +395,4 @@ def test_reconcile_drops_manifests_whose_files_are_gone(
     agent.start()
     with Client(agent.socket_path) as client:
         assert [m.key for m in client.list_models()] == [keep.key]
-    assert lose.key not in cache_entries(agent)["shm/snapshots"]
+    assert lose.path.name not in cache_entries(agent)["shm/snapshots"]

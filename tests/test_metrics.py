@@ -200,3 +200,33 @@ def test_every_log_line_of_a_pull_carries_the_uri_key_peer_and_client(
         assert line["peer"].startswith("unix:"), line
         assert line["client"] == "ns/pod-a", line
         assert line["method"] == "EnsureModel", line
+
+
+def test_a_metrics_address_beyond_loopback_warns_at_start(start_agent: AgentFactory) -> None:
+    """`metrics.address = "0.0.0.0"` still serves, but the agent warns once at start naming the
+    address and the risk (no authentication, readable from the network); loopback does not."""
+    port = free_port()
+    agent = start_agent(f'[metrics]\naddress = "0.0.0.0"\nport = {port}\n')
+    warnings = [
+        record
+        for record in _log_records(agent)
+        if record["level"] == "warning" and "metrics" in record["msg"]
+    ]
+    assert len(warnings) == 1, warnings
+    assert f"0.0.0.0:{port}" in warnings[0]["msg"]
+    assert "not loopback" in warnings[0]["msg"]
+    assert "no authentication" in warnings[0]["msg"]
+    assert scrape(port)  # still served
+
+
+def test_the_loopback_metrics_address_does_not_warn(
+    metered_agent: tuple[RunningAgent, Meter],
+) -> None:
+    """The default address (127.0.0.1) serves metrics without a warning about them."""
+    agent, _ = metered_agent
+    records = _log_records(agent)
+    assert [r for r in records if r["level"] == "warning" and "metrics" in r["msg"]] == []
+
+
+def _log_records(agent: RunningAgent) -> list[dict[str, str]]:
+    return [json.loads(line) for line in agent.log_text().splitlines() if line[:1] == "{"]

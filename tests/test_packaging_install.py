@@ -129,7 +129,8 @@ def test_install_creates_the_prewarm_group_and_cache_roots(installed: Installed)
     assert any(line.startswith(f"prewarm:x:{GID}:") for line in groups), groups
     for directory in HOST_DIRS:
         info = (installed.root / directory.lstrip("/")).stat()
-        assert (info.st_gid, info.st_mode & 0o777) == (GID, 0o755), directory
+        mode = 0o755 if directory == "/run/prewarm" else 0o711  # tier roots: traverse-only
+        assert (info.st_gid, info.st_mode & 0o777) == (GID, mode), directory
     assert (installed.root / "etc/prewarm/agent.toml").read_text() == AGENT_TOML.read_text()
     assert (installed.prefix / "share/doc/prewarm/node-setup.md").is_file()
 

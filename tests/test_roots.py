@@ -73,10 +73,11 @@ async def test_a_root_under_a_directory_others_can_rename_it_in_is_refused(tmp_p
     assert list(shared.iterdir()) == []
 
 
-async def test_the_agent_creates_its_roots_0755_with_a_private_journal_key(
+async def test_the_agent_creates_its_roots_traverse_only_with_a_private_journal_key(
     tmp_path: Path,
 ) -> None:
-    """Fresh roots and their layout are 0755 and the agent's; the journal key is 0600."""
+    """Fresh roots and snapshots/ are 0711, the rest of the layout 0700, all the agent's; the
+    journal key is 0600 (tests/test_disk_access.py tries them as another user)."""
     old_umask = os.umask(0)  # the modes must not depend on the caller's umask
     try:
         await open_store(tmp_path)
@@ -85,7 +86,8 @@ async def test_the_agent_creates_its_roots_0755_with_a_private_journal_key(
     shm = tmp_path / "shm"
     for directory in (shm, *(p for p in shm.iterdir() if p.is_dir())):
         info = directory.lstat()
-        assert (oct(info.st_mode & 0o7777), info.st_uid) == ("0o755", os.geteuid()), directory
+        mode = "0o711" if directory in (shm, shm / "snapshots") else "0o700"
+        assert (oct(info.st_mode & 0o7777), info.st_uid) == (mode, os.geteuid()), directory
     key = (shm / JOURNAL_KEY_NAME).lstat()
     assert (oct(key.st_mode & 0o777), key.st_size) == ("0o600", 32)
 

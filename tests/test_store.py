@@ -32,12 +32,14 @@ def _journal(store: Store, key: str, *, tier: TierName = "shm", named: str = "")
 async def test_publish_moves_the_staged_files_into_place_and_writes_the_manifest(
     tmp_path: Path,
 ) -> None:
-    """Publish renames staging/<key>/data to snapshots/<key> and makes it exist via its manifest."""
+    """Publish renames staging/<key>/data to snapshots/<name> (its capability, not its key) and
+    makes it exist via its manifest."""
     store = await open_store(tmp_path)
     staging, staged = stage(store, 1, 2)
     model = await store.publish(staging, staged)
     root = tmp_path / "shm"
-    assert model.path == root / "snapshots" / model.key
+    assert model.path.parent == root / "snapshots"
+    assert model.path.name not in (model.key, "data")
     assert (model.path / "weights.bin").stat().st_size == 2 * MiB
     assert not (staging / "data").exists()
     manifest = json.loads((root / "manifests" / f"{model.key}.json").read_text())
@@ -103,7 +105,7 @@ async def test_reconcile_drops_snapshots_whose_files_are_missing_or_resized(
     assert [m.key for m in reopened.models()] == [kept.key]
     root = tmp_path / "shm"
     assert _entries(root, "manifests") == [f"{kept.key}.json"]
-    assert _entries(root, "snapshots") == [kept.key]
+    assert _entries(root, "snapshots") == [kept.path.name]
     assert _entries(root, "usage") == [f"{kept.key}.json"]
 
 
@@ -145,7 +147,7 @@ async def test_reconcile_removes_what_was_never_published(tmp_path: Path) -> Non
     (root / "usage" / f"{key_of(3)}.json").write_text("{}")
     (root / "trash" / "evicted.1234").mkdir()
     await open_store(tmp_path)
-    assert _entries(root, "snapshots") == [kept.key]
+    assert _entries(root, "snapshots") == [kept.path.name]
     assert _entries(root, "usage") == [f"{kept.key}.json"]
     assert _entries(root, "trash") == []
 

@@ -345,8 +345,8 @@ def test_unit_is_a_hardened_notify_service() -> None:
 def test_tmpfiles_and_sysusers_create_the_cache_roots_for_the_prewarm_user(
     tmp_path: Path,
 ) -> None:
-    """sysusers.d creates the prewarm user (gid 2929) and tmpfiles.d its roots, owned by it, mode
-    0755.
+    """sysusers.d creates the prewarm user (gid 2929) and tmpfiles.d its roots, owned by it: the
+    socket directory 0755, the tier roots traverse-only (0711).
     """
     sysusers = systemd_tool("systemd-sysusers")
     tmpfiles = systemd_tool("systemd-tmpfiles")
@@ -362,9 +362,13 @@ def test_tmpfiles_and_sysusers_create_the_cache_roots_for_the_prewarm_user(
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    for directory in ("dev/shm/prewarm", "var/lib/prewarm", "run/prewarm"):
+    for directory, mode in (
+        ("dev/shm/prewarm", 0o711),
+        ("var/lib/prewarm", 0o711),
+        ("run/prewarm", 0o755),
+    ):
         info = (root / directory).stat()
-        assert (info.st_uid, info.st_gid, info.st_mode & 0o7777) == (uid, gid, 0o755), directory
+        assert (info.st_uid, info.st_gid, info.st_mode & 0o7777) == (uid, gid, mode), directory
     assert gid == 2929  # fixed, so pods can name it in supplementalGroups
 
 

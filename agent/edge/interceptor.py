@@ -19,15 +19,17 @@ import inspect
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 
 from agent._exceptions import ECHO_LIMIT, InvalidRequest, printable
 from agent.edge.request_limits import check_request
-from agent.edge.status import abort
+from agent.edge.status import abort, remember_request_values
 from agent.obs.logs import bind_request
 from agent.obs.metrics import REQUESTS
 
@@ -122,6 +124,7 @@ class RequestObserver(grpc.aio.ServerInterceptor):
                     "proto/prewarm/v1/prewarm.proto."
                 ),
             )
+        remember_request_values(_strings(request))
         try:
             check_request(request)
         except InvalidRequest as exc:
@@ -180,6 +183,13 @@ def _tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], A
             return _Undecodable(str(exc)[:ECHO_LIMIT])
 
     return tolerant
+
+
+def _strings(request: Message) -> Iterator[str]:
+    """The request's own string fields (repeated ones too), as the caller sent them."""
+    for field, value in request.ListFields():
+        if field.type == FieldDescriptor.TYPE_STRING:
+            yield from (value if field.is_repeated else (value,))
 
 
 def _bind(method: str, request: Any, context: Context) -> None:

@@ -29,13 +29,13 @@ from agent._exceptions import InvalidRequest, NoSpace, PrewarmError
 from agent.edge.request_limits import check_text
 from agent.edge.status import status_detail
 from agent.edge.unix_socket import (
+    SocketDirectory,
     clear_stale_socket,
     owner_only_umask,
-    remove_own_socket,
-    secure_socket,
     socket_group_id,
 )
 from agent.store.holders import start_time_of_peer
+from agent.store.lease_records import lease_tag
 from agent.store.leases import LeaseTable, PeerCredentials
 
 __all__ = [
@@ -94,9 +94,11 @@ class LeaseServer:
         self._group = group
         self._server: asyncio.Server | None = None
         self._inode: int | None = None
+        self._directory: SocketDirectory | None = None
         self._handlers: set[asyncio.Task[None]] = set()
         self._pending: Counter[tuple[int, str]] = Counter()
         self._closing = False
+        self._ended_by_shutdown = 0
 
     @property
     def path(self) -> Path:
@@ -113,16 +115,16 @@ class LeaseServer:
     async def __aenter__(self) -> Self:
         gid = socket_group_id(self._group)
         clear_stale_socket(self._path, "leases")
+        self._directory = SocketDirectory(self._path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             # Bound here, not inside start_unix_server, so that no await
             # happens under the umask.
             with owner_only_umask():
-                sock.bind(str(self._path))
-            self._inode = self._path.stat().st_ino
-            secure_socket(self._path, self._mode, gid)
+                sock.bind(self._directory.bind_address)
+            self._inode = self._directory.secure(self._mode, gid)
             self._server = await asyncio.start_unix_server(
-                self._serve_connection, sock=sock, limit=HELLO_LIMIT
+                self._accept, sock=sock, limit=HELLO_LIMIT
             )
         except BaseException:
             sock.close()
@@ -153,14 +155,26 @@ class LeaseServer:
                 await self._server.wait_closed()
         finally:
             self._remove_socket_file()
-            log.info("lease socket closed", extra={"socket": str(self._path)})
+            # One line for every lease the shutdown ended, not one each.
+            ended = self._ended_by_shutdown
+            log.info(
+                "lease socket closed: %d lease%s held open ended with it",
+                ended,
+                "" if ended == 1 else "s",
+                extra={"socket": str(self._path), "leases_ended": ended},
+            )
+
+    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # A plain callback, not a coroutine: the connection's task is then the server's own.
+        # For a coroutine, asyncio 3.11 adds a done-callback that calls task.exception(),
+        # which raises for a cancelled task and logs a traceback per connection at shutdown.
+        task = asyncio.get_running_loop().create_task(self._serve_connection(reader, writer))
+        self._handlers.add(task)
+        task.add_done_callback(self._handlers.discard)
 
     async def _serve_connection(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._handlers.add(task)
         held: str | None = None
         try:
             if self._closing:
@@ -190,7 +204,7 @@ class LeaseServer:
             log.info(
                 "lease held",
                 extra={
-                    "lease": record.id,
+                    "lease": lease_tag(record.id),
                     "key": record.key,
                     "client": record.client_name,
                     "pid": creds.pid,
@@ -203,31 +217,36 @@ class LeaseServer:
                 log.warning(
                     "lease connection cut off: it sent more than %d bytes after its hello",
                     POST_HELLO_LIMIT,
-                    extra={"lease": record.id, "pid": creds.pid, "uid": creds.uid},
+                    extra={"lease": lease_tag(record.id), "pid": creds.pid, "uid": creds.uid},
                 )
         except ConnectionError:
             pass  # the peer went away mid-reply: the same as closing
         finally:
             if held is not None:
-                ended = self._table.unhold(held)
-                if ended is not None:
-                    holder = ended.holder
-                    log.info(
-                        "lease released: its connection closed",
-                        extra={
-                            "lease": held,
-                            "key": ended.key,
-                            "pid": holder.pid if holder else None,
-                        },
-                    )
-            try:
-                writer.close()
-                # Returns within one loop turn; the close above already freed
-                # the socket even if this wait is cut short.
-                with contextlib.suppress(ConnectionError):
-                    await writer.wait_closed()
-            finally:
-                self._handlers.discard(task)
+                self._end(held)
+            writer.close()
+            # Returns within one loop turn; the close above already freed
+            # the socket even if this wait is cut short.
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+    def _end(self, lease_id: str) -> None:
+        """The holding connection closed: end its lease (counted, not logged, at shutdown)."""
+        ended = self._table.unhold(lease_id)
+        if ended is None:
+            return
+        if self._closing:
+            self._ended_by_shutdown += 1
+            return
+        holder = ended.holder
+        log.info(
+            "lease released: its connection closed",
+            extra={
+                "lease": lease_tag(lease_id),
+                "key": ended.key,
+                "pid": holder.pid if holder else None,
+            },
+        )
 
     def _admit(self, creds: PeerCredentials, peer: tuple[int, str]) -> None:
         """NoSpace when too many connections, of this peer or in all, still owe their hello."""
@@ -241,7 +260,10 @@ class LeaseServer:
             )
 
     def _remove_socket_file(self) -> None:
-        remove_own_socket(self._path, self._inode)
+        if self._directory is not None:
+            self._directory.remove_own(self._inode)
+            self._directory.close()
+            self._directory = None
 
 
 def _peer_credentials(writer: asyncio.StreamWriter) -> PeerCredentials:

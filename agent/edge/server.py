@@ -25,10 +25,9 @@ from agent.edge.interceptor import RequestObserver
 from agent.edge.servicer import PrewarmServicer
 from agent.edge.tenancy import TenantBinder
 from agent.edge.unix_socket import (
+    SocketDirectory,
     clear_stale_socket,
     owner_only_umask,
-    remove_own_socket,
-    secure_socket,
     socket_group_id,
 )
 from agent.service.access import Tenant
@@ -149,13 +148,13 @@ class ApiServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
+        directory = SocketDirectory(path)
         inode: int | None = None
         try:
             with owner_only_umask():
-                server.add_insecure_port(f"unix:{path}")  # binds the socket now
-            inode = socket.path.stat().st_ino
+                server.add_insecure_port(f"unix:{directory.bind_address}")  # binds it now
+            inode = directory.secure(socket.mode, gid)
             await server.start()
-            secure_socket(path, socket.mode, gid)
             for name in ("", SERVICE_NAME):
                 await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
             self._health.append(health_servicer)
@@ -163,5 +162,8 @@ class ApiServer:
         finally:
             if health_servicer in self._health:
                 self._health.remove(health_servicer)
-            await server.stop(self._grace_seconds)
-            remove_own_socket(path, inode)
+            try:
+                await server.stop(self._grace_seconds)
+                directory.remove_own(inode)
+            finally:
+                directory.close()

@@ -8,6 +8,7 @@ and shutting down is closing a server, not stopping a thread.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 from collections.abc import AsyncIterator
 
@@ -53,6 +54,26 @@ async def serve_metrics(
             bound_port,
             extra={"address": host, "port": bound_port},
         )
+        _warn_beyond_loopback(runner.addresses)
         yield host, bound_port
     finally:
         await runner.cleanup()
+
+
+def _warn_beyond_loopback(addresses: list[tuple[object, ...]]) -> None:
+    """Warn when the endpoint is reachable from the network, not only from this node."""
+    exposed = [
+        f"{host}:{port}"
+        for host, port, *_ in addresses
+        if not ipaddress.ip_address(str(host).split("%")[0]).is_loopback
+    ]
+    if exposed:
+        log.warning(
+            "metrics are served on %s, which is not loopback: anyone who can reach this node "
+            "on that port (other pods, other hosts) can read them, with no authentication: "
+            "request rates and outcomes, what the cache holds and which engines run. Keep "
+            'metrics.address = "127.0.0.1" and scrape from the node, or limit the port with a '
+            "NetworkPolicy or firewall.",
+            ", ".join(exposed),
+            extra={"address": ", ".join(exposed)},
+        )

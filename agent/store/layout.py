@@ -1,15 +1,20 @@
-"""A tier root on disk: where things live, and the manifest and usage files.
+"""A tier root on disk: where things live, who may see them, the manifest and usage files.
 
-Layout of each tier root::
+Layout of each tier root (modes with no traverse group; with one, 0711 is 0710)::
 
-    snapshots/<key>/...     published model files (what clients map)
-    manifests/<key>.json    written last, atomically; a snapshot exists iff this does
-    usage/<key>.json        last use and hit count (best effort, rewritten on use)
-    staging/<key>/          pulls in progress or interrupted (see journal); never visible
-    trash/                  evicted snapshots and dropped pulls on their way out
-    journal.key             the key staging journals are signed with (agent.store.roots)
+    ./                      0711  pods pass through, nobody lists
+    snapshots/              0711  likewise
+    snapshots/<name>/...    0555, files 0444: published model files (what clients map),
+                                  <name> an unguessable capability (agent.store.snapshot_names)
+    manifests/<key>.json    0700, files 0600: written last, atomically; a snapshot exists iff
+                                  this does
+    usage/<key>.json        0700: last use and hit count (best effort, rewritten on use)
+    staging/<key>/          0700: pulls in progress or interrupted (see journal)
+    trash/                  0700: evicted snapshots and dropped pulls on their way out
+    journal.key             0600: the root's secret (agent.store.roots)
 
-Published files are 0444 and published directories 0555: a snapshot never
+Only the agent may list anything or read what it keeps for itself; a pod
+reaches exactly the snapshot directories the API handed it. A snapshot never
 changes once its manifest exists, and nothing in it may be a link.
 
 Everything here is blocking file I/O: the store runs it in worker threads.
@@ -38,16 +43,19 @@ from agent._fs import (
 )
 from agent._vocabulary import TierName
 from agent.store.records import CachedFile, CachedModel, Usage
+from agent.store.roots import RootLayout
+from agent.store.snapshot_names import SnapshotNames
 
 __all__ = [
+    "LAYOUT",
     "MANIFEST_FORMAT",
-    "SUBDIRECTORIES",
     "manifest_path",
     "publish_files",
     "read_manifest",
     "read_usage",
     "return_to_staging",
     "snapshot_dir",
+    "snapshots_dir",
     "staging_dir",
     "trash_dir",
     "unpublish",
@@ -60,12 +68,22 @@ MANIFEST_FORMAT = 1
 # the rename of a snapshot into place and its manifest (reconcile must resume it).
 CRASH_POINT_VARIABLE = "PREWARM_TEST_CRASH_AT"
 _FILE_MODE, _DIRECTORY_MODE = 0o444, 0o555
-SUBDIRECTORIES = ("snapshots", "manifests", "usage", "staging", "trash")
 _USAGE_LIMIT = 64 * 1024
+# Who may pass through what; compile/ (agent.compile) keeps the modes its owner gives it.
+LAYOUT = RootLayout(
+    traversed=("snapshots",),
+    private=("manifests", "usage", "staging", "trash"),
+    own_rules=("compile",),
+)
 
 
-def snapshot_dir(root: Path, key: str) -> Path:
-    return root / "snapshots" / key
+def snapshots_dir(root: Path) -> Path:
+    return root / "snapshots"
+
+
+def snapshot_dir(root: Path, key: str, names: SnapshotNames) -> Path:
+    """Where snapshot ``key`` is published: under its capability, not its key."""
+    return snapshots_dir(root) / names.of(key)
 
 
 def manifest_path(root: Path, key: str) -> Path:
@@ -85,16 +103,16 @@ def trash_dir(root: Path) -> Path:
 
 
 def publish_files(staged_data: Path, root: Path, model: CachedModel) -> None:
-    """Seal the staged files, rename them into ``snapshots/``, then write the manifest.
+    """Seal the staged files, rename them to ``model.path``, then write the manifest.
 
     Raises IntegrityError if staging holds anything but the snapshot's regular
     files (a symlink, a device, an extra file), and NoSpace when the disk is
     full at the manifest; either way nothing is left in ``snapshots/``.
     """
-    final = snapshot_dir(root, model.key)
+    final = model.path
     _seal(staged_data, {f.path for f in model.files}, model.key)
     if os.path.lexists(final):  # a leftover without a manifest; never served, safe to replace
-        _withdraw(root, key=model.key)
+        _withdraw(root, final)
     staged_data.rename(final)
     if os.environ.get(CRASH_POINT_VARIABLE) == "publish-renamed":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -105,16 +123,15 @@ def publish_files(staged_data: Path, root: Path, model: CachedModel) -> None:
     except OSError as exc:
         with contextlib.suppress(OSError):
             manifest_path(root, model.key).unlink(missing_ok=True)
-        _withdraw(root, key=model.key)
+        _withdraw(root, final)
         raise _manifest_error(exc, root, model) from exc
 
 
-def return_to_staging(root: Path, key: str, staged_data: Path) -> None:
-    """Move a snapshot that never got its manifest back to ``staging/<key>/data``.
+def return_to_staging(final: Path, staged_data: Path) -> None:
+    """Move a snapshot directory that never got its manifest back to ``staging/<key>/data``.
 
     Its files become writable again so the pull that resumes it can reopen them.
     """
-    final = snapshot_dir(root, key)
     _chmod_dir(final, 0o755)
     final.rename(staged_data)
     for path, is_dir in _walk(staged_data):
@@ -124,19 +141,18 @@ def return_to_staging(root: Path, key: str, staged_data: Path) -> None:
             _chmod_file(path, 0o644)  # a link is left alone: the resuming pull refuses it
 
 
-def unpublish(root: Path, key: str) -> None:
+def unpublish(root: Path, model: CachedModel) -> None:
     """Hide a snapshot (manifest first), then delete its files.
 
     Files are unlinked, never truncated, so a process that still maps them
     keeps valid pages until it unmaps.
     """
-    manifest_path(root, key).unlink(missing_ok=True)
-    usage_path(root, key).unlink(missing_ok=True)
-    _withdraw(root, key=key)
+    manifest_path(root, model.key).unlink(missing_ok=True)
+    usage_path(root, model.key).unlink(missing_ok=True)
+    _withdraw(root, model.path)
 
 
-def _withdraw(root: Path, *, key: str) -> None:
-    final = snapshot_dir(root, key)
+def _withdraw(root: Path, final: Path) -> None:
     # Moving a directory rewrites its "..", so it must be writable (for a non-root agent).
     # A planted link fails here; retire then moves the link, never what it points to.
     with contextlib.suppress(OSError):
@@ -250,7 +266,7 @@ def read_usage(root: Path, key: str, created: float) -> Usage:
         return Usage(last_used=created)
 
 
-def read_manifest(path: Path, *, tier: TierName, root: Path) -> CachedModel:
+def read_manifest(path: Path, *, tier: TierName, root: Path, names: SnapshotNames) -> CachedModel:
     """The snapshot a manifest describes; raises OSError, ValueError, KeyError or TypeError."""
     document = json.loads(read_bytes_nofollow(path))
     if document.get("format") != MANIFEST_FORMAT:
@@ -262,7 +278,7 @@ def read_manifest(path: Path, *, tier: TierName, root: Path) -> CachedModel:
         key=key,
         uri=str(document["uri"]),
         tier=tier,
-        path=snapshot_dir(root, key),
+        path=snapshot_dir(root, key, names),
         files=tuple(
             CachedFile(
                 path=_safe_manifest_path(str(f["path"])),

@@ -5,10 +5,21 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-__all__ = ["RESTORED_PREFIX", "LeaseRecord", "PeerCredentials", "restored_id"]
+__all__ = ["RESTORED_PREFIX", "LeaseRecord", "PeerCredentials", "lease_tag", "restored_id"]
 
 # Ids of leases restored after a restart: never a real id (those are url-safe base64).
 RESTORED_PREFIX = "restored:"
+_TAG_DIGITS = 8
+
+
+def lease_tag(lease_id: str) -> str:
+    """What logs call a lease: 8 hex digits of its id's SHA-256.
+
+    A lease id is a capability (whoever knows it may hold it), and logs travel
+    further than the API does; the tag follows one lease through the log and
+    cannot be turned back into its id.
+    """
+    return hashlib.sha256(lease_id.encode()).hexdigest()[:_TAG_DIGITS]
 
 
 @dataclass(frozen=True, slots=True)

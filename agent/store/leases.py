@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from agent._exceptions import AccessDenied, Conflict, InvalidRequest, NoSpace, NotFound
-from agent.store.lease_records import LeaseRecord, PeerCredentials, restored_id
+from agent.store.lease_records import LeaseRecord, PeerCredentials, lease_tag, restored_id
 
 __all__ = [
     "MAX_LEASES_PER_PEER",
@@ -160,7 +160,12 @@ class LeaseTable:
         self._add(record)
         log.info(
             "lease granted",
-            extra={"lease": record.id, "key": key, "client": client_name, "ttl": seconds},
+            extra={
+                "lease": lease_tag(record.id),
+                "key": key,
+                "client": client_name,
+                "ttl": seconds,
+            },
         )
         return record
 
@@ -188,7 +193,7 @@ class LeaseTable:
         record = self._granted_to(lease_id, grantee)
         _refuse_if_held(record, "released")
         self._remove(lease_id)
-        log.info("lease released", extra={"lease": lease_id, "key": record.key})
+        log.info("lease released", extra={"lease": lease_tag(lease_id), "key": record.key})
         return record
 
     def end_all_for(self, key: str) -> list[LeaseRecord]:
@@ -210,8 +215,9 @@ class LeaseTable:
                     "that held it first, for as long as its connection stays open."
                 )
             raise Conflict(
-                f"Lease {_echo(lease_id)} is already held by another connection of this "
-                f"process (pid {creds.pid}); a lease is held by one connection at a time."
+                f"Lease {lease_tag(lease_id)} (its tag in the agent's log) is already held by "
+                f"another connection of this process (pid {creds.pid}); a lease is held by one "
+                "connection at a time."
             )
         record = dataclasses.replace(
             record,
@@ -411,7 +417,11 @@ class LeaseTable:
             self._remove(lease_id)
             log.info(
                 "lease expired",
-                extra={"lease": record.id, "key": record.key, "client": record.client_name},
+                extra={
+                    "lease": lease_tag(record.id),
+                    "key": record.key,
+                    "client": record.client_name,
+                },
             )
 
     def _notify(self) -> None:

@@ -9,6 +9,11 @@ anything; a root the agent does not own alone stops it (``agent.store.roots``).
 A snapshot renamed into place whose manifest was never written (the agent
 died in between) goes back to its staging directory when the signed journal
 is still there, so the next pull re-hashes it and publishes without fetching.
+
+A snapshot an older agent published under its key (``snapshots/<key>``, a name
+anyone could work out, in a directory anyone could list) is moved under its
+capability name (``agent.store.snapshot_names``) by one rename, and the root's
+modes are set before anything is served (``agent.store.roots``).
 Blocking: the store runs ``scan_tiers`` in a worker thread.
 """
 
@@ -25,15 +30,17 @@ from agent._fs import open_beneath, open_dir, remove_tree
 from agent._vocabulary import TierName
 from agent.store.journal import DATA_DIR, read_header
 from agent.store.layout import (
-    SUBDIRECTORIES,
+    LAYOUT,
     read_manifest,
     read_usage,
     return_to_staging,
+    snapshots_dir,
     staging_dir,
     trash_dir,
 )
 from agent.store.records import CachedModel, Leftover, Usage
 from agent.store.roots import journal_key, prepare_root
+from agent.store.snapshot_names import SnapshotNames
 
 __all__ = ["Found", "scan_tiers"]
 
@@ -44,40 +51,48 @@ _WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
 
 @dataclass(frozen=True, slots=True)
 class Found:
-    """What the tier roots hold: published snapshots with their use, and resumable pulls."""
+    """What the tier roots hold: published snapshots with their use, resumable pulls, and
+    how each root names its snapshots."""
 
     published: list[tuple[CachedModel, Usage]]
     leftovers: list[Leftover]
+    names: dict[TierName, SnapshotNames]
 
 
-def scan_tiers(roots: Mapping[TierName, Path]) -> Found:
+def scan_tiers(roots: Mapping[TierName, Path], group: int | None = None) -> Found:
     """Create and check each root's layout, empty its trash, keep what is published or resumable.
 
-    Raises UnsafeTierRoot when a root is not the agent's alone.
+    ``group`` is the traverse group (see ``prepare_root``). Raises
+    UnsafeTierRoot when a root is not the agent's alone.
     """
-    found = Found(published=[], leftovers=[])
+    found = Found(published=[], leftovers=[], names={})
     for root in roots.values():
-        prepare_root(root, SUBDIRECTORIES)  # every root, before anything in one is touched
+        prepare_root(root, LAYOUT, group)  # every root, before anything in one is touched
     for tier, root in roots.items():
         for doomed in trash_dir(root).iterdir():
             remove_tree(doomed)  # a link is unlinked, never followed
         secret = journal_key(root)
-        published = _scan_published(tier, root, secret)
+        names = SnapshotNames(secret)
+        published = _scan_published(tier, root, secret, names)
         keys = {model.key for model, _ in published}
         found.leftovers.extend(_scan_staging(tier, root, keys, secret))
         found.published.extend(published)
+        found.names[tier] = names
     return found
 
 
-def _scan_published(tier: TierName, root: Path, secret: bytes) -> list[tuple[CachedModel, Usage]]:
+def _scan_published(
+    tier: TierName, root: Path, secret: bytes, names: SnapshotNames
+) -> list[tuple[CachedModel, Usage]]:
     published: list[tuple[CachedModel, Usage]] = []
     for manifest in (root / "manifests").glob("*.json"):
         try:
-            model = read_manifest(manifest, tier=tier, root=root)
+            model = read_manifest(manifest, tier=tier, root=root, names=names)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("dropping unreadable manifest %s: %s", manifest, exc)
             manifest.unlink(missing_ok=True)
             continue
+        _rehome(model)
         if not _files_present(model):
             log.warning(
                 "dropping snapshot %s: its files are missing, resized, or not the agent's alone",
@@ -87,32 +102,61 @@ def _scan_published(tier: TierName, root: Path, secret: bytes) -> list[tuple[Cac
             continue
         published.append((model, read_usage(root, model.key, model.created)))
     keys = {model.key for model, _ in published}
-    for directory in (root / "snapshots").iterdir():
-        if directory.name in keys:
-            continue
-        if _resumable(root, directory, secret):
-            log.info("%s was renamed into place but never got its manifest: resuming it", directory)
-            return_to_staging(root, directory.name, staging_dir(root, directory.name) / DATA_DIR)
-        else:
-            log.warning("removing %s: no manifest, so it was never published", directory)
-            remove_tree(directory)
+    _sweep_unpublished(root, {model.path.name for model, _ in published}, secret, names)
     for usage in (root / "usage").glob("*.json"):
         if usage.stem not in keys:
             usage.unlink(missing_ok=True)
     return published
 
 
-def _resumable(root: Path, directory: Path, secret: bytes) -> bool:
-    """A snapshot directory the agent's own journal is still waiting to publish."""
-    staging = staging_dir(root, directory.name)
+def _rehome(model: CachedModel) -> None:
+    """Move a snapshot an older agent published under its key to its capability name.
+
+    One rename, no byte copied. A directory that is not the agent's is left
+    where it is: the snapshot is then missing, and dropped.
+    """
+    legacy = model.path.with_name(model.key)
+    if os.path.lexists(model.path) or not _is_real_dir(legacy):
+        return
+    fd = open_dir(legacy)
+    try:
+        if os.fstat(fd).st_uid != os.geteuid():
+            return
+        # The rename rewrites the directory's "..": it must be writable for a non-root agent.
+        os.fchmod(fd, 0o755)
+        legacy.rename(model.path)
+        os.fchmod(fd, 0o555)
+    finally:
+        os.close(fd)
+    log.info("moved snapshot %s from under its key to its unguessable name", model.key)
+
+
+def _sweep_unpublished(
+    root: Path, published: set[str], secret: bytes, names: SnapshotNames
+) -> None:
+    """Send a directory that never got its manifest back to staging, or remove it."""
+    # Directory names are capabilities (or keys, from an older agent): map both to keys.
+    staged = {p.name for p in (root / "staging").iterdir()}
+    owners = {names.of(key): key for key in staged} | {key: key for key in staged}
+    for directory in snapshots_dir(root).iterdir():
+        if directory.name in published:
+            continue
+        key = owners.get(directory.name)
+        if key is not None and _resumable(root, directory, key, secret):
+            log.info("%s was renamed into place but never got its manifest: resuming it", directory)
+            return_to_staging(directory, staging_dir(root, key) / DATA_DIR)
+        else:
+            log.warning("removing %s: no manifest, so it was never published", directory)
+            remove_tree(directory)
+
+
+def _resumable(root: Path, directory: Path, key: str, secret: bytes) -> bool:
+    """A snapshot directory the agent's own journal for ``key`` is still waiting to publish."""
+    staging = staging_dir(root, key)
     if directory.is_symlink() or not directory.is_dir() or not _is_real_dir(staging):
         return False
     header = read_header(staging, secret)
-    return (
-        header is not None
-        and header.key == directory.name
-        and not os.path.lexists(staging / DATA_DIR)
-    )
+    return header is not None and header.key == key and not os.path.lexists(staging / DATA_DIR)
 
 
 def _is_real_dir(path: Path) -> bool:

@@ -7,28 +7,47 @@ user's choosing. At start-up each root and every directory at its top level
 is checked: it must be a real directory (not a symlink), owned by the agent's
 uid and writable by nobody else. Its ancestors must not let another user swap
 it (owned by root or the agent; a group/world-writable one only if sticky,
-like ``/dev/shm`` and ``/tmp``). Anything else stops the agent with
-``UnsafeTierRoot`` saying what to fix; nothing is repaired silently.
+like ``/dev/shm`` and ``/tmp``). One thing is repaired, loudly: a root
+another user made first in such a shared directory is swapped for a fresh one
+of the agent's (``agent.store.claim``). Anything else stops the agent with
+``UnsafeTierRoot`` saying what to fix.
 
 Each root also holds ``journal.key``: 32 random bytes (mode 0600) with which
 the agent signs its staging journals, so a pull resumes only bytes this agent
-wrote (see ``agent.store.journal``).
+wrote (see ``agent.store.journal``), and from which the names of published
+snapshots are derived (``agent.store.snapshot_names``).
+
+Who may see what is set here too, at every start (so a root an older agent
+left world-readable is closed before anything is served): the root and the
+directories pods pass through are traverse-only (0711, or 0710 and the
+traverse group's when one is set: then only that group may pass), every other
+directory at the top is the agent's alone (0700) and so is every file (0600).
 """
 
 from __future__ import annotations
 
 import contextlib
+import grp
 import logging
 import os
 import secrets
 import stat
-from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
+from agent._config import ConfigError
 from agent._exceptions import PrewarmError
 from agent._fs import open_dir
+from agent.store.claim import claim_root
 
-__all__ = ["JOURNAL_KEY_NAME", "UnsafeTierRoot", "journal_key", "prepare_root"]
+__all__ = [
+    "JOURNAL_KEY_NAME",
+    "RootLayout",
+    "UnsafeTierRoot",
+    "journal_key",
+    "prepare_root",
+    "traverse_group_id",
+]
 
 log = logging.getLogger(__name__)
 
@@ -39,45 +58,132 @@ _WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
 _MAX_COMPONENTS = 4096
 
 
+# Pods pass through (no listing); with a traverse group, only its members do.
+TRAVERSE_MODE, GROUP_TRAVERSE_MODE = 0o711, 0o710
+PRIVATE_DIR_MODE, PRIVATE_FILE_MODE = 0o700, 0o600
+
+
 class UnsafeTierRoot(PrewarmError):
     """A tier root, or a directory in it, could be written by someone other than the agent."""
 
 
-def prepare_root(root: Path, subdirectories: Iterable[str]) -> None:
-    """Create ``root`` and its ``subdirectories`` (0755), then check that the agent alone owns them.
+@dataclass(frozen=True, slots=True)
+class RootLayout:
+    """The directories at the top of a tier root, by who may pass through them.
 
-    Raises UnsafeTierRoot naming the path and what to do when a root, one of
-    its top-level directories or an ancestor is not safe.
+    ``traversed``: on the pods' way to what they were handed, traverse-only as
+    the root is; ``private``: the agent's alone; ``own_rules``: left with the
+    modes another part gives them. Any other directory found at the top is
+    made private.
+    """
+
+    traversed: tuple[str, ...]
+    private: tuple[str, ...]
+    own_rules: tuple[str, ...] = ()
+
+
+def traverse_group_id(group: str) -> int | None:
+    """The gid of ``tiers.group``; None for "" (no traverse group)."""
+    if not group:
+        return None
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(
+            f"tiers.group {group!r} does not exist; create it (groupadd {group}) and give it "
+            "to the pods that read the cache, or leave tiers.group empty."
+        ) from None
+
+
+def prepare_root(root: Path, layout: RootLayout, group: int | None = None) -> None:
+    """Create ``root`` and its layout, check that the agent alone owns them, set who may see what.
+
+    ``group`` (a gid; None for none) is the traverse group: the only group
+    that may pass through the root. Raises UnsafeTierRoot naming the path and
+    what to do when a root, one of its top-level directories or an ancestor is
+    not safe.
     """
     root = Path.cwd() / root  # an absolute root stays as it is
     _check_links_on_the_way(root.parent)
     _check_ancestors(root.parent)
     root.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    _claim(root)
     with contextlib.suppress(FileExistsError):  # a dangling link too: refused below
-        root.mkdir(mode=0o755)
+        root.mkdir(mode=PRIVATE_DIR_MODE)
     try:
         fd = open_dir(root)
     except OSError as exc:
         raise _refusal(root, "is a symlink or not a directory") from exc
     try:
         _check_owned(fd, root)
-        for name in subdirectories:
+        # Closed while its entries are set: a root an older agent left open stays shut
+        # until nothing in it is readable by others.
+        os.fchmod(fd, PRIVATE_DIR_MODE)
+        for name in (*layout.traversed, *layout.private):
             with contextlib.suppress(FileExistsError):
-                os.mkdir(name, 0o755, dir_fd=fd)
+                os.mkdir(name, PRIVATE_DIR_MODE, dir_fd=fd)
         with os.scandir(fd) as scan:
             entries = list(scan)
         for entry in entries:
-            if entry.is_symlink():
-                raise _refusal(root / entry.name, "is a symlink")
-            if entry.is_dir(follow_symlinks=False):
-                child = open_dir(entry.name, dir_fd=fd)
-                try:
-                    _check_owned(child, root / entry.name)
-                finally:
-                    os.close(child)
+            _prepare_entry(fd, root, entry, layout, group)
+        _open_for_traversal(fd, group)
     finally:
         os.close(fd)
     journal_key(root)
+
+
+def _claim(root: Path) -> None:
+    """Swap a root another user made first in a shared directory for one of the agent's."""
+    try:
+        claim = claim_root(root, os.geteuid())
+    except OSError as exc:
+        raise _refusal(
+            root,
+            f"could not be moved aside ({exc.strerror}). Run `prewarmd --claim-roots --owner "
+            "<the agent's user>` as root before the agent starts (the systemd unit and the "
+            "DaemonSet do), or remove it by hand",
+        ) from exc
+    if claim.moved is not None:
+        log.warning("%s", claim, extra={"root": str(root), "planted_by": claim.planted_by})
+
+
+def _prepare_entry(
+    fd: int, root: Path, entry: os.DirEntry[str], layout: RootLayout, group: int | None
+) -> None:
+    if entry.is_symlink():
+        raise _refusal(root / entry.name, "is a symlink")
+    if entry.is_dir(follow_symlinks=False):
+        child = open_dir(entry.name, dir_fd=fd)
+        try:
+            _check_owned(child, root / entry.name)
+            if entry.name in layout.traversed:
+                _open_for_traversal(child, group)
+            elif entry.name not in layout.own_rules:
+                os.fchmod(child, PRIVATE_DIR_MODE)
+        finally:
+            os.close(child)
+    elif entry.is_file(follow_symlinks=False):
+        _make_private(fd, entry.name)
+
+
+def _open_for_traversal(fd: int, group: int | None) -> None:
+    if group is None:
+        os.fchmod(fd, TRAVERSE_MODE)
+        return
+    os.fchown(fd, -1, group)
+    os.fchmod(fd, GROUP_TRAVERSE_MODE)
+
+
+def _make_private(dir_fd: int, name: str) -> None:
+    """0600 for a file of the agent's with one link; anything else is left as it is."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = os.open(name, flags, dir_fd=dir_fd)
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and info.st_nlink == 1:
+            os.fchmod(fd, PRIVATE_FILE_MODE)
+    finally:
+        os.close(fd)
 
 
 def journal_key(root: Path) -> bytes:

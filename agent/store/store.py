@@ -44,6 +44,7 @@ from agent.store.records import (
     Usage,
 )
 from agent.store.roots import journal_key
+from agent.store.snapshot_names import SnapshotNames
 
 __all__ = [
     "CachedFile",
@@ -75,8 +76,14 @@ class Store:
         self,
         roots: Mapping[TierName, Path],
         budgets: Mapping[TierName, TierBudget] | None = None,
+        *,
+        traverse_group: int | None = None,
     ) -> None:
+        """``traverse_group`` (a gid; None for none): the only group that may pass through the
+        roots to the snapshots it was handed (see ``agent.store.roots``)."""
         self._roots: dict[TierName, Path] = {tier: Path(root) for tier, root in roots.items()}
+        self._traverse_group = traverse_group
+        self._names: dict[TierName, SnapshotNames] = {}
         self._budgets = {tier: (budgets or {}).get(tier, TierBudget()) for tier in self._roots}
         self._entries: dict[str, _Entry] = {}
         self._leftovers: dict[str, Leftover] = {}
@@ -88,7 +95,8 @@ class Store:
 
     async def open(self) -> None:
         """Create the tier layout and rebuild the index from disk."""
-        found = await asyncio.to_thread(scan_tiers, self._roots)
+        found = await asyncio.to_thread(scan_tiers, self._roots, self._traverse_group)
+        self._names = found.names
         self._entries = {model.key: _Entry(model, usage) for model, usage in found.published}
         self._leftovers = {leftover.key: leftover for leftover in found.leftovers}
         log.info(
@@ -316,7 +324,8 @@ class Store:
         if existing is not None:
             return existing
         root = self._roots[model.tier]
-        published = replace(model, path=snapshot_dir(root, model.key), created=time.time())
+        path = snapshot_dir(root, model.key, self._names[model.tier])
+        published = replace(model, path=path, created=time.time())
         await asyncio.to_thread(publish_files, staging / DATA_DIR, root, published)
         self._entries[model.key] = _Entry(model=published, usage=Usage(published.created))
         await self.record_use(model.key, hit=False)
@@ -332,5 +341,5 @@ class Store:
         if entry is None:
             raise NotFound(f"Snapshot {key} is not cached. See `prewarm ls`.")
         root = self._roots[entry.model.tier]
-        await asyncio.to_thread(unpublish, root, key)
+        await asyncio.to_thread(unpublish, root, entry.model)
         return entry.model

@@ -149,6 +149,7 @@ def test_a_cold_pull_from_a_silent_s3_fails_within_the_bound_and_says_what_to_ch
 async def test_a_data_plane_get_that_gets_no_answer_fails_within_the_bound(
     plane: DataPlaneName,
     range_retries: int,
+    *,
     s3_env: S3Server,
     small_model: SampleModel,
     silent_proxy: FaultProxy,

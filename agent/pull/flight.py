@@ -15,6 +15,9 @@ from agent.store.store import CachedModel
 
 __all__ = ["Flight", "PhaseName", "PullProgress", "PullTimings"]
 
+# Longest a watcher waits to hear of new bytes.
+NOTIFY_SECONDS = 0.05
+
 
 @dataclass(frozen=True, slots=True)
 class PullProgress:
@@ -59,6 +62,7 @@ class Flight:
         self._outcome: asyncio.Future[CachedModel] = asyncio.get_running_loop().create_future()
         self._outcome.add_done_callback(_mark_retrieved)
         self._bytes_left = {obj.relative_path: obj.size for obj in snapshot.objects}
+        self._wake_pending: asyncio.TimerHandle | None = None
 
     @property
     def key(self) -> str:
@@ -138,10 +142,20 @@ class Flight:
         self.progress = replace(
             self.progress, bytes_done=self.progress.bytes_done + count, files_done=files_done
         )
-        self._notify()
+        self._notify_soon()
+
+    def _notify_soon(self) -> None:
+        """Wake the watchers within NOTIFY_SECONDS: bytes arrive hundreds of times a second
+        and watchers send at most one event per 50 ms, so a wake-up per arrival is wasted
+        event-loop time."""
+        if self._wake_pending is None:
+            self._wake_pending = asyncio.get_running_loop().call_later(NOTIFY_SECONDS, self._notify)
 
     def _notify(self) -> None:
         # Wake everyone waiting on the current event and start a fresh one.
+        if self._wake_pending is not None:
+            self._wake_pending.cancel()
+            self._wake_pending = None
         self._changed.set()
         self._changed = asyncio.Event()
 

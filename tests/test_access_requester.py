@@ -62,7 +62,11 @@ def iam_world(
         user_a, user_b = s3.create_user("a", ["model-a"]), s3.create_user("b", ["model-b"])
         s3.enforce_iam()
         tenant_socket = root / "pods.sock"
+        # moto checks IAM only on signed headers, not on presigned URLs (it answers 500),
+        # so these pulls run on the aiobotocore plane; the processes plane's presigning
+        # with the requester's keys is pinned in tests/test_processes_plane.py.
         config = (
+            '[s3]\ndata_plane = "aiobotocore"\n'
             f'[[access.sockets]]\nname = "pods"\npath = "{tenant_socket}"\n'
             "requester_scoped = true\n"
         )

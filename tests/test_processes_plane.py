@@ -88,6 +88,23 @@ async def test_processes_plane_fills_either_tier_byte_for_byte(
     assert {sent_by(r.user_agent) for r in gets} == {"processes"}
 
 
+async def test_auto_pulls_through_the_processes_plane(
+    tmp_path: Path, s3_server: S3Server, small_model: SampleModel
+) -> None:
+    """With data_plane = "auto" and no request option, every ranged GET is a worker's."""
+    s3_server.clear_requests()
+    async with running_agent(
+        tmp_path, s3_server, s3_server.endpoint_url, concurrency="auto"
+    ) as agent:
+        assert agent.puller.data_plane == "processes"
+        result = await agent.ensure(small_model.uri)
+    assert_identical(result, small_model)
+    requests = s3_server.requests(bucket=small_model.bucket)
+    gets = [r.user_agent for r in requests if r.method == "GET" and r.range]
+    assert gets
+    assert {sent_by(agent) for agent in gets} == {"processes"}
+
+
 async def test_an_object_replaced_mid_pull_fails_with_source_changed(
     tmp_path: Path, s3_server: S3Server, small_model: SampleModel, proxy: FaultProxy
 ) -> None:

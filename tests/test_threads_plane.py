@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
-from test_data_planes import assert_identical, published, running_agent, sent_by, shards
+from test_data_planes import assert_identical, published, running_agent, shards
 from test_puller import tiny_tmpfs  # noqa: F401  (a fixture, used by name)
 
 from agent import AccessDenied, NoSpace, SourceChanged
@@ -64,26 +64,6 @@ async def test_threads_plane_fills_either_tier_byte_for_byte(
     assert result.model.tier == tier
     assert_identical(result, small_model)
     assert check.problems == ()
-
-
-async def test_auto_pulls_through_the_threads_plane(
-    tmp_path: Path, s3_server: S3Server, small_model: SampleModel
-) -> None:
-    """With data_plane = "auto" and no request option, every ranged GET is a worker thread's."""
-    s3_server.clear_requests()
-    async with running_agent(
-        tmp_path, s3_server, s3_server.endpoint_url, concurrency="auto"
-    ) as agent:
-        assert agent.puller.data_plane == "threads"
-        result = await agent.ensure(small_model.uri)
-    assert_identical(result, small_model)
-    gets = [
-        r.user_agent
-        for r in s3_server.requests(bucket=small_model.bucket)
-        if r.method == "GET" and r.range
-    ]
-    assert gets
-    assert {sent_by(agent) for agent in gets} == {"threads"}
 
 
 async def test_a_full_tier_is_no_space_and_leaves_no_staging(

@@ -12,11 +12,12 @@ The sinks are Protocols so that the source never imports the pull layer: the
 puller's ``Flight`` is the progress sink and its ``StagingFiles`` the range
 sink, both by shape.
 
-Three implementations: ``ThreadsPlane`` (threads_plane: ranged GETs in worker
-threads, each body read into a worker's buffer and written at its offset), ``AiobotocorePlane``
-(ranged_plane: ranged GETs in the event loop) and ``StreamerPlane``
-(streamer_plane: the Run:ai Model Streamer's C++ client in a thread). See
-docs/data-planes.md.
+Four implementations: ``ProcessPlane`` (process_plane: presigned ranged GETs
+sent by worker processes, each with its own interpreter lock), ``ThreadsPlane``
+(threads_plane: ranged GETs in the daemon's threads, each body read into a
+worker's buffer and written at its offset), ``AiobotocorePlane`` (ranged_plane:
+ranged GETs in the event loop) and ``StreamerPlane`` (streamer_plane: the Run:ai
+Model Streamer's C++ client in a thread). See docs/data-planes.md.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ __all__ = [
 T = TypeVar("T")
 
 # What data_plane = "auto" means, chosen by measurement (docs/data-planes.md).
-AUTO_DATA_PLANE: Literal["processes", "threads", "streamer", "aiobotocore"] = "threads"
+AUTO_DATA_PLANE: Literal["processes", "threads", "streamer", "aiobotocore"] = "processes"
 
 
 @dataclass(frozen=True, slots=True)

@@ -70,10 +70,11 @@ NODE_GBPS: dict[str, float] = {
 }
 # EC2 (Nitro) names the instance type in the DMI product name: no metadata call needed.
 _DMI_PRODUCT = Path("/sys/devices/virtual/dmi/id/product_name")
-# Interpreter-lock seconds one worker process holds per GiB over HTTPS, measured
-# (docs/data-planes.md), and the share of its lock a worker may keep busy at the
-# node's target: the processes plane runs enough workers that none is the bottleneck.
-GIL_SECONDS_PER_GIB = 0.1
+# Interpreter-lock seconds one worker process holds per GiB it moves over HTTPS
+# (py-spy --gil, 2 GiB, 2 workers, this 2-core VM: 0.26-0.29; over HTTP 0.10-0.11;
+# docs/data-planes.md), and the share of its lock a worker may keep busy at the node's
+# target: the processes plane runs enough workers that none is the bottleneck.
+GIL_SECONDS_PER_GIB = 0.25
 GIL_SHARE = 0.5
 MIN_WORKER_PROCESSES = 2
 MAX_WORKER_PROCESSES = 32

@@ -259,13 +259,17 @@ class WorkerPool:
             if future is not None and not future.done():
                 future.set_result(None)
             return
-        job = int(message.get("progress") or message.get("done") or message.get("failed") or 0)
+        if "progress" in message:
+            for job_text, count in dict(message["progress"]).items():
+                progressing = self._handlers.get(int(job_text))
+                if progressing is not None:  # else a job of a pull that ended
+                    progressing.on_progress(int(job_text), int(count))
+            return
+        job = int(message.get("done") or message.get("failed") or 0)
         run = self._handlers.get(job)
         if run is None:
             return  # a job of a pull that ended: nobody listens any more
-        if "progress" in message:
-            run.on_progress(job, int(message["bytes"]))
-            return
+        run.on_progress(job, int(message.get("bytes", 0)))
         worker.jobs.discard(job)
         del self._handlers[job]
         if "done" in message:
@@ -371,7 +375,6 @@ class ProcessPlane:
             start=byte_range.start,
             length=byte_range.length,
             step=read_step(tuning.low_speed_limit, tuning.request_timeout, tuning.io_block),
-            io_block=tuning.io_block,
             retries=tuning.range_retries,
             window=tuning.request_timeout,
             low_speed_limit=tuning.low_speed_limit,

@@ -12,8 +12,8 @@ it jobs over a ``SOCK_SEQPACKET`` socket, each a GET presigned by botocore
 (``SCM_RIGHTS``). A worker thread sends the GET with ``http.client`` on a
 connection it keeps, reads the body from the socket into its own buffer,
 hashes it (``ChunkHasher``) and writes it at its offset with ``pwrite``; it
-reports progress once per ``io_block`` and the range's digest at the end. The
-worker holds no credentials, opens no path, and imports nothing of the daemon
+reports the bytes written about ten times a second and the range's digest at
+the end. The worker holds no credentials, opens no path, and imports nothing of the daemon
 but the content hash and the retry rules (agent.source.pacing), so it stays
 small (about 17 MiB resident).
 
@@ -51,6 +51,8 @@ __all__ = ["USER_AGENT", "GetJob", "decode", "encode", "main"]
 # O_DIRECT writes need block-aligned offsets, lengths and memory: 4 KiB covers both
 # 512-byte and 4 KiB logical blocks.
 DIRECT_ALIGNMENT = 4096
+# How often a worker tells the daemon how many bytes its jobs wrote.
+PROGRESS_SECONDS = 0.1
 # Sent with every GET, so a server's log tells this plane apart from the others.
 USER_AGENT = "prewarm-processes"
 MAX_MESSAGE = 64 * 1024
@@ -73,7 +75,6 @@ class GetJob:
     start: int
     length: int
     step: int  # bytes per read and write
-    io_block: int  # progress is reported once per io_block bytes
     retries: int
     window: float  # the low-speed rule: at least low_speed_limit bytes/s per window
     low_speed_limit: int
@@ -178,6 +179,46 @@ class PullGate:
 Connections = dict[tuple[str, str, int], http.client.HTTPConnection]
 
 
+class ProgressReport:
+    """Bytes written per job, sent to the daemon at most every PROGRESS_SECONDS, in one message.
+
+    However many bytes move, the daemon's event loop hears from a worker about ten
+    times a second: a message per piece or per ``io_block`` would cost it time in
+    proportion to the node's bandwidth. A job's last bytes go with its end
+    (``finish``), sent under the same lock, so no count ever arrives after its job.
+    """
+
+    def __init__(self, send: Callable[[dict[str, Any]], None]) -> None:
+        self._send = send
+        self._lock = threading.Lock()
+        self._pending: dict[int, int] = {}
+        self._due = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add(self, job: int, count: int) -> None:
+        with self._lock:
+            self._pending[job] = self._pending.get(job, 0) + count
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
+                self._thread.start()
+        self._due.set()
+
+    def finish(self, job: int, message: dict[str, Any]) -> None:
+        """Send ``message`` (a job's end) with the job's bytes not reported yet."""
+        with self._lock:
+            self._send(message | {"bytes": self._pending.pop(job, 0)})
+
+    def _run(self) -> None:
+        while True:
+            self._due.wait()
+            time.sleep(PROGRESS_SECONDS)
+            with self._lock:
+                self._due.clear()
+                batch, self._pending = self._pending, {}
+                if batch:
+                    self._send({"progress": {str(job): count for job, count in batch.items()}})
+
+
 @dataclass(slots=True)
 class JobRun:
     """One job under way in a worker thread: how far it got, and the hash of what it wrote."""
@@ -191,7 +232,6 @@ class JobRun:
     direct_fd: int | None = None
     hasher: ChunkHasher = field(default_factory=ChunkHasher)
     done: int = 0
-    unreported: int = 0
     silent: float = 0.0  # seconds this range's GETs waited for an answer that never came
 
     @property
@@ -201,8 +241,8 @@ class JobRun:
         left = self.job.first_byte_timeout - self.silent
         return max(0.5, min(self.job.read_timeout, left))
 
-    def write(self, piece: memoryview, send: Callable[[dict[str, Any]], None]) -> None:
-        """Hash a piece, write it at its place; report progress once per io_block.
+    def write(self, piece: memoryview, progress: ProgressReport) -> None:
+        """Hash a piece, write it at its place, and count it for the next progress report.
 
         With O_DIRECT, the whole blocks go straight to the disk and only an
         unaligned tail (a file's last bytes) through the page cache.
@@ -221,10 +261,7 @@ class JobRun:
             failure = {"kind": "write", "errno": exc.errno or 0, "message": exc.strerror or ""}
             raise Final(failure) from None
         self.done += len(piece)
-        self.unreported += len(piece)
-        if self.unreported >= self.job.io_block or self.done == self.job.length:
-            send({"progress": self.job.id, "bytes": self.unreported})
-            self.unreported = 0
+        progress.add(self.job.id, len(piece))
 
 
 def _write_all(fd: int | None, data: memoryview, position: int) -> None:
@@ -260,6 +297,7 @@ class RangeWorker:
         self._windows_lock = threading.Lock()
         self._tls = ssl.create_default_context()
         self._watchdog: threading.Thread | None = None
+        self._progress = ProgressReport(self.send)
 
     # -- the control socket --------------------------------------------------------------
 
@@ -336,7 +374,7 @@ class RangeWorker:
                     self._run(job, fd, buffer[: job.step], connections)
                 except Exception as exc:  # a bug here must fail the pull, never hang it
                     failure = {"kind": "internal", "message": f"{type(exc).__name__}: {exc}"}
-                    self.send({"failed": job.id, "attempts": 1} | failure)
+                    self._progress.finish(job.id, {"failed": job.id, "attempts": 1} | failure)
                 finally:
                     os.close(fd)
         finally:
@@ -364,6 +402,10 @@ class RangeWorker:
             if direct_fd is not None:
                 os.close(direct_fd)
 
+    def _end(self, job: GetJob, failure: dict[str, Any]) -> None:
+        """Report that ``job`` failed (with its bytes not reported yet)."""
+        self._progress.finish(job.id, {"failed": job.id} | failure)
+
     def _attempts(self, run: JobRun) -> None:
         """Try the range until it is written, the retries are spent, or the pull stops."""
         job, gate = run.job, run.gate
@@ -377,19 +419,19 @@ class RangeWorker:
                     run.silent += float(exc.report.get("waited", 0.0))
                     if run.silent >= job.first_byte_timeout - 0.5:
                         silence = {"kind": "silent", "waited": run.silent}
-                        self.send({"failed": job.id, "attempts": failures} | silence)
+                        self._end(job, {"attempts": failures} | silence)
                         return
                     if failures > job.retries:
-                        self.send({"failed": job.id, "attempts": failures} | exc.report)
+                        self._end(job, {"attempts": failures} | exc.report)
                         return
                     if gate.stopped.wait(backoff_delay(failures)):
                         return
         except Stopped:
             return
         except Final as exc:
-            self.send({"failed": job.id, "attempts": failures + 1} | exc.report)
+            self._end(job, {"attempts": failures + 1} | exc.report)
             return
-        self.send({"done": job.id, "digest": run.hasher.digest().hex()})
+        self._progress.finish(job.id, {"done": job.id, "digest": run.hasher.digest().hex()})
 
     def _get(self, run: JobRun) -> None:
         """One GET for the rest of the range, advancing ``run.done`` past every good byte."""
@@ -403,7 +445,12 @@ class RangeWorker:
         self._watch(body, job, gate)
         try:
             got = _read_body(
-                response, sock, body, run.buffer, wanted, write=lambda p: run.write(p, self.send)
+                response,
+                sock,
+                body,
+                run.buffer,
+                wanted,
+                write=lambda p: run.write(p, self._progress),
             )
         except _BROKEN_OFF as exc:
             connection.close()

@@ -39,12 +39,13 @@ from agent.pull.puller import Puller
 from agent.service import access as access_rules
 from agent.service.operations import AgentService
 from agent.source.s3 import S3Source
+from agent.store.catalog import Store
 from agent.store.claim import claim_root
 from agent.store.lease_file import HELD_LEASES_NAME
 from agent.store.lease_keeper import LeaseKeeper
 from agent.store.leases import LeaseTable
+from agent.store.records import TierBudget
 from agent.store.roots import traverse_group_id
-from agent.store.store import Store, TierBudget
 
 __all__ = ["main", "serve"]
 

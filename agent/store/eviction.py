@@ -23,8 +23,9 @@ from agent._snapshot import Snapshot
 from agent._vocabulary import TIER_NAMES, TierName
 from agent.obs.metrics import EVICTIONS
 from agent.store.budget import Candidate, TierLimits, pick_victims
+from agent.store.catalog import Store
 from agent.store.leases import LeaseRecord, LeaseTable
-from agent.store.store import CachedModel, Store
+from agent.store.records import CachedModel
 
 __all__ = ["Evictor"]
 

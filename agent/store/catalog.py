@@ -35,7 +35,6 @@ from agent.store.layout import (
 )
 from agent.store.reconcile import scan_tiers
 from agent.store.records import (
-    CachedFile,
     CachedModel,
     ExtraUsage,
     Leftover,
@@ -46,16 +45,7 @@ from agent.store.records import (
 from agent.store.roots import journal_key
 from agent.store.snapshot_names import SnapshotNames
 
-__all__ = [
-    "CachedFile",
-    "CachedModel",
-    "ExtraUsage",
-    "Leftover",
-    "Store",
-    "TierBudget",
-    "TierUsage",
-    "Usage",
-]
+__all__ = ["Store"]
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,8 @@ from agent.obs.logs import configure_logging
 from agent.obs.metrics import REGISTRY, StateCollector, StateReading, TierReading
 from agent.obs.metrics_server import serve_metrics
 from agent.obs.sdnotify import SystemdNotifier
-from agent.prefetch.manifests import CompileCacheHook, CompileSpec, ManifestWatcher
+from agent.prefetch.manifests import CompileCacheHook, ManifestWatcher
+from agent.prefetch.schema import CompileSpec
 from agent.pull.puller import Puller
 from agent.service import access as access_rules
 from agent.service.operations import AgentService

@@ -46,7 +46,7 @@ from agent.prefetch.schema import (
 from agent.service.operations import AgentService, EnsureResult
 
 # CompileSpec is part of CompileCacheHook's signature, so it is offered here too.
-__all__ = ["CompileCacheHook", "CompileSpec", "ManifestWatcher"]
+__all__ = ["CompileCacheHook", "ManifestWatcher"]
 
 log = logging.getLogger(__name__)
 

@@ -493,7 +493,7 @@ class Settings(BaseSettings):
         return self.leases.socket_path or self.socket_path.parent / "lease.sock"
 
     @classmethod
-    def settings_customise_sources(
+    def settings_customise_sources(  # noqa: PLR0917  (pydantic-settings calls it so)
         cls,
         settings_cls: type[BaseSettings],
         init_settings: PydanticBaseSettingsSource,

@@ -233,8 +233,8 @@ def verify_files(
         gone = f"the snapshot directory cannot be opened as one ({exc.strerror})."
         return [FileProblem(relative, "missing", gone) for relative, _, _ in expected]
     try:
-        for relative, size, digest in expected:
-            problem = _check_file(root, relative, size, digest, chunk_size)
+        for entry in expected:
+            problem = _check_file(root, entry, chunk_size)
             if problem is not None:
                 problems.append(problem)
     finally:
@@ -242,9 +242,8 @@ def verify_files(
     return problems
 
 
-def _check_file(
-    root: int, relative: str, size: int, digest: str, chunk_size: int
-) -> FileProblem | None:
+def _check_file(root: int, entry: tuple[str, int, str], chunk_size: int) -> FileProblem | None:
+    relative, size, digest = entry
     # Opened component by component without following links: a symlink in the
     # snapshot is a problem to report, never a path to hash (or to trust).
     try:
@@ -254,17 +253,11 @@ def _check_file(
     except OSError:
         return FileProblem(relative, "missing", "the path is a link or not a regular file.")
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            return FileProblem(relative, "missing", "the path is not a regular file.")
-        if info.st_size != size:
-            return FileProblem(relative, "size", f"the file has {info.st_size} bytes, not {size}.")
-        try:
-            actual = _hash_fd(fd, chunk_size, read_block=READ_BLOCK, name=relative).digest
-        except IntegrityError as exc:
-            return FileProblem(relative, "size", str(exc))
+        actual = _digest_of_regular_file(fd, relative, size, chunk_size)
     finally:
         os.close(fd)
+    if isinstance(actual, FileProblem):
+        return actual
     if actual != digest:
         return FileProblem(
             relative,
@@ -273,6 +266,21 @@ def _check_file(
             "the file changed after it was written.",
         )
     return None
+
+
+def _digest_of_regular_file(
+    fd: int, relative: str, size: int, chunk_size: int
+) -> str | FileProblem:
+    """The file's content digest, or why it is not the file the manifest recorded."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        return FileProblem(relative, "missing", "the path is not a regular file.")
+    if info.st_size != size:
+        return FileProblem(relative, "size", f"the file has {info.st_size} bytes, not {size}.")
+    try:
+        return _hash_fd(fd, chunk_size, read_block=READ_BLOCK, name=relative).digest
+    except IntegrityError as exc:
+        return FileProblem(relative, "size", str(exc))
 
 
 class ObjectChecksum(Protocol):

@@ -137,7 +137,9 @@ class Journal:
             found, header_mac = _verified_header(fh.readline(), secret)
             if found != header:
                 raise ValueError("journal belongs to another snapshot or chunk size")
-            completed = list(_read_entries(fh, header, secret, header_mac, staging))
+            completed = list(
+                _read_entries(fh, header, secret=secret, header_mac=header_mac, where=staging)
+            )
         flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(staging / JOURNAL_NAME, flags)
         return cls(fd, header, secret, header_mac), completed
@@ -179,7 +181,12 @@ def _open_journal(staging: Path) -> BinaryIO:
 
 
 def _read_entries(
-    lines: Iterable[bytes], expected: JournalHeader, secret: bytes, header_mac: bytes, where: Path
+    lines: Iterable[bytes],
+    expected: JournalHeader,
+    *,
+    secret: bytes,
+    header_mac: bytes,
+    where: Path,
 ) -> Iterator[CompletedRange]:
     sizes = {p: size for p, size, _ in expected.objects}
     for raw in lines:

@@ -37,7 +37,10 @@ _PLACEMENT_ROUNDS = 4
 
 
 class Evictor:
+    """Chooses the tier of each new pull and evicts what must go to make room."""
+
     def __init__(self, store: Store, leases: LeaseTable, settings: TierSettings) -> None:
+        """``leases`` protect snapshots; ``settings`` give budgets, watermarks and fallback."""
         self._store = store
         self._leases = leases
         self._settings = settings
@@ -46,6 +49,7 @@ class Evictor:
         self.lock = asyncio.Lock()
 
     def protected_keys(self) -> set[str]:
+        """Keys no eviction may take: leased, or claimed by a request in progress."""
         return self._leases.protected_keys()
 
     def place(

@@ -163,6 +163,7 @@ class LeaseTable:
         *,
         max_per_peer: int = MAX_LEASES_PER_PEER,
     ) -> None:
+        """An empty table; see the class for the TTLs, the cap and the clock."""
         if not 0 < default_ttl <= max_ttl:
             raise InvalidRequest(
                 f"Lease TTLs must satisfy 0 < default ({default_ttl}) <= max ({max_ttl}); "
@@ -190,10 +191,12 @@ class LeaseTable:
 
     @property
     def default_ttl(self) -> float:
+        """The TTL of a lease whose request gives none, in seconds."""
         return self._default_ttl
 
     @property
     def max_ttl(self) -> float:
+        """The longest TTL a lease may have, in seconds (longer asks are clamped)."""
         return self._max_ttl
 
     def check_room(self, grantee: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import pwd
@@ -15,7 +16,9 @@ from pathlib import Path
 
 from agent._config import (
     ConfigError,
+    LeaseSettings,
     Settings,
+    TierSettings,
     load_settings,
     render_toml,
     unknown_environment,
@@ -34,17 +37,19 @@ from agent.obs.logs import configure_logging
 from agent.obs.metrics import REGISTRY, StateCollector, StateReading, TierReading
 from agent.obs.metrics_server import serve_metrics
 from agent.obs.sdnotify import SystemdNotifier
-from agent.prefetch.manifests import CompileCacheHook, CompileSpec, ManifestWatcher
+from agent.prefetch.manifests import CompileCacheHook, ManifestWatcher
+from agent.prefetch.schema import CompileSpec
 from agent.pull.puller import Puller
 from agent.service import access as access_rules
 from agent.service.operations import AgentService
 from agent.source.s3 import S3Source
+from agent.store.catalog import Store
 from agent.store.claim import claim_root
 from agent.store.lease_file import HELD_LEASES_NAME
 from agent.store.lease_keeper import LeaseKeeper
 from agent.store.leases import LeaseTable
+from agent.store.records import TierBudget
 from agent.store.roots import traverse_group_id
-from agent.store.store import Store, TierBudget
 
 __all__ = ["main", "serve"]
 
@@ -59,39 +64,20 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
     run on a loop in any thread (``agent.testing.InProcessAgent``).
     """
     if stop is None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
-    socket_path = settings.socket_path
-    tiers = settings.tiers
+        stop = _stop_on_signals()
     _check_access(settings)
     _check_paths_creatable(settings)
     node, tenants = access_rules.tenants_from_settings(settings)
     # The daemon's own callers (manifests) are the node: its sources, its limits.
     access_rules.bind_requester(access_rules.Requester(node))
     notifier = SystemdNotifier.from_environment()
-    notifier.status(f"Reconciling the cache in {tiers.shm_root} and {tiers.disk_root}")
-    store = Store(
-        {"shm": tiers.shm_root, "disk": tiers.disk_root},
-        {
-            "shm": TierBudget(tiers.shm_budget, tiers.shm_reserve),
-            "disk": TierBudget(tiers.disk_budget, tiers.disk_reserve),
-        },
-        traverse_group=traverse_group_id(tiers.group),
-    )
-    await store.open()
+    store = await _open_store(settings.tiers, notifier)
     api = _api_server(settings, node, tenants)
     api.claim()
     raise_descriptor_limit(api.connection_capacity)
-    leases = LeaseTable(
-        settings.leases.default_ttl_seconds,
-        settings.leases.max_ttl_seconds,
-        max_per_peer=settings.leases.max_per_peer,
-    )
-
+    leases = _lease_table(settings.leases)
     keeper = LeaseKeeper(
-        leases, tiers.shm_root / HELD_LEASES_NAME, lambda key: store.get(key) is not None
+        leases, settings.tiers.shm_root / HELD_LEASES_NAME, lambda key: store.get(key) is not None
     )
 
     async with (
@@ -115,27 +101,74 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
             _metrics_and_manifests(service, settings, compile_caches)
         )
         async with api.serving(service, compile_caches):
+            describe = functools.partial(_describe, store, puller, settings.socket_path)
             log.info(
                 "prewarmd %s serving",
                 __version__,
-                extra={"socket": str(socket_path), "models": len(store.models())},
+                extra={"socket": str(settings.socket_path), "models": len(store.models())},
             )
             # Both sockets are bound and the store reconciled: pods can be served.
-            notifier.ready(_describe(store, puller, socket_path))
-            async with notifier.heartbeat(lambda: _describe(store, puller, socket_path)):
+            notifier.ready(describe())
+            async with notifier.heartbeat(describe):
                 await stop.wait()
-            notifier.stopping(
-                f"Stopping: draining requests for up to {settings.shutdown_grace_seconds:g} s; "
-                f"{_count(len(puller.flights()), 'pull')} in flight will stay resumable"
+            await _drain(
+                api,
+                compile_caches,
+                notifier=notifier,
+                grace=settings.shutdown_grace_seconds,
+                pulls_in_flight=len(puller.flights()),
             )
-            log.info(
-                "stopping: draining requests", extra={"grace": settings.shutdown_grace_seconds}
-            )
-            await api.drain()
-            # A held compile lock is a stream that never ends by itself: end them now
-            # rather than make the drain wait out its grace period.
-            compile_caches.locks.close()
     log.info("stopped")
+
+
+def _stop_on_signals() -> asyncio.Event:
+    """An event SIGTERM and SIGINT set: the daemon's own loop, on the main thread."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    return stop
+
+
+async def _open_store(tiers: TierSettings, notifier: SystemdNotifier) -> Store:
+    """The node cache, reconciled from what the tier roots hold."""
+    notifier.status(f"Reconciling the cache in {tiers.shm_root} and {tiers.disk_root}")
+    store = Store(
+        {"shm": tiers.shm_root, "disk": tiers.disk_root},
+        {
+            "shm": TierBudget(tiers.shm_budget, tiers.shm_reserve),
+            "disk": TierBudget(tiers.disk_budget, tiers.disk_reserve),
+        },
+        traverse_group=traverse_group_id(tiers.group),
+    )
+    await store.open()
+    return store
+
+
+def _lease_table(leases: LeaseSettings) -> LeaseTable:
+    return LeaseTable(
+        leases.default_ttl_seconds, leases.max_ttl_seconds, max_per_peer=leases.max_per_peer
+    )
+
+
+async def _drain(
+    api: ApiServer,
+    compile_caches: CompileCaches,
+    *,
+    notifier: SystemdNotifier,
+    grace: float,
+    pulls_in_flight: int,
+) -> None:
+    """Stop in order: say so, let requests finish within the grace, end compile locks."""
+    notifier.stopping(
+        f"Stopping: draining requests for up to {grace:g} s; "
+        f"{_count(pulls_in_flight, 'pull')} in flight will stay resumable"
+    )
+    log.info("stopping: draining requests", extra={"grace": grace})
+    await api.drain()
+    # A held compile lock is a stream that never ends by itself: end them now
+    # rather than make the drain wait out its grace period.
+    compile_caches.locks.close()
 
 
 def _check_access(settings: Settings) -> None:

@@ -38,7 +38,7 @@ from ._schemes import SCHEMES, Servers, parse_schemes, serve_schemes
 from ._sections import BUCKET, RESULTS
 from ._stats import Sample
 from ._system import machine
-from ._targets import judge_targets
+from ._targets import RunOutline, judge_targets
 
 MiB = 1024**2
 GiB = 1024**3
@@ -218,17 +218,15 @@ def _run(args: argparse.Namespace, servers: Servers, scratch: Path, work: Path) 
         default_plane=default_plane,
     )
 
-    targets = judge_targets(
-        samples,
+    outline = RunOutline(
         schemes=args.schemes,
         preferred=preferred,
         planes=args.planes if "cold" in sections else [],
         default_plane=default_plane,
         concurrent=plan.concurrent,
         model_bytes=main_model.total_bytes,
-        scaling=scaling,
-        hits=hits,
     )
+    targets = judge_targets(samples, outline, scaling=scaling, hits=hits)
     table = text_table(samples, targets)
     return {
         "machine": machine(),

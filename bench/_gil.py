@@ -128,18 +128,11 @@ def gil_report(
 
 
 def gil_cold_pull(
-    ctx: Context,
-    model: BenchModel,
-    plane: str | None,
-    *,
-    pinned: bool,
-    source: Path | None = None,
-    py_spy: Path,
-    output: Path,
+    ctx: Context, model: BenchModel, cold_row: ColdRow, *, py_spy: Path, output: Path
 ) -> dict[str, Any]:
-    """One cold pull with py-spy counting who holds which lock: ``gil_report``'s JSON."""
+    """One cold pull of ``cold_row`` with py-spy counting who holds which lock (JSON)."""
     with (
-        running_agent(ctx, plane, pinned=pinned, source=source) as agent,
+        running_agent(ctx, cold_row.plane, pinned=cold_row.pinned, source=cold_row.source) as agent,
         Client(agent.socket_path) as client,
     ):
         assert agent.pid is not None
@@ -216,13 +209,7 @@ def measure_gil(
         output = RESULTS / f"gil-{slug}-{stamp}.txt"
         try:
             report = gil_cold_pull(
-                contexts[cold_row.scheme],
-                model,
-                cold_row.plane,
-                pinned=cold_row.pinned,
-                source=cold_row.source,
-                py_spy=py_spy,
-                output=output,
+                contexts[cold_row.scheme], model, cold_row, py_spy=py_spy, output=output
             )
         except Exception as exc:
             report = {"error": f"{type(exc).__name__}: {exc}"[:500]}

@@ -22,7 +22,7 @@ __all__ = ["fallocate_seconds", "install_py_spy", "profile_cold_pull", "summariz
 
 
 def profile_cold_pull(
-    ctx: Context, model: BenchModel, plane: str | None, py_spy: Path, output: Path
+    ctx: Context, model: BenchModel, plane: str | None, *, py_spy: Path, output: Path
 ) -> dict[str, Any]:
     """A cold pull with py-spy sampling the daemon; returns where its CPU went."""
     with running_agent(ctx, plane) as agent, Client(agent.socket_path) as client:

@@ -82,7 +82,7 @@ def scaling(
         scheme: _summary(
             plane,
             [
-                _point(m, size, *(runs[(scheme, m.name, what)] for what in _CONTENDERS))
+                _point(m, size, {what: runs[(scheme, m.name, what)] for what in _CONTENDERS})
                 for m, size in zip(sized, args.sizes, strict=True)
             ],
         )
@@ -115,9 +115,9 @@ def _summary(plane: str, points: list[dict[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def _point(
-    m: BenchModel, size: int, ceiling: Sample, s5cmd: Sample, cold: Sample
-) -> dict[str, Any]:
+def _point(m: BenchModel, size: int, contenders: Mapping[str, Sample]) -> dict[str, Any]:
+    """One model size's figures: the cold pull against the ceiling and s5cmd."""
+    ceiling, s5cmd, cold = (contenders[what] for what in _CONTENDERS)
     # size: what --scaling asked for; bytes: the model's (its small files included).
     point: dict[str, Any] = {"model": m.name, "size": size, "bytes": m.total_bytes}
     if not cold.ok:

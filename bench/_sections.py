@@ -211,7 +211,9 @@ def profile(
             RESULTS.mkdir(parents=True, exist_ok=True)
             stamp = f"{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}"
             output = RESULTS / f"profile-{plane}-{scheme}-{stamp}.txt"
-            profiles[plane] = profiling.profile_cold_pull(ctx, model, plane, py_spy, output)
+            profiles[plane] = profiling.profile_cold_pull(
+                ctx, model, plane, py_spy=py_spy, output=output
+            )
             profiles[plane]["raw"] = str(output)
         except Exception as exc:
             profiles[plane] = {"error": f"{type(exc).__name__}: {exc}"}

@@ -14,6 +14,7 @@ one scheme. "The daemon" is its process tree: the daemon and its workers.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ._hits import NO_S3, REFUSED
@@ -23,7 +24,7 @@ from ._schemes import row
 from ._stats import Sample
 from ._target import RSS_LIMIT, Target, cpu_of, measured, point_at
 
-__all__ = ["Target", "judge_targets"]
+__all__ = ["RunOutline", "Target", "judge_targets"]
 
 MiB = 1024**2
 GiB = 1024**3
@@ -33,23 +34,34 @@ NO_S3_HIT_LIMIT = 0.002
 ALTERNATIVES = ("s5cmd", "boto3", "streamer")
 
 
+@dataclass(frozen=True)
+class RunOutline:
+    """What one run measured: its schemes, its rows and the main model's size."""
+
+    schemes: Sequence[str]
+    # The scheme warm launches, concurrent clients and hits ran over.
+    preferred: str
+    # The data planes whose cold pulls ran (empty without the cold section).
+    planes: Sequence[str]
+    default_plane: str
+    # The concurrent clients' row (over ``preferred``), if measured.
+    concurrent: str | None
+    model_bytes: int
+
+
 def judge_targets(
     samples: Mapping[str, Sample],
+    outline: RunOutline,
     *,
-    schemes: Sequence[str],
-    preferred: str,
-    planes: Sequence[str],
-    default_plane: str,
-    concurrent: str | None,
-    model_bytes: int,
     scaling: Mapping[str, Mapping[str, Any]],
     hits: Mapping[str, Any],
 ) -> list[Target]:
     """Every target this run measured, with its verdict (None: not measured).
 
-    ``scaling``: the scale section's result per scheme; ``concurrent``: the
-    concurrent clients' row (over ``preferred``), if measured.
+    ``scaling``: the scale section's result per scheme; ``hits``: the hit section's.
     """
+    schemes, preferred, planes = outline.schemes, outline.preferred, outline.planes
+    concurrent, default_plane = outline.concurrent, outline.default_plane
     targets: list[Target] = []
     for scheme in schemes:
         for plane in planes:
@@ -58,7 +70,7 @@ def judge_targets(
     if concurrent is not None:
         targets += _concurrent_targets(samples, concurrent, cold_name(default_plane, preferred))
     for scheme in schemes:
-        if target := _peak_rss_target(samples, planes, scheme, model_bytes):
+        if target := _peak_rss_target(samples, planes, scheme, outline.model_bytes):
             targets.append(target)
     for scheme, one in scaling.items():
         if one.get("fit"):

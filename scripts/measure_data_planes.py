@@ -39,7 +39,7 @@ def _child(args: argparse.Namespace) -> None:
     from agent.pull.puller import Puller
     from agent.pull.resolver import resolve
     from agent.source.s3 import S3Source
-    from agent.store.store import Store
+    from agent.store.catalog import Store
     from agent.testing._process import purge_tree
 
     plane, concurrency, chunk_mib = args.child.split(":")

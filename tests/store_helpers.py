@@ -9,8 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from agent._vocabulary import TierName
+from agent.store.catalog import Store
 from agent.store.journal import DATA_DIR
-from agent.store.store import CachedFile, CachedModel, Store, TierBudget
+from agent.store.records import CachedFile, CachedModel, TierBudget
 
 MiB = 1024 * 1024
 

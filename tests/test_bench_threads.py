@@ -17,10 +17,19 @@ import pytest
 from bench._hits import NO_S3, REFUSED
 from bench._scaling import parse_sizes
 from bench._system import RssSampler
-from bench._targets import judge_targets
+from bench._targets import RunOutline, judge_targets
 from bench._threads import ThreadCpu, ThreadUse, cpu_report
 
 GiB = 1024**3
+# A run over HTTPS alone, without cold pulls: what the hit targets are judged in.
+HTTPS_ONLY = RunOutline(
+    schemes=["https"],
+    preferred="https",
+    planes=[],
+    default_plane="aiobotocore",
+    concurrent=None,
+    model_bytes=GiB,
+)
 MiB = 1024**2
 
 
@@ -123,12 +132,7 @@ def _hit_mode(agent_median: float, served: float) -> dict[str, float]:
 def _hit_targets(modes: dict[str, object]) -> dict[str, bool | None]:
     targets = judge_targets(
         {},
-        schemes=["https"],
-        preferred="https",
-        planes=[],
-        default_plane="aiobotocore",
-        concurrent=None,
-        model_bytes=GiB,
+        HTTPS_ONLY,
         scaling={},
         hits={"modes": modes},
     )
@@ -147,12 +151,7 @@ def test_hit_modes_not_measured_are_not_judged() -> None:
     """A skipped mode (a build without the option) is n/a, with the reason kept."""
     targets = judge_targets(
         {},
-        schemes=["https"],
-        preferred="https",
-        planes=[],
-        default_plane="aiobotocore",
-        concurrent=None,
-        model_bytes=GiB,
+        HTTPS_ONLY,
         scaling={},
         hits={"modes": {NO_S3: {"skipped": "no cached_only option"}}},
     )

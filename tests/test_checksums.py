@@ -16,8 +16,8 @@ from agent.client import Client
 from agent.pull.puller import Puller
 from agent.service.operations import AgentService, EnsureResult
 from agent.source.checksums import S3Checksum
+from agent.store.catalog import Store
 from agent.store.leases import LeaseTable
-from agent.store.store import Store
 from agent.testing import MemorySource, S3Server
 
 

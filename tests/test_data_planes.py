@@ -27,8 +27,8 @@ from agent.source.range_worker import USER_AGENT as PROCESSES_USER_AGENT
 from agent.source.s3 import S3Source
 from agent.source.streamer_plane import streamer_unavailable
 from agent.source.sync_s3 import THREADS_USER_AGENT
+from agent.store.catalog import Store
 from agent.store.leases import LeaseTable
-from agent.store.store import Store
 from agent.testing import Fault, FaultKind, FaultProxy, S3Server, SampleModel
 
 MiB = 1024 * 1024

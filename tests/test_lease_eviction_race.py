@@ -18,8 +18,9 @@ from agent import NoSpace
 from agent._config import S3Settings, Settings
 from agent.pull.puller import Puller
 from agent.service.operations import AgentService, EnsureResult
+from agent.store.catalog import Store
 from agent.store.leases import LeaseTable
-from agent.store.store import Store, TierBudget
+from agent.store.records import TierBudget
 from agent.testing import MemorySource
 
 MiB = 1024 * 1024

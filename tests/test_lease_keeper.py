@@ -20,8 +20,7 @@ from agent import AccessDenied
 from agent.store.holders import boot_id, process_start_time
 from agent.store.lease_file import HELD_LEASES_NAME, load_held_leases, save_held_leases
 from agent.store.lease_keeper import LeaseKeeper
-from agent.store.lease_records import restored_id
-from agent.store.leases import LeaseRecord, LeaseTable, PeerCredentials
+from agent.store.leases import LeaseRecord, LeaseTable, PeerCredentials, restored_id
 
 KEY = "0123456789abcdef0123456789abcdef"
 

@@ -16,8 +16,8 @@ from agent.prefetch.manifests import ManifestWatcher
 from agent.prefetch.schema import MAX_MANIFEST_BYTES, ManifestError, read_manifest
 from agent.pull.puller import Puller
 from agent.service.operations import AgentService
+from agent.store.catalog import Store
 from agent.store.leases import LeaseTable
-from agent.store.store import Store
 from agent.testing import MemorySource
 
 MODEL_URI = "s3://models/tiny/"

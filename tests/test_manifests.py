@@ -19,8 +19,8 @@ from agent.prefetch.pins import load_pins, save_pins
 from agent.prefetch.schema import CompileSpec, ManifestError, read_manifest
 from agent.pull.puller import Puller
 from agent.service.operations import AgentService
+from agent.store.catalog import Store
 from agent.store.leases import LeaseTable
-from agent.store.store import Store
 from agent.testing import MemorySource, SampleModel
 
 MODEL_URI = "s3://models/llama/"

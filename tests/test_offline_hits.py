@@ -25,8 +25,8 @@ from agent.pull.puller import Puller
 from agent.service.operations import AgentService, EnsureResult
 from agent.source.interface import ObjectSource
 from agent.source.s3 import S3Source, SourceUnreachable
+from agent.store.catalog import Store
 from agent.store.leases import LeaseTable
-from agent.store.store import Store
 from agent.testing import Fault, FaultProxy, MemorySource, S3Server, SampleModel, upload_model
 
 # Long enough that waiting for it, or for botocore's 20 attempts, trips the test timeout.

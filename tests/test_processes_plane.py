@@ -29,7 +29,7 @@ from agent.pull.resolver import resolve
 from agent.service.operations import EnsureResult
 from agent.source.process_plane import ProcessPlane, WorkerPool, processes_unavailable
 from agent.source.s3 import S3Source
-from agent.store.store import Store
+from agent.store.catalog import Store
 from agent.testing import Fault, FaultProxy, MemorySource, S3Server, SampleModel
 
 PROCESSES = PullOptions(data_plane="processes")

@@ -95,7 +95,8 @@ async def test_enospc_at_the_manifest_is_no_space_and_leaves_nothing_behind(
     full_tmpfs: Path, tmp_path: Path
 ) -> None:
     """A tier that fills up exactly at the manifest answers RESOURCE_EXHAUSTED and keeps no dir."""
-    from agent.store.store import Store, TierBudget
+    from agent.store.catalog import Store
+    from agent.store.records import TierBudget
 
     roots: dict[TierName, Path] = {"shm": full_tmpfs, "disk": tmp_path / "disk"}
     store = Store(roots, {tier: TierBudget(reserve="0") for tier in roots})

@@ -17,8 +17,8 @@ from agent.pull.flight import PullProgress
 from agent.pull.puller import Puller
 from agent.pull.resolver import resolve
 from agent.service.operations import AgentService, EnsureResult
+from agent.store.catalog import Store
 from agent.store.leases import LeaseTable
-from agent.store.store import Store
 from agent.testing import MemorySource
 
 MiB = 1024 * 1024

@@ -22,7 +22,7 @@ from agent._vocabulary import PullOptions
 from agent.pull.puller import Puller
 from agent.pull.resolver import resolve
 from agent.source.interface import ObjectSource
-from agent.store.store import Store
+from agent.store.catalog import Store
 from agent.testing import MemorySource
 
 MiB = 1024 * 1024

@@ -29,8 +29,8 @@ from agent._vocabulary import DataPlaneName, PullOptions
 from agent.pull.puller import Puller
 from agent.service.operations import AgentService
 from agent.source.s3 import S3Source, SourceSilent
+from agent.store.catalog import Store
 from agent.store.leases import LeaseTable
-from agent.store.store import Store
 from agent.testing import AgentProcess, Fault, FaultProxy, S3Server, SampleModel
 
 # The bound these tests give the agent, and how long one attempt may wait for a

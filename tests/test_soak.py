@@ -74,7 +74,7 @@ def _upload_models(s3: S3Server, bucket: str) -> dict[str, dict[str, str]]:
 
 
 def _leased_read(
-    client: Client, uri: str, digests: dict[str, str], tally: Tally, rng: random.Random
+    client: Client, uri: str, digests: dict[str, str], *, tally: Tally, rng: random.Random
 ) -> None:
     """Hold a lease, read every file while holding it, check its bytes."""
     with client.leased(uri, tier="shm", client_name="soak") as handle:
@@ -96,6 +96,7 @@ def _leased_read(
 def _one_client(
     socket_path: Path,
     expected: dict[str, dict[str, str]],
+    *,
     deadline: float,
     seed: int,
     tally: Tally,
@@ -109,7 +110,7 @@ def _one_client(
         try:
             if roll < 0.6:
                 with Client(socket_path, timeout=30) as client:
-                    _leased_read(client, uri, expected[uri], tally, rng)
+                    _leased_read(client, uri, expected[uri], tally=tally, rng=rng)
             elif roll < 0.85:
                 with Client(socket_path, timeout=30) as client:
                     client.ensure(uri, tier="shm")
@@ -149,7 +150,9 @@ def test_soak_48_clients_never_lose_a_leased_file_and_stay_flat(
     tally = Tally()
 
     def warm_up(seed: int) -> None:
-        _one_client(agent.socket_path, expected, time.monotonic() + 8.0, seed, tally)
+        _one_client(
+            agent.socket_path, expected, deadline=time.monotonic() + 8.0, seed=seed, tally=tally
+        )
 
     # The first seconds grow caches, pools and threads to their working size; the
     # footprint is measured after that, then after a whole soak.
@@ -159,7 +162,7 @@ def test_soak_48_clients_never_lose_a_leased_file_and_stay_flat(
     deadline = time.monotonic() + SOAK_SECONDS
 
     def soak(seed: int) -> None:
-        _one_client(agent.socket_path, expected, deadline, 1000 + seed, tally)
+        _one_client(agent.socket_path, expected, deadline=deadline, seed=1000 + seed, tally=tally)
 
     _run_clients(soak, CLIENTS)
     rss_after, fds_after = _process_footprint(agent.pid)

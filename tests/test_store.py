@@ -11,9 +11,9 @@ from store_helpers import MiB, key_of, open_store, publish, stage
 
 from agent import InvalidRequest, NotFound
 from agent._vocabulary import TierName
+from agent.store.catalog import Store
 from agent.store.journal import Journal, JournalHeader
 from agent.store.roots import journal_key
-from agent.store.store import Store
 
 
 def _entries(root: Path, sub: str) -> list[str]:

@@ -33,7 +33,7 @@ from agent.source.pacing import read_step
 from agent.source.s3 import S3Source, SourceUnreachable
 from agent.source.sync_s3 import translate
 from agent.source.threads_plane import ThreadsPlane
-from agent.store.store import Store
+from agent.store.catalog import Store
 from agent.testing import Fault, FaultProxy, S3Server, SampleModel
 
 THREADS = PullOptions(data_plane="threads")

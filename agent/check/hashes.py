@@ -73,6 +73,7 @@ class ChunkHasher:
     __slots__ = ("_length", "_state")
 
     def __init__(self) -> None:
+        """A hasher with nothing fed yet."""
         self._state = xxhash.xxh3_128()
         self._length = 0
 
@@ -82,6 +83,7 @@ class ChunkHasher:
         return self._length
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
+        """Feed the next bytes of the chunk."""
         self._state.update(data)
         self._length += len(data)
 
@@ -136,6 +138,7 @@ class ChunkDigests:
     """
 
     def __init__(self, size: int, chunk_size: int) -> None:
+        """Slots for the chunks of a ``size``-byte file; ValueError for a chunk size under 1."""
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, not {chunk_size}")
         self.size = size
@@ -147,11 +150,13 @@ class ChunkDigests:
         return min(self.chunk_size, self.size - index * self.chunk_size)
 
     def set(self, index: int, digest: bytes) -> None:
+        """Record chunk ``index``'s digest; ValueError if it is not a 16-byte digest."""
         if len(digest) != DIGEST_SIZE:
             raise ValueError(f"a chunk digest is {DIGEST_SIZE} bytes, not {len(digest)}")
         self._digests[index] = digest
 
     def missing(self) -> list[int]:
+        """The indexes of the chunks without a digest yet, in order."""
         return [i for i, d in enumerate(self._digests) if d is None]
 
     def finish(self) -> FileDigest:
@@ -212,6 +217,7 @@ class FileProblem:
     detail: str
 
     def to_error(self) -> IntegrityError:
+        """The problem as the error the API answers with (its check named)."""
         return IntegrityError(f"{self.path}: {self.detail}", path=self.path, check=self.check)
 
 
@@ -233,8 +239,8 @@ def verify_files(
         gone = f"the snapshot directory cannot be opened as one ({exc.strerror})."
         return [FileProblem(relative, "missing", gone) for relative, _, _ in expected]
     try:
-        for relative, size, digest in expected:
-            problem = _check_file(root, relative, size, digest, chunk_size)
+        for entry in expected:
+            problem = _check_file(root, entry, chunk_size)
             if problem is not None:
                 problems.append(problem)
     finally:
@@ -242,9 +248,8 @@ def verify_files(
     return problems
 
 
-def _check_file(
-    root: int, relative: str, size: int, digest: str, chunk_size: int
-) -> FileProblem | None:
+def _check_file(root: int, entry: tuple[str, int, str], chunk_size: int) -> FileProblem | None:
+    relative, size, digest = entry
     # Opened component by component without following links: a symlink in the
     # snapshot is a problem to report, never a path to hash (or to trust).
     try:
@@ -254,17 +259,11 @@ def _check_file(
     except OSError:
         return FileProblem(relative, "missing", "the path is a link or not a regular file.")
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            return FileProblem(relative, "missing", "the path is not a regular file.")
-        if info.st_size != size:
-            return FileProblem(relative, "size", f"the file has {info.st_size} bytes, not {size}.")
-        try:
-            actual = _hash_fd(fd, chunk_size, read_block=READ_BLOCK, name=relative).digest
-        except IntegrityError as exc:
-            return FileProblem(relative, "size", str(exc))
+        actual = _digest_of_regular_file(fd, relative, size, chunk_size)
     finally:
         os.close(fd)
+    if isinstance(actual, FileProblem):
+        return actual
     if actual != digest:
         return FileProblem(
             relative,
@@ -275,11 +274,27 @@ def _check_file(
     return None
 
 
+def _digest_of_regular_file(
+    fd: int, relative: str, size: int, chunk_size: int
+) -> str | FileProblem:
+    """The file's content digest, or why it is not the file the manifest recorded."""
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        return FileProblem(relative, "missing", "the path is not a regular file.")
+    if info.st_size != size:
+        return FileProblem(relative, "size", f"the file has {info.st_size} bytes, not {size}.")
+    try:
+        return _hash_fd(fd, chunk_size, read_block=READ_BLOCK, name=relative).digest
+    except IntegrityError as exc:
+        return FileProblem(relative, "size", str(exc))
+
+
 class ObjectChecksum(Protocol):
     """A checksum the source keeps for a whole object (e.g. S3's SHA256 or CRC32)."""
 
     @property
-    def algorithm(self) -> str: ...
+    def algorithm(self) -> str:
+        """The checksum's name, as S3 spells it (``SHA256``, ``CRC32``, ...)."""
 
     def matches(self, path: str | os.PathLike[str]) -> bool | None:
         """Whether the file holds the object's bytes; None when it cannot be told."""

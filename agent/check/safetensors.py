@@ -97,6 +97,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
+        """The tensor's size in the data section, in bytes."""
         return self.end - self.begin
 
 

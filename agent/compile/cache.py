@@ -58,7 +58,7 @@ from agent.compile.watch import SettleWatcher
 from agent.obs.metrics import COMPILE_CACHE_PHASE_SECONDS, COMPILE_KEYS_REFUSED, COMPILE_LAUNCHES
 from agent.source.interface import ObjectSource
 from agent.store.budget import Candidate
-from agent.store.store import Store
+from agent.store.catalog import Store
 
 __all__ = [
     "NODE_SCOPE",

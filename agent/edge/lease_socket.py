@@ -35,8 +35,7 @@ from agent.edge.unix_socket import (
     socket_group_id,
 )
 from agent.store.holders import start_time_of_peer
-from agent.store.lease_records import lease_tag
-from agent.store.leases import LeaseTable, PeerCredentials
+from agent.store.leases import LeaseTable, PeerCredentials, lease_tag
 
 __all__ = [
     "HELLO_LIMIT",

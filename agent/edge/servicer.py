@@ -23,7 +23,7 @@ from agent.edge.status import abort
 from agent.pull.flight import Flight, PullProgress
 from agent.service.operations import AgentService, EnsureResult, EvictResult
 from agent.store.leases import LeaseRecord
-from agent.store.store import CachedModel, TierUsage
+from agent.store.records import CachedModel, TierUsage
 
 __all__ = ["PrewarmServicer"]
 

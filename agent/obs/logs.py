@@ -49,6 +49,7 @@ class RequestContextFilter(logging.Filter):
     """Copies the current request's bound fields onto each record."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        """Add the bound fields a record does not set itself; never drops a record."""
         for name, value in _REQUEST.get().items():
             if not hasattr(record, name):
                 setattr(record, name, value)
@@ -73,6 +74,7 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(level: str) -> None:
+    """Send every logger's records to stderr as JSON lines, at ``level`` and above."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
     # On the handler, not a logger: records from every logger pass through it.

@@ -128,6 +128,8 @@ ProcessCollector(registry=REGISTRY)
 
 @dataclass(frozen=True, slots=True)
 class TierReading:
+    """One tier's figures for the state gauges."""
+
     tier: str
     # Published snapshots only; pulls in progress and resumable leftovers are staging.
     used_bytes: int
@@ -156,13 +158,16 @@ class StateCollector(Collector):
     """
 
     def __init__(self, read: Callable[[], StateReading]) -> None:
+        """``read`` returns the agent's state; it is called once per scrape."""
         self._read = read
 
     def describe(self) -> Iterator[Metric]:
+        """The gauge families, without values (what registering needs)."""
         # Names only: registering must not read state that is not set up yet.
         yield from self._families()
 
     def collect(self) -> Iterator[Metric]:
+        """The gauges with the values ``read`` returns now."""
         reading = self._read()
         families = self._families()
         used, staging, budget, models, free, capacity, pulls, leases, info = families

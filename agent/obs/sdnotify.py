@@ -34,6 +34,7 @@ class SystemdNotifier:
     """Sends sd_notify messages to ``address`` (``$NOTIFY_SOCKET``); inert when it is None."""
 
     def __init__(self, address: str | None, watchdog_seconds: float | None = None) -> None:
+        """``address``: ``$NOTIFY_SOCKET`` (a path, or ``@name``: abstract); None: inert."""
         self._address = _socket_address(address) if address else None
         if address and self._address is None:
             log.warning(
@@ -53,24 +54,29 @@ class SystemdNotifier:
 
     @property
     def enabled(self) -> bool:
+        """Whether messages go anywhere (systemd gave a socket the agent can speak to)."""
         return self._address is not None
 
     # -- messages ----------------------------------------------------------------------
 
     def ready(self, status: str) -> None:
+        """Tell systemd the agent serves, with a status line."""
         self._send("READY=1", f"STATUS={status}")
         self._last_status = status
 
     def status(self, status: str) -> None:
+        """Replace the status line ``systemctl status`` shows (sent only when it changed)."""
         if status != self._last_status:
             self._send(f"STATUS={status}")
             self._last_status = status
 
     def stopping(self, status: str) -> None:
+        """Tell systemd the agent is stopping, and why it may take a while."""
         self._send("STOPPING=1", f"STATUS={status}")
         self._last_status = status
 
     def watchdog(self) -> None:
+        """Reset systemd's watchdog timer."""
         self._send("WATCHDOG=1")
 
     # -- the heartbeat -----------------------------------------------------------------

@@ -46,7 +46,7 @@ from agent.prefetch.schema import (
 from agent.service.operations import AgentService, EnsureResult
 
 # CompileSpec is part of CompileCacheHook's signature, so it is offered here too.
-__all__ = ["CompileCacheHook", "CompileSpec", "ManifestWatcher"]
+__all__ = ["CompileCacheHook", "ManifestWatcher"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,7 @@ class ManifestWatcher:
         *,
         compile_cache: CompileCacheHook | None = None,
     ) -> None:
+        """``state_path`` keeps the pins manifests made, so an entry's removal unpins only those."""
         self._service = service
         self._directory = settings.directory
         self._slots = asyncio.Semaphore(settings.concurrency)
@@ -100,6 +101,7 @@ class ManifestWatcher:
         return tuple(self._desired.values())
 
     async def __aenter__(self) -> Self:
+        """Read the directory, start the pulls it asks for, then watch it."""
         self._pinned = await asyncio.to_thread(load_pins, self._state_path)
         self._tasks = asyncio.TaskGroup()
         await self._tasks.__aenter__()
@@ -126,6 +128,7 @@ class ManifestWatcher:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        """Stop the watch and cancel the prefetches still running."""
         assert self._tasks is not None
         # The watch thread checks this event; cancelling alone would wait for its timeout.
         self._stop.set()

@@ -66,6 +66,7 @@ class ManifestError(InvalidRequest):
     """A manifest file cannot be used; ``path`` and ``line`` say where (line 0: unknown)."""
 
     def __init__(self, message: str, *, path: Path, line: int) -> None:
+        """``message`` says what is wrong; ``path`` and ``line`` where."""
         super().__init__(message)
         self.path = path
         self.line = line
@@ -159,10 +160,12 @@ class ManifestEntry:
 
     @property
     def identity(self) -> Identity:
+        """What names the snapshot the entry asks for: URI, include and exclude."""
         return (self.uri, self.include, self.exclude)
 
     @property
     def where(self) -> str:
+        """``path:line``, for the log."""
         return f"{self.path}:{self.line}"
 
     def pinned(self) -> ManifestEntry:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from agent._snapshot import Snapshot, SourceObject
 from agent._vocabulary import PhaseName, TierName
 from agent.obs.metrics import BYTES_PULLED
-from agent.store.store import CachedModel
+from agent.store.records import CachedModel
 
 __all__ = ["Flight", "PhaseName", "PullProgress", "PullTimings"]
 

@@ -31,9 +31,10 @@ from agent.service.results import (
     pull_seconds,
 )
 from agent.source.interface import ObjectSource
+from agent.store.catalog import Store
 from agent.store.eviction import Evictor
 from agent.store.leases import LeaseRecord, LeaseTable
-from agent.store.store import CachedModel, Store, Usage
+from agent.store.records import CachedModel, Usage
 
 __all__ = [
     "AgentService",

@@ -39,6 +39,8 @@ class TierLimits:
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
+    """A snapshot eviction could remove, and what choosing it would free."""
+
     key: str
     size: int
     last_used: float
@@ -46,10 +48,12 @@ class Candidate:
 
 
 def physical_memory() -> int:
+    """Bytes of RAM on this host (what a percentage shm budget is of)."""
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def measure_limits(tier: TierName, root: Path, budget: str, reserve: str) -> TierLimits:
+    """A tier's budget, reserve and filesystem figures in bytes, measured now."""
     stats = os.statvfs(root)
     fs_total = stats.f_blocks * stats.f_frsize
     fs_free = stats.f_bavail * stats.f_frsize

@@ -49,6 +49,7 @@ class Claim:
     planted_by: int | None = None
 
     def __str__(self) -> str:
+        """The one line ``prewarmd --claim-roots`` prints for this root."""
         if self.moved is not None:
             return (
                 f"moved {self.root} (made by uid {self.planted_by}, not by the agent) aside to "

@@ -23,8 +23,9 @@ from agent._snapshot import Snapshot
 from agent._vocabulary import TIER_NAMES, TierName
 from agent.obs.metrics import EVICTIONS
 from agent.store.budget import Candidate, TierLimits, pick_victims
+from agent.store.catalog import Store
 from agent.store.leases import LeaseRecord, LeaseTable
-from agent.store.store import CachedModel, Store
+from agent.store.records import CachedModel
 
 __all__ = ["Evictor"]
 
@@ -36,7 +37,10 @@ _PLACEMENT_ROUNDS = 4
 
 
 class Evictor:
+    """Chooses the tier of each new pull and evicts what must go to make room."""
+
     def __init__(self, store: Store, leases: LeaseTable, settings: TierSettings) -> None:
+        """``leases`` protect snapshots; ``settings`` give budgets, watermarks and fallback."""
         self._store = store
         self._leases = leases
         self._settings = settings
@@ -45,6 +49,7 @@ class Evictor:
         self.lock = asyncio.Lock()
 
     def protected_keys(self) -> set[str]:
+        """Keys no eviction may take: leased, or claimed by a request in progress."""
         return self._leases.protected_keys()
 
     def place(

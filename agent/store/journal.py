@@ -49,6 +49,8 @@ _HEADER_CONTEXT = b"prewarm journal header\0"
 
 @dataclass(frozen=True, slots=True)
 class JournalHeader:
+    """What a journal is about: the snapshot, its chunk size and its objects."""
+
     key: str
     uri: str
     chunk_size: int
@@ -56,6 +58,7 @@ class JournalHeader:
 
     @classmethod
     def for_snapshot(cls, snapshot: Snapshot, chunk_size: int) -> JournalHeader:
+        """The header for pulling ``snapshot`` in chunks of ``chunk_size`` bytes."""
         return cls(
             key=snapshot.key,
             uri=str(snapshot.uri),
@@ -65,9 +68,11 @@ class JournalHeader:
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of every object of the snapshot."""
         return sum(size for _, size, _ in self.objects)
 
     def to_json(self) -> dict[str, Any]:
+        """The header as the journal's first line stores it."""
         return {
             "format": FORMAT,
             "key": self.key,
@@ -78,6 +83,7 @@ class JournalHeader:
 
     @classmethod
     def from_json(cls, document: dict[str, Any]) -> JournalHeader:
+        """The header from the journal's first line; ValueError for another format."""
         if document.get("format") != FORMAT:
             raise ValueError(f"unknown journal format {document.get('format')!r}")
         return cls(
@@ -109,6 +115,7 @@ class Journal:
     """Append-only record of completed ranges; one ``write`` per line (O_APPEND)."""
 
     def __init__(self, fd: int, header: JournalHeader, secret: bytes, header_mac: bytes) -> None:
+        """A journal open for appending on ``fd``; ``create`` and ``resume`` make one."""
         self._fd = fd
         self.header = header
         self._secret = secret
@@ -116,6 +123,7 @@ class Journal:
 
     @classmethod
     def create(cls, staging: Path, header: JournalHeader, secret: bytes) -> Journal:
+        """A new journal in ``staging``, its header signed with ``secret``."""
         path = staging / JOURNAL_NAME
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(path, flags, 0o644)
@@ -137,17 +145,21 @@ class Journal:
             found, header_mac = _verified_header(fh.readline(), secret)
             if found != header:
                 raise ValueError("journal belongs to another snapshot or chunk size")
-            completed = list(_read_entries(fh, header, secret, header_mac, staging))
+            completed = list(
+                _read_entries(fh, header, secret=secret, header_mac=header_mac, where=staging)
+            )
         flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(staging / JOURNAL_NAME, flags)
         return cls(fd, header, secret, header_mac), completed
 
     def record(self, path: str, offset: int, length: int, digest: bytes) -> None:
+        """Append a completed range, signed, in one write."""
         payload = _payload({"p": path, "o": offset, "n": length, "h": digest.hex()})
         mac = _sign(self._secret, self._header_mac, payload)
         os.write(self._fd, payload + b" " + mac + b"\n")
 
     def close(self) -> None:
+        """Close the journal's file (again: nothing)."""
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -179,7 +191,12 @@ def _open_journal(staging: Path) -> BinaryIO:
 
 
 def _read_entries(
-    lines: Iterable[bytes], expected: JournalHeader, secret: bytes, header_mac: bytes, where: Path
+    lines: Iterable[bytes],
+    expected: JournalHeader,
+    *,
+    secret: bytes,
+    header_mac: bytes,
+    where: Path,
 ) -> Iterator[CompletedRange]:
     sizes = {p: size for p, size, _ in expected.objects}
     for raw in lines:

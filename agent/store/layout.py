@@ -78,6 +78,7 @@ LAYOUT = RootLayout(
 
 
 def snapshots_dir(root: Path) -> Path:
+    """The directory published snapshots live in."""
     return root / "snapshots"
 
 
@@ -87,18 +88,22 @@ def snapshot_dir(root: Path, key: str, names: SnapshotNames) -> Path:
 
 
 def manifest_path(root: Path, key: str) -> Path:
+    """Snapshot ``key``'s manifest: written last, it is what makes the snapshot exist."""
     return root / "manifests" / f"{key}.json"
 
 
 def usage_path(root: Path, key: str) -> Path:
+    """Snapshot ``key``'s use record (last use, hits, pin)."""
     return root / "usage" / f"{key}.json"
 
 
 def staging_dir(root: Path, key: str) -> Path:
+    """Where a pull of ``key`` stages its files and journal."""
     return root / "staging" / key
 
 
 def trash_dir(root: Path) -> Path:
+    """Where retired directories wait to be deleted (on the root's filesystem)."""
     return root / "trash"
 
 
@@ -248,6 +253,7 @@ def _manifest_error(exc: OSError, root: Path, model: CachedModel) -> PrewarmErro
 
 
 def write_usage(root: Path, key: str, usage: Usage, *, durable: bool) -> None:
+    """Save snapshot ``key``'s use record; ``durable`` syncs it to disk."""
     document = {"last_used": usage.last_used, "hit_count": usage.hit_count, "pinned": usage.pinned}
     write_json_atomic(usage_path(root, key), document, durable=durable)
 

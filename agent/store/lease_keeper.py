@@ -51,6 +51,7 @@ class LeaseKeeper:
     def __init__(
         self, table: LeaseTable, path: Path, snapshot_exists: Callable[[str], bool]
     ) -> None:
+        """``path`` holds the held leases across restarts; ``snapshot_exists`` asks the store."""
         self._table = table
         self._path = path
         self._snapshot_exists = snapshot_exists
@@ -63,9 +64,11 @@ class LeaseKeeper:
 
     @property
     def path(self) -> Path:
+        """The file the held leases are kept in."""
         return self._path
 
     async def __aenter__(self) -> Self:
+        """Restore the held leases whose holders still run, and watch those holders."""
         self._loop = asyncio.get_running_loop()
         leases = await asyncio.to_thread(load_held_leases, self._path, self._boot)
         restored = sum(self._restore(lease) for lease in leases)
@@ -84,6 +87,7 @@ class LeaseKeeper:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        """Stop watching the holders (the leases stay in the file)."""
         for lease_id in list(self._watches):
             self._unwatch(lease_id)
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import heapq
 import logging
 import math
@@ -49,16 +50,19 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from agent._exceptions import AccessDenied, Conflict, InvalidRequest, NoSpace, NotFound
-from agent.store.lease_records import LeaseRecord, PeerCredentials, lease_tag, restored_id
 
 __all__ = [
     "MAX_LEASES_PER_PEER",
+    "RESTORED_PREFIX",
     "LeaseRecord",
     "LeaseTable",
     "PeerCredentials",
+    "lease_tag",
+    "restored_id",
 ]
 
 # Live leases one grantee may have, and leases one uid may hold open: far more
@@ -68,9 +72,74 @@ MAX_LEASES_PER_PEER = 256
 _ECHOED_ID = 48
 # Stale expiry entries tolerated before the heap is rebuilt (beyond two per live lease).
 _SPARE_EXPIRIES = 64
+# Ids of leases restored after a restart: never a real id (those are url-safe base64).
+RESTORED_PREFIX = "restored:"
+_TAG_DIGITS = 8
 _Item = TypeVar("_Item")
 
 log = logging.getLogger("agent.leases")
+
+
+def lease_tag(lease_id: str) -> str:
+    """What logs call a lease: 8 hex digits of its id's SHA-256.
+
+    A lease id is a capability (whoever knows it may hold it), and logs travel
+    further than the API does; the tag follows one lease through the log and
+    cannot be turned back into its id.
+    """
+    return hashlib.sha256(lease_id.encode()).hexdigest()[:_TAG_DIGITS]
+
+
+@dataclass(frozen=True, slots=True)
+class PeerCredentials:
+    """The process on the other end of a Unix socket, as the kernel reports it."""
+
+    pid: int
+    uid: int
+    gid: int
+    # When the process started (clock ticks after boot): with the pid, names it
+    # apart from a later process given the same pid. None: not known here. Left out
+    # of ==, which compares what SO_PEERCRED reports; ``same_process`` compares all.
+    start_time: int | None = field(default=None, compare=False)
+
+    def same_process(self, other: PeerCredentials) -> bool:
+        """The same process as ``other``: pid, uid and a known start time all equal."""
+        return self.start_time is not None and (self.pid, self.uid, self.start_time) == (
+            other.pid,
+            other.uid,
+            other.start_time,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRecord:
+    """One lease, as of the moment it was read from the table."""
+
+    id: str
+    key: str
+    client_name: str
+    # Seconds since the epoch (the table's clock).
+    acquired: float
+    # When the lease ends unless renewed; None while a connection holds it.
+    expires: float | None
+    # Who holds the lease connection; None while nobody does.
+    holder: PeerCredentials | None = None
+    held: bool = False
+    # The socket (tenant) whose EnsureModel asked for it ("" in-process): only that
+    # socket may renew or release it, and its leases count against its cap.
+    grantee: str = ""
+    # Held before the agent restarted by a process still alive, which has not come
+    # back to the lease socket yet (its id is then ``restored_id`` of the real one).
+    orphaned: bool = False
+
+
+def restored_id(lease_id: str) -> str:
+    """What a held lease is known by on disk and after a restart: a hash, never the id.
+
+    The id is a capability; only its holder, who still has it, can name the
+    restored lease again (and must be the same process to take it back).
+    """
+    return RESTORED_PREFIX + hashlib.sha256(lease_id.encode()).hexdigest()
 
 
 class LeaseTable:
@@ -94,6 +163,7 @@ class LeaseTable:
         *,
         max_per_peer: int = MAX_LEASES_PER_PEER,
     ) -> None:
+        """An empty table; see the class for the TTLs, the cap and the clock."""
         if not 0 < default_ttl <= max_ttl:
             raise InvalidRequest(
                 f"Lease TTLs must satisfy 0 < default ({default_ttl}) <= max ({max_ttl}); "
@@ -121,10 +191,12 @@ class LeaseTable:
 
     @property
     def default_ttl(self) -> float:
+        """The TTL of a lease whose request gives none, in seconds."""
         return self._default_ttl
 
     @property
     def max_ttl(self) -> float:
+        """The longest TTL a lease may have, in seconds (longer asks are clamped)."""
         return self._max_ttl
 
     def check_room(self, grantee: str) -> None:

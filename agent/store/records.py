@@ -23,6 +23,8 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class CachedFile:
+    """One file of a published snapshot, as its manifest records it."""
+
     path: str
     size: int
     etag: str
@@ -47,11 +49,14 @@ class CachedModel:
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of every file of the snapshot."""
         return sum(f.size for f in self.files)
 
 
 @dataclass(slots=True)
 class Usage:
+    """How a published snapshot has been used: last use, hits, pin."""
+
     last_used: float
     hit_count: int = 0
     pinned: bool = False
@@ -69,6 +74,8 @@ class Leftover:
 
 @dataclass(frozen=True, slots=True)
 class TierUsage:
+    """One tier's figures for status and metrics, measured when asked."""
+
     tier: TierName
     root: Path
     capacity_bytes: int
@@ -93,9 +100,11 @@ class ExtraUsage(Protocol):
     """Bytes on a tier that are not snapshots (compile caches): counted in its budget,
     and evicted only when evicting every evictable snapshot would not be enough."""
 
-    def extra_bytes(self) -> int: ...
+    def extra_bytes(self) -> int:
+        """Bytes the extra usage holds on the tier."""
 
-    def extra_candidates(self) -> list[Candidate]: ...
+    def extra_candidates(self) -> list[Candidate]:
+        """The extra usage's entries as eviction candidates (protection marked)."""
 
     async def evict_extra(self, keys: Sequence[str], reason: str) -> int:
         """Evict these keys (skipping any in use by now); returns the bytes freed."""

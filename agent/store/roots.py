@@ -125,7 +125,7 @@ def prepare_root(root: Path, layout: RootLayout, group: int | None = None) -> No
         with os.scandir(fd) as scan:
             entries = list(scan)
         for entry in entries:
-            _prepare_entry(fd, root, entry, layout, group)
+            _prepare_entry(fd, root, entry, layout=layout, group=group)
         _open_for_traversal(fd, group)
     finally:
         os.close(fd)
@@ -148,7 +148,7 @@ def _claim(root: Path) -> None:
 
 
 def _prepare_entry(
-    fd: int, root: Path, entry: os.DirEntry[str], layout: RootLayout, group: int | None
+    fd: int, root: Path, entry: os.DirEntry[str], *, layout: RootLayout, group: int | None
 ) -> None:
     if entry.is_symlink():
         raise _refusal(root / entry.name, "is a symlink")

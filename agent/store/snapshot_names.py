@@ -31,6 +31,7 @@ class SnapshotNames:
     """Directory names of one root's snapshots, keyed by the root's secret."""
 
     def __init__(self, secret: bytes) -> None:
+        """Names derived from ``secret``, the root's own key."""
         self._key = hmac.new(secret, _PURPOSE, hashlib.sha256).digest()
 
     def of(self, key: str) -> str:

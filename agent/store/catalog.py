@@ -35,7 +35,6 @@ from agent.store.layout import (
 )
 from agent.store.reconcile import scan_tiers
 from agent.store.records import (
-    CachedFile,
     CachedModel,
     ExtraUsage,
     Leftover,
@@ -46,16 +45,7 @@ from agent.store.records import (
 from agent.store.roots import journal_key
 from agent.store.snapshot_names import SnapshotNames
 
-__all__ = [
-    "CachedFile",
-    "CachedModel",
-    "ExtraUsage",
-    "Leftover",
-    "Store",
-    "TierBudget",
-    "TierUsage",
-    "Usage",
-]
+__all__ = ["Store"]
 
 log = logging.getLogger(__name__)
 
@@ -107,19 +97,23 @@ class Store:
     # -- queries ---------------------------------------------------------------------
 
     def roots(self) -> dict[TierName, Path]:
+        """Each tier's root directory."""
         return dict(self._roots)
 
     def get(self, key: str) -> CachedModel | None:
+        """The published snapshot ``key``, or None."""
         entry = self._entries.get(key)
         return entry.model if entry else None
 
     def usage(self, key: str) -> Usage | None:
+        """A copy of snapshot ``key``'s use (last use, hits, pin), or None if it is not cached."""
         entry = self._entries.get(key)
         if entry is None:
             return None
         return Usage(entry.usage.last_used, entry.usage.hit_count, entry.usage.pinned)
 
     def models(self) -> list[CachedModel]:
+        """Every published snapshot, by URI then age."""
         return sorted((e.model for e in self._entries.values()), key=lambda m: (m.uri, m.created))
 
     def newest_for(
@@ -163,6 +157,7 @@ class Store:
         return matches
 
     def limits(self, tier: TierName) -> TierLimits:
+        """The tier's budget, reserve and filesystem figures, measured now."""
         budget = self._budgets[tier]
         return measure_limits(tier, self._roots[tier], budget.budget, budget.reserve)
 
@@ -171,6 +166,7 @@ class Store:
         self._extra[tier] = extra
 
     def extra(self, tier: TierName) -> ExtraUsage | None:
+        """What was attached to ``tier`` with ``attach_extra``, if anything."""
         return self._extra.get(tier)
 
     def used_bytes(self, tier: TierName) -> int:
@@ -180,9 +176,11 @@ class Store:
         return self.published_bytes(tier) + self.staging_bytes(tier) + extra_bytes
 
     def published_bytes(self, tier: TierName) -> int:
+        """Bytes of the tier's published snapshots."""
         return sum(e.model.total_bytes for e in self._entries.values() if e.model.tier == tier)
 
     def staging_bytes(self, tier: TierName) -> int:
+        """Bytes reserved by pulls in progress and held by resumable leftovers on the tier."""
         in_flight = sum(size for t, size in self._in_flight.values() if t == tier)
         waiting = sum(
             lo.total_bytes
@@ -205,6 +203,7 @@ class Store:
         ]
 
     def tier_usage(self, tier: TierName) -> TierUsage:
+        """The tier's figures for status and metrics."""
         limits = self.limits(tier)
         entries = [e for e in self._entries.values() if e.model.tier == tier]
         return TierUsage(
@@ -223,6 +222,7 @@ class Store:
     # -- changes -----------------------------------------------------------------------
 
     async def record_use(self, key: str, *, hit: bool) -> None:
+        """Note a use of ``key`` (``hit``: served from the cache); a failed save is only logged."""
         entry = self._entries.get(key)
         if entry is None:
             return
@@ -232,6 +232,7 @@ class Store:
         await self._save_usage(entry)
 
     async def set_pinned(self, key: str, pinned: bool) -> CachedModel:
+        """Pin or unpin snapshot ``key`` (saved durably); NotFound if it is not cached."""
         entry = self._entries.get(key)
         if entry is None:
             raise NotFound(f"Snapshot {key} is not cached. See `prewarm ls`.")
@@ -253,6 +254,7 @@ class Store:
         return self._leftovers.get(key)
 
     def staging_path(self, tier: TierName, key: str) -> Path:
+        """Where a pull of ``key`` on ``tier`` stages its files."""
         return staging_dir(self._roots[tier], key)
 
     def begin_staging(self, tier: TierName, key: str, total_bytes: int) -> list[Path]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
-from ._endpoint import LoopbackEndpoint
+from ._endpoint import LoopbackEndpoint, fresh_session
 from ._process import (
     Startable,
     StartupFailure,
@@ -260,11 +260,7 @@ class S3Server(Startable):
         raise S3ServerError("moto kept answering anonymous requests: is iam=True in effect?")
 
     def _iam_client(self) -> Any:
-        import boto3.session
-
-        session = boto3.session.Session(
-            aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY, region_name=REGION
-        )
+        session = fresh_session(ACCESS_KEY, SECRET_KEY, REGION)
         return session.client("iam", endpoint_url=self.endpoint_url)
 
     # -- the request log -------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
@@ -38,10 +39,23 @@ SLOW_TEST_TIMEOUT = 300
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Give tests marked slow the longer timeout."""
+    """Give tests marked slow the longer timeout; run the files that hold them first."""
     for item in items:
         if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(SLOW_TEST_TIMEOUT))
+    _longest_files_first(items)
+
+
+def _longest_files_first(items: list[pytest.Item]) -> None:
+    # xdist's loadfile hands whole files to the two workers in this order
+    # (pyproject's addopts turn its own reordering, by test count, off). A long
+    # file handed out last (the soak run: one test, a minute) left one worker
+    # busy alone at the end; handed out first, the short files fill in around
+    # it. Slow-marked tests stand in for measured cost, so a new or renamed
+    # file needs no table; the sort is stable, so each file keeps its order.
+    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
+    tests = Counter(item.path for item in items)
+    items.sort(key=lambda item: (-slow[item.path], -tests[item.path], str(item.path)))
 
 
 @pytest.fixture(scope="session")

@@ -32,6 +32,12 @@ def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(("PREWARM_", "AWS_"))}
 
 
+def build_env() -> dict[str, str]:
+    """clean_env() for a build from a copy of the tree: the copy has no git, so
+    setuptools-scm would give it fallback_version; this checkout's version instead."""
+    return clean_env() | {"SETUPTOOLS_SCM_PRETEND_VERSION_FOR_PREWARM_AGENT": __version__}
+
+
 @dataclass(frozen=True)
 class Installed:
     source: Path
@@ -56,7 +62,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
         ["bash", str(source / "packaging" / "install.sh"), f"--prefix={prefix}", f"--root={root}"],
         capture_output=True,
         text=True,
-        env=clean_env(),
+        env=build_env(),
         timeout=280,
         check=False,
     )
@@ -153,7 +159,7 @@ def test_reinstall_upgrades_in_place_and_keeps_an_edited_config(installed: Insta
                 "--pip-arg=--no-deps",
             ],
             capture_output=True,
-            env=clean_env(),
+            env=build_env(),
             timeout=280,
             check=True,
         )
@@ -188,6 +194,7 @@ def client_only(tmp_path_factory: pytest.TempPathFactory) -> Path:
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", base, source],
         capture_output=True,
+        env=build_env(),
         check=True,
         timeout=280,
     )

@@ -16,7 +16,7 @@ import grpc  # type: ignore[import-untyped,unused-ignore]
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from agent.testing import AgentProcess, AgentStartupError
+from agent.testing import AgentProcess, AgentStartupError, AgentTimeouts
 
 STAND_IN = """
 import json, os, signal, sys, threading
@@ -136,7 +136,8 @@ def test_startup_failure_reports_the_exit_code_and_output() -> None:
 def test_startup_timeout_kills_an_agent_that_never_serves() -> None:
     """A daemon that never serves fails start() at the startup timeout and is killed."""
     silent = AgentProcess(
-        argv=[sys.executable, "-c", "import time; time.sleep(60)"], startup_timeout=1.0
+        argv=[sys.executable, "-c", "import time; time.sleep(60)"],
+        timeouts=AgentTimeouts(startup=1.0),
     )
     try:
         with pytest.raises(AgentStartupError, match="did not report SERVING"):

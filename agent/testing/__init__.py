@@ -3,7 +3,8 @@
 - ``S3Server``: moto's S3 server in a subprocess on loopback, recording every
   request (``RecordedRequest``); stop or kill it to simulate an outage.
 - ``AgentProcess``: the real daemon (``python -m agent``) on a private socket
-  and private tier roots, ready when its gRPC health service says SERVING.
+  and private tier roots, ready when its gRPC health service says SERVING
+  (``AgentTimeouts``: how long starting and stopping may take).
 - ``InProcessAgent``: the same ``serve()`` on a thread of the calling process,
   for tests that are not about the process (one at a time per process).
 - ``make_safetensors_model`` / ``upload_directory`` / ``upload_model``: sharded
@@ -21,7 +22,7 @@ Importing this package needs only the agent's own dependencies; moto, boto3,
 numpy and safetensors (the ``dev`` extra) are imported when first used.
 """
 
-from ._daemon import AgentProcess, AgentStartupError
+from ._daemon import AgentProcess, AgentStartupError, AgentTimeouts
 from ._fault_proxy import Fault, FaultKind, FaultProxy
 from ._inprocess import InProcessAgent
 from ._memory_source import MemorySource, RangeRead
@@ -33,6 +34,7 @@ __all__ = [
     "CONTROL_PATH",
     "AgentProcess",
     "AgentStartupError",
+    "AgentTimeouts",
     "Fault",
     "FaultKind",
     "FaultProxy",

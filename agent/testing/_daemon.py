@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
@@ -24,7 +25,7 @@ import grpc  # type: ignore[import-untyped,unused-ignore]
 from ._home import AgentHome
 from ._process import log_tail, source_env, stop_process
 
-__all__ = ["AgentProcess", "AgentStartupError"]
+__all__ = ["AgentProcess", "AgentStartupError", "AgentTimeouts"]
 
 # grpc retries a refused connect with exponential backoff from 1 s; the socket
 # appears a moment after the process starts, so retry faster than that.
@@ -37,6 +38,14 @@ _CHANNEL_OPTIONS = [
 
 class AgentStartupError(RuntimeError):
     """The daemon exited, or did not report SERVING, before the startup deadline."""
+
+
+@dataclass(frozen=True)
+class AgentTimeouts:
+    """Seconds a test agent's ``start()`` waits for SERVING and ``stop()`` for the exit."""
+
+    startup: float = 30.0
+    stop: float = 30.0
 
 
 class AgentProcess(AgentHome):
@@ -61,15 +70,14 @@ class AgentProcess(AgentHome):
         parent: Path | None = None,
         config: str = "",
         argv: Sequence[str] | None = None,
-        startup_timeout: float = 30.0,
-        stop_timeout: float = 30.0,
+        timeouts: AgentTimeouts = AgentTimeouts(),
     ) -> None:
         super().__init__(root=root, parent=parent)
         self._extra_env = dict(env or {})
         self._config = config
         self._argv = list(argv) if argv is not None else [sys.executable, "-m", "agent"]
-        self._startup_timeout = startup_timeout
-        self._stop_timeout = stop_timeout
+        self._startup_timeout = timeouts.startup
+        self._stop_timeout = timeouts.stop
         self._proc: subprocess.Popen[bytes] | None = None
         self._starts = 0
 
@@ -77,14 +85,17 @@ class AgentProcess(AgentHome):
 
     @property
     def pid(self) -> int | None:
+        """The daemon's process id; None before the first start()."""
         return None if self._proc is None else self._proc.pid
 
     @property
     def running(self) -> bool:
+        """True while the daemon process has not exited."""
         return self._proc is not None and self._proc.poll() is None
 
     @property
     def returncode(self) -> int | None:
+        """The exit code once the daemon has exited; None while it runs, or before a start."""
         return None if self._proc is None else self._proc.poll()
 
     def env(self) -> dict[str, str]:

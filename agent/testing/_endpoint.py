@@ -7,11 +7,40 @@ for its own credentials.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LoopbackEndpoint"]
+__all__ = ["LoopbackEndpoint", "fresh_session"]
+
+
+@functools.cache
+def _shared_loader() -> Any:
+    import botocore.loaders
+
+    return botocore.loaders.create_loader()
+
+
+def fresh_session(access_key: str, secret_key: str, region: str) -> Any:
+    """A boto3 session of its own for these credentials, reading API models from a shared cache.
+
+    A fresh session ignores whatever the default session picked up; parsing
+    botocore's service models again for each one cost about 80 ms a client,
+    paid by hundreds of tests. The loader is the one part shared: it only
+    reads botocore's own JSON files.
+    """
+    import boto3.session
+    import botocore.session
+
+    core = botocore.session.Session()
+    core.register_component("data_loader", _shared_loader())
+    return boto3.session.Session(
+        aws_access_key_id=access_key,
+        aws_secret_access_key=secret_key,
+        region_name=region,
+        botocore_session=core,
+    )
 
 
 @dataclass(frozen=True)
@@ -42,15 +71,9 @@ class LoopbackEndpoint:
 
     def client(self, **config: Any) -> Any:
         """A boto3 S3 client (path-style); ``config`` adds botocore Config options."""
-        import boto3.session
         from botocore.config import Config
 
         options: dict[str, Any] = {"s3": {"addressing_style": "path"}}
         options.update(config)
-        # A fresh session ignores whatever the default session picked up.
-        session = boto3.session.Session(
-            aws_access_key_id=self.access_key,
-            aws_secret_access_key=self.secret_key,
-            region_name=self.region,
-        )
+        session = fresh_session(self.access_key, self.secret_key, self.region)
         return session.client("s3", endpoint_url=self.url, config=Config(**options))

@@ -39,6 +39,7 @@ from typing import Literal, Self
 from ._http_wire import (
     PIECE,
     S3_ERRORS,
+    Request,
     body_until_close,
     chunked_body,
     error_response,
@@ -52,6 +53,12 @@ from ._process import Startable
 __all__ = ["Fault", "FaultKind", "FaultProxy"]
 
 FaultKind = Literal["internal_error", "slow_down", "reset", "truncate", "stall", "silent"]
+
+# Faults the proxy answers itself, without asking the upstream.
+_ANSWERED_BY_THE_PROXY = frozenset({"reset", "silent", *S3_ERRORS})
+
+# One side of a proxied connection.
+_Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
 @dataclass
@@ -70,26 +77,32 @@ class Fault:
 
     @classmethod
     def internal_error(cls, *, key: str = "", times: int | None = 1) -> Fault:
+        """Answer matching requests with HTTP 500 and S3's InternalError body."""
         return cls("internal_error", key=key, times=times)
 
     @classmethod
     def slow_down(cls, *, key: str = "", times: int | None = 1) -> Fault:
+        """Answer matching requests with HTTP 503 and S3's SlowDown body."""
         return cls("slow_down", key=key, times=times)
 
     @classmethod
     def reset(cls, *, key: str = "", method: str = "GET", times: int | None = 1) -> Fault:
+        """Reset the connection of matching requests before any response byte."""
         return cls("reset", key=key, method=method, times=times)
 
     @classmethod
     def truncate(cls, *, after_bytes: int, key: str = "", times: int | None = 1) -> Fault:
+        """Send the headers and ``after_bytes`` of the body, then close the connection."""
         return cls("truncate", key=key, times=times, after_bytes=after_bytes)
 
     @classmethod
     def stall(cls, *, after_bytes: int = 0, key: str = "", times: int | None = 1) -> Fault:
+        """Send the headers and ``after_bytes`` of the body, then say nothing more."""
         return cls("stall", key=key, times=times, after_bytes=after_bytes)
 
     @classmethod
     def silent(cls, *, key: str = "", method: str = "GET", times: int | None = 1) -> Fault:
+        """Take matching requests and never answer them, not a byte."""
         return cls("silent", key=key, method=method, times=times)
 
     def _matches(self, method: str, target: str) -> bool:
@@ -121,6 +134,7 @@ class FaultProxy(Startable):
     # -- rules -------------------------------------------------------------------------
 
     def add(self, *faults: Fault) -> None:
+        """Add rules after those already set; the first matching rule with uses left wins."""
         with self._lock:
             self._faults.extend(faults)
 
@@ -162,15 +176,18 @@ class FaultProxy(Startable):
 
     @property
     def port(self) -> int:
+        """The port the proxy listens on, once start() has returned."""
         if not self._port:
             raise RuntimeError("The proxy has no port until start() has returned.")
         return self._port
 
     @property
     def endpoint_url(self) -> str:
+        """The URL to give an S3 client instead of the upstream's."""
         return f"http://{self._host}:{self.port}"
 
     def start(self) -> Self:
+        """Listen on a loop of its own in a thread; returns once it accepts connections."""
         if self._thread is not None:
             raise RuntimeError("The proxy is already running.")
         self._ready.clear()
@@ -187,6 +204,7 @@ class FaultProxy(Startable):
         return self
 
     def stop(self) -> None:
+        """Stop listening, cut every open connection and join the thread; idempotent."""
         thread, loop, stop = self._thread, self._loop, self._stop
         if thread is None:
             return
@@ -234,36 +252,17 @@ class FaultProxy(Startable):
     # -- one client connection -------------------------------------------------------------
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        upstream: _Stream | None = None
         try:
-            while True:
-                request = await read_request(reader)
-                if request is None:
-                    return
+            while (request := await read_request(reader)) is not None:
                 fault = self._take(request.method, request.target)
-                if fault is not None and fault.kind == "reset":
-                    reset(writer)
-                    return
-                if fault is not None and fault.kind == "silent":
-                    while await reader.read(PIECE):
-                        pass  # never a byte back, until the client hangs up
-                    return
-                if fault is not None and fault.kind in S3_ERRORS:
-                    writer.write(error_response(fault.kind, request.target))
-                    await writer.drain()
+                if fault is not None and fault.kind in _ANSWERED_BY_THE_PROXY:
+                    if not await _answer_in_place_of_s3(fault, request, reader, writer):
+                        return
                     continue
                 if upstream is None:
                     upstream = await asyncio.open_connection(*self._upstream)
-                upstream[1].write(request.head + request.body)
-                await upstream[1].drain()
-                limit = fault.after_bytes if fault is not None else None
-                keep = await self._relay(upstream[0], writer, request.method, limit)
-                with self._lock:
-                    self._forwarded += 1
-                if fault is not None and fault.kind == "stall":
-                    while await reader.read(PIECE):
-                        pass  # say nothing more until the client hangs up
-                if not keep:
+                if not await self._forward(request, (reader, writer), upstream, fault=fault):
                     return
         except (ConnectionError, asyncio.IncompleteReadError, ValueError):
             return  # the client or the upstream went away; so does this connection
@@ -273,6 +272,23 @@ class FaultProxy(Startable):
             writer.close()
             with contextlib.suppress(ConnectionError, OSError):
                 await writer.wait_closed()
+
+    async def _forward(
+        self, request: Request, client: _Stream, upstream: _Stream, *, fault: Fault | None
+    ) -> bool:
+        """Send one request upstream and relay its answer, cut or stalled as ``fault`` says.
+
+        True when the client connection can carry another request.
+        """
+        upstream[1].write(request.head + request.body)
+        await upstream[1].drain()
+        limit = fault.after_bytes if fault is not None else None
+        keep = await self._relay(upstream[0], client[1], request.method, limit)
+        with self._lock:
+            self._forwarded += 1
+        if fault is not None and fault.kind == "stall":
+            await _wait_for_hang_up(client[0])  # say nothing more until the client gives up
+        return keep
 
     async def _relay(
         self,
@@ -309,3 +325,24 @@ class FaultProxy(Startable):
         return headers.get("connection", "").lower() != "close" and (
             body_reader is None or "content-length" in headers or "transfer-encoding" in headers
         )
+
+
+async def _answer_in_place_of_s3(
+    fault: Fault, request: Request, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> bool:
+    """Fail one request as ``fault`` says; True when the connection carries on."""
+    if fault.kind == "reset":
+        reset(writer)
+        return False
+    if fault.kind == "silent":
+        await _wait_for_hang_up(reader)  # never a byte back
+        return False
+    writer.write(error_response(fault.kind, request.target))
+    await writer.drain()
+    return True
+
+
+async def _wait_for_hang_up(reader: asyncio.StreamReader) -> None:
+    """Read and drop what the client sends until it closes the connection."""
+    while await reader.read(PIECE):
+        pass

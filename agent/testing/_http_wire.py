@@ -53,6 +53,7 @@ class Request:
 
 
 async def read_request(reader: asyncio.StreamReader) -> Request | None:
+    """One whole request (head and body) from a client; None when it closed an idle connection."""
     try:
         head = await reader.readuntil(b"\r\n\r\n")
     except asyncio.IncompleteReadError as exc:
@@ -94,6 +95,7 @@ def _header_dict(lines: list[str]) -> dict[str, str]:
 
 
 async def sized_body(reader: asyncio.StreamReader, size: int) -> AsyncIterator[bytes]:
+    """A body of ``size`` bytes, in pieces of at most ``PIECE``."""
     left = size
     while left:
         piece = await reader.read(min(PIECE, left))
@@ -104,11 +106,13 @@ async def sized_body(reader: asyncio.StreamReader, size: int) -> AsyncIterator[b
 
 
 async def body_until_close(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+    """A body that ends when the sender closes the connection."""
     while piece := await reader.read(PIECE):
         yield piece
 
 
 async def chunked_body(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+    """The data of a chunked body, one chunk at a time (trailers read and dropped)."""
     while True:
         size_line = await reader.readuntil(b"\r\n")
         size = int(size_line.split(b";", 1)[0].strip(), 16)

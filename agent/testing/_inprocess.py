@@ -42,12 +42,14 @@ from agent._daemon import serve
 from agent._exceptions import PrewarmError
 from agent.obs.logs import JsonFormatter, RequestContextFilter
 
-from ._daemon import AgentStartupError
+from ._daemon import AgentStartupError, AgentTimeouts
 from ._process import purge_tree
 
 __all__ = ["InProcessAgent"]
 
 _NUMBERS = itertools.count(1)
+
+_DEFAULT_TIMEOUTS = AgentTimeouts()
 
 # The socket appears a moment after start(); retry the connect faster than grpc's 1 s default.
 _CHANNEL_OPTIONS = [
@@ -76,8 +78,7 @@ class InProcessAgent:
         env: Mapping[str, str] | None = None,
         root: Path | None = None,
         config: str = "",
-        startup_timeout: float = 30.0,
-        stop_timeout: float = 30.0,
+        timeouts: AgentTimeouts = _DEFAULT_TIMEOUTS,
     ) -> None:
         self._owns_root = root is None
         self.root = Path(tempfile.mkdtemp(prefix="pw-", dir="/tmp")) if root is None else root
@@ -88,8 +89,8 @@ class InProcessAgent:
         self.log_path = self.root / "agent.log"
         self._extra_env = dict(env or {})
         self._config = config
-        self._startup_timeout = startup_timeout
-        self._stop_timeout = stop_timeout
+        self._startup_timeout = timeouts.startup
+        self._stop_timeout = timeouts.stop
         self._name = f"prewarm-agent-{next(_NUMBERS)}"
         self._starts = 0
         self._thread: threading.Thread | None = None
@@ -120,6 +121,7 @@ class InProcessAgent:
 
     @property
     def running(self) -> bool:
+        """True while serve() runs on the agent's thread."""
         return self._thread is not None and self._thread.is_alive()
 
     @property

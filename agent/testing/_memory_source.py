@@ -73,9 +73,11 @@ class MemorySource:
         self.objects.setdefault(bucket, {})[key] = data
 
     def etag(self, bucket: str, key: str) -> str:
+        """The object's ETag: a hash of its bytes, so new bytes give a new ETag."""
         return f'"{hash(self.objects[bucket][key]) & 0xFFFFFFFF:08x}"'
 
     async def list_objects(self, uri: ModelUri) -> list[ListedObject]:
+        """Every object under the URI's prefix, in key order."""
         return [item async for page in self.list_pages(uri) for item in page]
 
     async def list_pages(self, uri: ModelUri) -> AsyncGenerator[list[ListedObject], None]:
@@ -100,6 +102,7 @@ class MemorySource:
     async def open_range(
         self, bucket: str, key: str, *, etag: str, start: int, length: int
     ) -> AsyncIterator[_Reader]:
+        """Read ``length`` bytes from ``start``, as scripted (pieces, cuts, the gate)."""
         self._bucket(bucket).update(self.replace_on_read)
         data = self._bucket(bucket).get(key)
         if data is None or self.etag(bucket, key) != etag:
@@ -108,11 +111,14 @@ class MemorySource:
         self.reads.append(record)
         failures = self.break_after.get(key, [])
         cut = failures.pop(0) if failures else None
-        yield _Reader(data[start : start + length], self.piece, cut, record, self.gate)
+        yield _Reader(
+            data[start : start + length], record, piece=self.piece, cut=cut, gate=self.gate
+        )
 
     async def head_object(
         self, bucket: str, key: str, *, etag: str | None = None
     ) -> ObjectHead | None:
+        """The object's size, ETag and checksum; None when it is absent and no ETag was expected."""
         data = self._bucket(bucket).get(key)
         if data is None and etag is None:
             return None
@@ -121,6 +127,7 @@ class MemorySource:
         return ObjectHead(key, len(data), self.etag(bucket, key), self.checksums.get(key))
 
     async def get_object(self, bucket: str, key: str, *, max_bytes: int) -> StoredObject | None:
+        """A small object's bytes; None when absent, ObjectTooLarge past ``max_bytes``."""
         data = self._bucket(bucket).get(key)
         if data is None:
             return None
@@ -138,6 +145,7 @@ class MemorySource:
         if_match: str | None = None,
         if_absent: bool = False,
     ) -> str:
+        """Store an object, honouring If-Match and If-None-Match; returns the new ETag."""
         objects = self._bucket(bucket)
         if if_absent and key in objects:
             raise Conflict(f"{key} exists already (If-None-Match: *)")
@@ -147,6 +155,7 @@ class MemorySource:
         return self.etag(bucket, key)
 
     async def delete_object(self, bucket: str, key: str) -> None:
+        """Remove an object; an absent one is no error, as in S3."""
         self._bucket(bucket).pop(key, None)
 
     async def put_object_multipart(
@@ -157,6 +166,7 @@ class MemorySource:
         *,
         content_type: str = "application/octet-stream",
     ) -> str:
+        """Store an object sent in parts, as ``put_object`` does; returns the new ETag."""
         objects = self._bucket(bucket)
         received = [bytes(part) async for part in parts]
         self.multipart_uploads.append((key, [len(part) for part in received]))
@@ -170,12 +180,15 @@ class MemorySource:
 
 
 class _Reader:
+    """One range's bytes, ``piece`` at a time, cut at ``cut``, held at ``gate`` after the first."""
+
     def __init__(
         self,
         data: bytes,
+        record: RangeRead,
+        *,
         piece: int,
         cut: int | None,
-        record: RangeRead,
         gate: asyncio.Event | None,
     ) -> None:
         self._gate = gate

@@ -79,7 +79,7 @@ def make_safetensors_model(
     weight_map: dict[str, str] = {}
     for index in range(shards):
         filename = f"model-{index + 1:05d}-of-{shards:05d}.safetensors"
-        shard = _layer_tensors(rng, index, shards, per_shard, hidden)
+        shard = _layer_tensors(rng, index, shards=shards, budget=per_shard, hidden=hidden)
         save_file(shard, directory / filename, metadata={"format": "pt"})
         everything.update(shard)
         weight_map.update(dict.fromkeys(shard, filename))
@@ -93,7 +93,7 @@ def make_safetensors_model(
 
 
 def _layer_tensors(
-    rng: np.random.Generator, index: int, shards: int, budget: int, hidden: int
+    rng: np.random.Generator, index: int, *, shards: int, budget: int, hidden: int
 ) -> dict[str, NDArray[Any]]:
     import numpy as np
 

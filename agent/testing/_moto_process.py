@@ -218,6 +218,7 @@ def _exit_on_stdin_eof(log_file: str | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Serve moto's S3 on the given port, print the JSON handshake, serve until signalled."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)

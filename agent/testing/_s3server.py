@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
-from ._endpoint import LoopbackEndpoint
+from ._endpoint import LoopbackEndpoint, fresh_session
 from ._process import (
     Startable,
     StartupFailure,
@@ -87,6 +87,7 @@ class RecordedRequest:
         return dict(urllib.parse.parse_qsl(self.query, keep_blank_values=True))
 
     def to_json(self) -> dict[str, Any]:
+        """The record as the control path's JSON object."""
         return {
             "seq": self.seq,
             "method": self.method,
@@ -103,6 +104,7 @@ class RecordedRequest:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RecordedRequest:
+        """A record from the control path's JSON object."""
         return cls(
             seq=int(data["seq"]),
             method=str(data["method"]),
@@ -152,6 +154,7 @@ class S3Server(Startable):
     # -- lifecycle ---------------------------------------------------------------
 
     def start(self) -> Self:
+        """Start the server process and return once it listens (its handshake line)."""
         if self.running:
             raise S3ServerError(f"The S3 server is already running at {self.endpoint_url}.")
         fd, log_name = tempfile.mkstemp(prefix="prewarm-s3-", suffix=".log")
@@ -187,26 +190,31 @@ class S3Server(Startable):
 
     @property
     def running(self) -> bool:
+        """True while the server process has not exited."""
         return self._proc is not None and self._proc.poll() is None
 
     # -- where it is ---------------------------------------------------------------
 
     @property
     def host(self) -> str:
+        """The address the server listens on."""
         return self._host
 
     @property
     def port(self) -> int:
+        """The port the server listens on, once started."""
         if self._port == 0:
             raise S3ServerError("The S3 server has no port until start() has been called.")
         return self._port
 
     @property
     def endpoint_url(self) -> str:
+        """The URL to give an S3 client."""
         return f"http://{self._host}:{self.port}"
 
     @property
     def pid(self) -> int | None:
+        """The server process's id; None when it is not started."""
         return None if self._proc is None else self._proc.pid
 
     @property
@@ -260,11 +268,7 @@ class S3Server(Startable):
         raise S3ServerError("moto kept answering anonymous requests: is iam=True in effect?")
 
     def _iam_client(self) -> Any:
-        import boto3.session
-
-        session = boto3.session.Session(
-            aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY, region_name=REGION
-        )
+        session = fresh_session(ACCESS_KEY, SECRET_KEY, REGION)
         return session.client("iam", endpoint_url=self.endpoint_url)
 
     # -- the request log -------------------------------------------------------------

@@ -100,6 +100,7 @@ class NotifySocket(Closeable):
                 self._changed.wait(remaining)
 
     def close(self) -> None:
+        """Stop the reader thread, close the socket and remove its directory."""
         os.write(self._wake_w, b"x")
         self._reader.join()
         self._socket.close()

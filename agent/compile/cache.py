@@ -89,13 +89,20 @@ COMPILE_MISS_PARTS = Counter(
     ["engine", "part"],
     registry=REGISTRY,
 )
-# Extras are named by the pod: only so many distinct names become label values.
+# Extras are named by pods: each name is cut short, and past this many distinct names
+# (the fixed parts and the usual extras fit well within it) a new one counts as "other".
 _MAX_PART_LENGTH = 64
+_MAX_PART_LABELS = 128
+_part_labels: set[str] = set()
 
 
 def _metric_part(name: str) -> str:
-    """A key part's name as a label value: printable, bounded."""
-    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name[:_MAX_PART_LENGTH])
+    """A key part's name as a label value: printable, bounded in length and in number."""
+    label = "".join(c if c.isalnum() or c in "._-" else "_" for c in name[:_MAX_PART_LENGTH])
+    if label not in _part_labels and len(_part_labels) >= _MAX_PART_LABELS:
+        return "other"
+    _part_labels.add(label)
+    return label
 
 
 _MIN_KEY_PREFIX = 8

@@ -87,7 +87,7 @@ def _exec(*args: str, socket: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.slow  # the launcher imports torch to detect the key parts
+@pytest.mark.slow  # a CLI run that asks the command's interpreter for its versions
 def test_exec_gives_the_command_the_compile_cache_of_its_key_parts(
     start_agent: AgentFactory, small_model: SampleModel
 ) -> None:
@@ -109,7 +109,7 @@ def test_exec_gives_the_command_the_compile_cache_of_its_key_parts(
     assert done.stdout == f"{cache.path / 'sglang'}\n"
     assert f"prewarm: compile cache {cache.key[:12]} (new: " in done.stderr
     assert cache.parts.model_key == model.key
-    assert cache.parts.torch_version == torch.__version__  # detected by the launcher
+    assert cache.parts.torch_version == torch.__version__  # asked of the command's Python
     assert (cache.parts.tensor_parallel, cache.parts.extras["dtype"]) == (2, "fp32")
 
 
@@ -130,3 +130,23 @@ def test_exec_refuses_a_bad_key_part_before_running_anything(
     assert "tensor_parallel must be a whole number, not 'eight'" in done.stderr
     with Client(agent.socket_path) as client:
         assert client.list_models() == []
+
+
+def test_why_names_the_nearest_key_of_the_model_and_the_parts_that_differ(
+    start_agent: AgentFactory,
+) -> None:
+    """`prewarm compile why KEY` compares a key with the closest other key of its model."""
+    agent = start_agent()
+    with Client(agent.socket_path) as client:
+        old = client.compile_cache(torch_version="2.12.0", model_key="m", tensor_parallel=2)
+        client.compile_cache(torch_version="2.13.0", model_key="other-model")
+        new = client.compile_cache(torch_version="2.13.0", model_key="m", tensor_parallel=2)
+    said = _ok(prewarm("why", new.key[:10], socket=agent.socket_path))
+    assert said.splitlines() == [
+        f"{new.key[:12]}: nearest cached key {old.key[:12]}, differs in",
+        "  engine_version 2.12.0 -> 2.13.0",
+        "  torch_version 2.12.0 -> 2.13.0",
+    ]
+    document = json.loads(_ok(prewarm("why", new.key, "--json", socket=agent.socket_path)))
+    assert document["nearest"] == old.key
+    assert {"part": "torch_version", "cached": "2.12.0", "wanted": "2.13.0"} in document["changes"]

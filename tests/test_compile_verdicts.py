@@ -16,7 +16,7 @@ from pathlib import Path
 from store_helpers import open_store
 
 from agent._config import CompileCacheSettings, Settings, TierSettings
-from agent.compile.cache import CompileCaches
+from agent.compile.cache import COMPILE_MISS_PARTS, CompileCaches
 from agent.compile.keys import CompileKeyParts, compile_key
 from agent.obs.metrics import COMPILE_LAUNCHES
 from agent.testing import MemorySource
@@ -93,3 +93,38 @@ async def test_a_key_waiting_for_ready_is_not_uploaded_when_quiet(tmp_path: Path
         (info,) = await caches.caches()
     assert info.publish_on_ready
     assert info.last_verdict is None
+
+
+async def test_vllm_model_infos_alone_never_make_a_launch_a_miss(tmp_path: Path) -> None:
+    """``vllm/modelinfos/*.json`` (written with compilation off too) is no compiled code: hit."""
+    source = MemorySource(objects={BUCKET: {}})
+    async with node(tmp_path, source) as caches:
+        path = (await caches.ensure(PARTS, publish_on_ready=True)).info.path
+        _compile(path, "vllm/modelinfos", "model.json")
+        launch = await caches.ready(KEY, "pod-a")
+        _compile(path, "inductor", "graph-1")
+        cold = await caches.ready(KEY, "pod-a")
+    assert (launch.verdict.verdict, launch.verdict.grown) == ("hit", {})
+    assert launch.push is not None
+    assert launch.push.uploaded  # still kept and shared: vLLM reads it back
+    assert cold.verdict.verdict == "miss"  # nothing compiled was there before
+
+
+async def test_a_miss_is_counted_by_the_parts_that_differ_from_the_nearest_key(
+    tmp_path: Path,
+) -> None:
+    """A new key of a cached model counts each part that differs from the nearest cached key."""
+    source = MemorySource(objects={BUCKET: {}})
+    newer = CompileKeyParts(
+        torch_version="2.14.0", model_key="verdicts", extras={"flag.dtype": "float16"}
+    )
+    torch_misses = COMPILE_MISS_PARTS.labels("torch", "torch_version")
+    dtype_misses = COMPILE_MISS_PARTS.labels("torch", "extras.flag.dtype")
+    before = (torch_misses._value.get(), dtype_misses._value.get())
+    async with node(tmp_path, source) as caches:
+        await caches.ensure(PARTS, publish_on_ready=True)
+        path = (await caches.ensure(newer, publish_on_ready=True)).info.path
+        _compile(path, "inductor", "graph-1")
+        launch = await caches.ready(compile_key(newer), "pod-a")
+    assert launch.verdict.verdict == "miss"
+    assert (torch_misses._value.get(), dtype_misses._value.get()) == (before[0] + 1, before[1] + 1)

@@ -1,4 +1,4 @@
-"""``prewarm compile ls|show|evict|push|pull``: the node's torch.compile caches."""
+"""``prewarm compile ls|show|why|evict|push|pull``: the node's torch.compile caches."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from agent.client import (
     PrewarmError,
 )
 from agent.client._compile_types import CompileVerdict
+from agent.compile.why import Nearest, nearest_key
 
 from . import _render as render
 from ._options import SocketOption
@@ -178,6 +179,38 @@ def show(key: KeyArgument, socket: SocketOption = None, json_out: JsonOption = F
         sys.stdout.write(render.to_json(info) + "\n")
     else:
         _stdout().print(_detail(info))
+
+
+@compile_app.command()
+def why(key: KeyArgument, socket: SocketOption = None, json_out: JsonOption = False) -> None:
+    """Why a key missed: the nearest other cached key of the same model, and what differs."""
+    with _agent_errors(), Client(socket) as client:
+        info = _find(client, key)
+        others = [(c.key, c.parts) for c in client.list_compile_caches() if c.domain == info.domain]
+    nearest = nearest_key(info.parts, others, own_key=info.key)
+    if json_out:
+        sys.stdout.write(render.to_json(_why_document(info, nearest)) + "\n")
+    elif nearest is None:
+        _stdout().print(
+            f"{info.key[:_KEY_WIDTH]}: no other compile cache of model "
+            f"{info.parts.model_key or '-'} ({info.parts.engine}) on this node",
+            soft_wrap=True,
+        )
+    else:
+        lines = [
+            f"{info.key[:_KEY_WIDTH]}: nearest cached key {nearest.key[:_KEY_WIDTH]}, differs in"
+        ]
+        lines += [f"  {change.describe()}" for change in nearest.changes]
+        _stdout().print("\n".join(lines), soft_wrap=True)
+
+
+def _why_document(info: CompileCacheInfo, nearest: Nearest | None) -> dict[str, object]:
+    changes = (
+        []
+        if nearest is None
+        else [{"part": c.name, "cached": c.cached, "wanted": c.wanted} for c in nearest.changes]
+    )
+    return {"key": info.key, "nearest": nearest.key if nearest else None, "changes": changes}
 
 
 @compile_app.command()

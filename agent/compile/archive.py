@@ -80,6 +80,8 @@ FileFacts = tuple[str, int, str, bool]
 
 @dataclass(frozen=True, slots=True)
 class PackResult:
+    """What packing a key directory produced: the archive's digest and size, and its files."""
+
     digest: str
     file_count: int
     # Bytes of the files packed, and of the compressed archive.
@@ -90,6 +92,8 @@ class PackResult:
 
 @dataclass(frozen=True, slots=True)
 class UnpackResult:
+    """What unpacking an archive produced: its digest, and the files and bytes it held."""
+
     digest: str
     file_count: int
     content_bytes: int

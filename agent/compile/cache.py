@@ -28,6 +28,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+from prometheus_client import Counter
+
 from agent._config import Settings
 from agent._exceptions import (
     Conflict,
@@ -53,9 +55,15 @@ from agent.compile.keys import KEY_LENGTH, CompileKeyParts, compile_key, engine_
 from agent.compile.lock import CompileLocks, LockEvent
 from agent.compile.remote import RemoteCompileCaches
 from agent.compile.transfer import CompileCacheTransfer, Fetched, PushOutcome, parts_of
-from agent.compile.verdict import Verdict, judge
+from agent.compile.verdict import HIT, Verdict, judge
 from agent.compile.watch import SettleWatcher
-from agent.obs.metrics import COMPILE_CACHE_PHASE_SECONDS, COMPILE_KEYS_REFUSED, COMPILE_LAUNCHES
+from agent.compile.why import Nearest, nearest_key
+from agent.obs.metrics import (
+    COMPILE_CACHE_PHASE_SECONDS,
+    COMPILE_KEYS_REFUSED,
+    COMPILE_LAUNCHES,
+    REGISTRY,
+)
 from agent.source.interface import ObjectSource
 from agent.store.budget import Candidate
 from agent.store.catalog import Store
@@ -73,6 +81,30 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+# Misses by the key part that differs from the nearest cached key of the same model.
+COMPILE_MISS_PARTS = Counter(
+    "prewarm_compile_miss_parts",
+    "Launches that missed (or partly missed) their compile cache, by engine and by each key "
+    "part that differs from the nearest cached key of the same model (extras by name).",
+    ["engine", "part"],
+    registry=REGISTRY,
+)
+# Extras are named by pods: each name is cut short, and past this many distinct names
+# (the fixed parts and the usual extras fit well within it) a new one counts as "other".
+_MAX_PART_LENGTH = 64
+_MAX_PART_LABELS = 128
+_part_labels: set[str] = set()
+
+
+def _metric_part(name: str) -> str:
+    """A key part's name as a label value: printable, bounded in length and in number."""
+    label = "".join(c if c.isalnum() or c in "._-" else "_" for c in name[:_MAX_PART_LENGTH])
+    if label not in _part_labels and len(_part_labels) >= _MAX_PART_LABELS:
+        return "other"
+    _part_labels.add(label)
+    return label
+
+
 _MIN_KEY_PREFIX = 8
 _HEX = frozenset("0123456789abcdef")
 _KEY = re.compile(r"[0-9a-f]{32}")
@@ -80,6 +112,8 @@ _KEY = re.compile(r"[0-9a-f]{32}")
 
 @dataclass(frozen=True, slots=True)
 class EnsuredCompileCache:
+    """A key's compile cache as handed to a pod: its record, env and how it was made."""
+
     info: CompileCacheInfo
     env: dict[str, str]
     restored: bool
@@ -94,6 +128,8 @@ class LaunchReady:
     key: str
     verdict: Verdict
     push: PushOutcome | None
+    # On a miss or partial miss: the nearest other key of the model on the node.
+    nearest: Nearest | None = None
 
 
 class _Domain:
@@ -382,6 +418,8 @@ class CompileCaches:
             await domain.index.save(key, record, strict=False)
             engine, said = record.parts.engine, verdict.describe()
             COMPILE_LAUNCHES.labels(engine, verdict.verdict.replace(" ", "_")).inc()
+            nearest = None if verdict.verdict == HIT else self._why_missed(domain, key, record)
+            said += f"; {nearest.describe()}" if nearest else ""
             who = client_name or "anonymous"
             log.info(
                 "compile cache %s (%s) for %s: %s", found, engine, who, said, extra={"key": key}
@@ -393,7 +431,16 @@ class CompileCaches:
                     push = await domain.transfer.upload(key, record)
                 except PrewarmError as exc:
                     push = PushOutcome(False, domain.transfer.uri_of(key), "", 0, str(exc))
-        return LaunchReady(key, verdict, push)
+        return LaunchReady(key, verdict, push, nearest)
+
+    @staticmethod
+    def _why_missed(domain: _Domain, key: str, missed: CacheRecord) -> Nearest | None:
+        """The nearest other key of the model in ``domain``; each differing part is counted."""
+        cached = ((other, record.parts) for other, record in domain.index.items())
+        nearest = nearest_key(missed.parts, cached, own_key=key)
+        for change in nearest.changes if nearest else ():
+            COMPILE_MISS_PARTS.labels(missed.parts.engine, _metric_part(change.name)).inc()
+        return nearest
 
     async def push(self, ref: str, scope: Scope = NODE_SCOPE) -> PushOutcome:
         """Pack and upload a key now (skipped when S3 already has the same content)."""
@@ -439,9 +486,11 @@ class CompileCaches:
     # -- the store's extra usage (counted in the disk budget, evicted last) ------------------------
 
     def extra_bytes(self) -> int:
+        """Bytes of every compile cache, counted in the disk tier's budget."""
         return self.statistics()[1]
 
     def extra_candidates(self) -> list[Candidate]:
+        """Every key as an eviction candidate; keys locked, restoring or uploading are protected."""
         busy = self.locks.busy_keys()
         return [
             Candidate(
@@ -454,6 +503,7 @@ class CompileCaches:
         ]
 
     async def evict_extra(self, keys: Sequence[str], reason: str) -> int:
+        """Evict ``keys`` (``<domain>/<key>``) for pressure, skipping any in use; bytes freed."""
         freed = 0
         for text in keys:
             ref = CacheRef.parse(text)

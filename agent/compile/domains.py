@@ -90,6 +90,7 @@ class Scope:
     everything: bool = False
 
     def sees(self, domain: str) -> bool:
+        """Whether callers of this scope may see and use ``domain``'s caches."""
         return self.everything or domain == self.domain
 
 

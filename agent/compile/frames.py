@@ -31,6 +31,7 @@ class FrameReader:
         self._ended = False
 
     def read(self, amount: int = -1) -> bytes:
+        """Up to ``amount`` decompressed bytes (all that are left when negative)."""
         while not self._ended and (amount < 0 or len(self._buffer) < amount):
             block = self._raw.read(_INPUT_BLOCK)
             if not block:

@@ -53,6 +53,8 @@ _BOOKKEEPING = (".meta", ".tmp", ".trash")
 
 @dataclass(frozen=True, slots=True)
 class CompileCacheInfo:
+    """One key on the node, as listed: parts, path, size, use, upload record, last verdict."""
+
     key: str
     path: Path
     parts: CompileKeyParts
@@ -91,6 +93,7 @@ class CacheRecord:
 
     @classmethod
     def new(cls, parts: CompileKeyParts) -> CacheRecord:
+        """The record of a key made now, empty."""
         now = time.time()
         return cls(parts=parts, created=now, last_used=now)
 
@@ -124,12 +127,15 @@ class CacheIndex:
         return iter(list(self._records))
 
     def items(self) -> Iterator[tuple[str, CacheRecord]]:
+        """Every (key, record), as a snapshot safe to iterate while the index changes."""
         return iter(list(self._records.items()))
 
     def get(self, key: str) -> CacheRecord | None:
+        """The record of ``key``; None when the key is not on the node."""
         return self._records.get(key)
 
     def directory(self, key: str) -> Path:
+        """The directory of ``key`` (which may not exist yet)."""
         return self.root / key
 
     def scratch(self, key: str, suffix: str = "") -> Path:
@@ -137,9 +143,11 @@ class CacheIndex:
         return self.temp / f"{key}.{secrets.token_hex(4)}{suffix}"
 
     def total_bytes(self) -> int:
+        """Bytes of every key of the domain, as last measured."""
         return sum(record.bytes for record in self._records.values())
 
     def info(self, key: str, record: CacheRecord) -> CompileCacheInfo:
+        """``key``'s record as the listing shows it."""
         return CompileCacheInfo(
             key=key,
             path=self.directory(key),
@@ -165,6 +173,7 @@ class CacheIndex:
         record.bytes, record.file_count = await asyncio.to_thread(_measure, self.directory(key))
 
     async def has_artifacts(self, key: str) -> bool:
+        """Whether ``key``'s directory holds at least one artifact (off the event loop)."""
         return await asyncio.to_thread(has_artifacts, self.directory(key), self.gid)
 
     async def save(self, key: str, record: CacheRecord, *, strict: bool) -> None:
@@ -212,6 +221,7 @@ class CacheIndex:
 
 
 def has_artifacts(directory: Path, group: int | None = None) -> bool:
+    """Whether ``directory`` holds at least one artifact as packing counts them."""
     return directory.is_dir() and next(walk_artifacts(directory, group), None) is not None
 
 

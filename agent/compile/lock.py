@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class LockEvent:
+    """One step of a compile-lock stream: waiting (behind whom, warm or not) or granted."""
+
     state: Literal["waiting", "granted"]
     key: str
     # The caller holding the lock ("" once this caller is granted and holds it itself).
@@ -55,12 +57,15 @@ class CompileLocks:
         self._closing = asyncio.Event()
 
     def holder(self, key: str) -> str | None:
+        """Who holds ``key``'s lock now; None when nobody does."""
         return self._holders.get(key)
 
     def in_use(self, key: str) -> bool:
+        """Whether anyone holds or waits for ``key``'s lock."""
         return key in self._holders or bool(self._queues.get(key))
 
     def busy_keys(self) -> set[str]:
+        """Every key whose lock is held or awaited."""
         return set(self._holders) | {k for k, q in self._queues.items() if q}
 
     def close(self) -> None:

@@ -12,6 +12,11 @@ Caches uploaded by agents before manifests existed have only
 ``<key>/pointer.json`` naming one archive whose file list is unknown; they are
 read as a manifest with one such *legacy* archive, and the first manifest
 written for the key keeps it, so nothing uploaded before is lost.
+
+A key that gathered many archives is *compacted*: their union becomes one
+archive, the only one listed, and the others are listed as ``retired`` with
+the time, to be deleted once no restore can still be reading them. Agents
+that do not know ``retired`` ignore it (those archives are then never deleted).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class ArchiveEntry:
     files: tuple[FileFacts, ...] | None
 
     def to_json(self) -> dict[str, Any]:
+        """The entry as the manifest's JSON holds it."""
         return {
             "name": self.name,
             "digest": self.digest,
@@ -69,6 +75,9 @@ class Manifest:
     etag: str = ""
     # Read from a legacy pointer.json: no manifest.json exists yet.
     legacy: bool = False
+    # Archives a compaction took out of the list, and when: restores that read the
+    # manifest before may still be reading them, so they are deleted only later.
+    retired: tuple[tuple[str, float], ...] = ()
     # Each listed path's facts as the newest archive holding it lists them.
     latest: Mapping[str, FileFacts] = field(init=False)
 
@@ -86,14 +95,17 @@ class Manifest:
 
     @property
     def archive_bytes(self) -> int:
+        """Bytes of every archive listed, as stored in S3."""
         return sum(entry.archive_bytes for entry in self.archives)
 
     @property
     def content_bytes(self) -> int:
+        """Bytes of every archive listed, unpacked."""
         return sum(entry.content_bytes for entry in self.archives)
 
     @property
     def uploaded(self) -> float:
+        """When the newest archive was uploaded (0.0 without any)."""
         return max((entry.uploaded for entry in self.archives), default=0.0)
 
     def union_files(self) -> list[FileFacts]:
@@ -115,13 +127,40 @@ class Manifest:
         moving it last is what makes its copy the one restored.
         """
         older = tuple(existing for existing in self.archives if existing.name != entry.name)
-        return Manifest(self.key, (*older, entry), self.parts, self.etag, self.legacy)
+        return Manifest(self.key, (*older, entry), self.parts, self.etag, self.legacy, self.retired)
+
+    @property
+    def compactable(self) -> bool:
+        """Whether the archives can become one: more than one, every file list known."""
+        return len(self.archives) > 1 and all(a.files is not None for a in self.archives)
+
+    def compacted(self, entry: ArchiveEntry, now: float) -> Manifest:
+        """This manifest with ``entry`` (the union of every archive) as its only archive.
+
+        The archives it replaces are retired at ``now``, not forgotten: whoever
+        deletes them later (``swept``) knows their names and their age.
+        """
+        replaced = tuple((a.name, now) for a in self.archives if a.name != entry.name)
+        retired = tuple(r for r in self.retired if r[0] != entry.name)
+        return Manifest(self.key, (entry,), self.parts, self.etag, False, (*retired, *replaced))
+
+    def retired_before(self, moment: float) -> tuple[str, ...]:
+        """Names retired before ``moment`` that no listed archive uses again."""
+        listed = {a.name for a in self.archives}
+        return tuple(name for name, at in self.retired if at < moment and name not in listed)
+
+    def swept(self, names: Iterable[str]) -> Manifest:
+        """This manifest without ``names`` among its retired archives (they were deleted)."""
+        gone = set(names)
+        retired = tuple(r for r in self.retired if r[0] not in gone)
+        return Manifest(self.key, self.archives, self.parts, self.etag, self.legacy, retired)
 
     def covers(self, entry: ArchiveEntry) -> bool:
         """True when a restore would already give every file of ``entry`` as it holds it."""
         return entry.files is not None and not self.lacking(entry.files)
 
     def to_bytes(self) -> bytes:
+        """The manifest as the JSON object stored in S3."""
         document = {
             "format": MANIFEST_FORMAT,
             "key": self.key,
@@ -131,6 +170,8 @@ class Manifest:
             "parts": self.parts,
             "archives": [entry.to_json() for entry in self.archives],
         }
+        if self.retired:
+            document["retired"] = [[name, at] for name, at in self.retired]
         return json.dumps(document, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -182,6 +223,12 @@ def _entry(document: dict[str, Any]) -> ArchiveEntry:
     )
 
 
+def _retired(value: Any) -> tuple[tuple[str, float], ...]:
+    if not isinstance(value, list) or len(value) > _MAX_ARCHIVES:
+        raise ValueError("retired is not a list of at most 10,000")
+    return tuple((_archive_name(name, "artifacts/"), float(at)) for name, at in value)
+
+
 def parse_manifest(key: str, body: bytes, etag: str) -> Manifest:
     """A manifest.json as read; IntegrityError when it is not one for ``key``."""
     try:
@@ -192,7 +239,11 @@ def parse_manifest(key: str, body: bytes, etag: str) -> Manifest:
         if not isinstance(archives, list) or len(archives) > _MAX_ARCHIVES:
             raise ValueError("archives is not a list of at most 10,000")
         return Manifest(
-            key, tuple(_entry(a) for a in archives), dict(document.get("parts", {})), etag
+            key,
+            tuple(_entry(a) for a in archives),
+            dict(document.get("parts", {})),
+            etag,
+            retired=_retired(document.get("retired", [])),
         )
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise _unreadable(key, "manifest.json", exc) from exc

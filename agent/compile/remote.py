@@ -45,7 +45,7 @@ from agent.compile.manifest import (
 )
 from agent.source.interface import ObjectSource, ObjectTooLarge
 
-__all__ = ["ArchiveGone", "DeltaPacker", "RemoteCompileCaches", "UploadOutcome"]
+__all__ = ["ArchiveGone", "DeltaPacker", "RemoteCompileCaches", "UploadOutcome", "archive_entry"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,8 @@ class ArchiveGone(NotFound):
 
 @dataclass(frozen=True, slots=True)
 class UploadOutcome:
+    """What an upload to S3 came to: sent or skipped (and why), where, the manifest it left."""
+
     uploaded: bool
     uri: str
     reason: str = ""
@@ -94,6 +96,7 @@ class RemoteCompileCaches:
         self._part_size = part_size
 
     def uri_of(self, key: str) -> str:
+        """The S3 URI of ``key``'s prefix."""
         return f"s3://{self._uri.bucket}/{self._object(key, '')}"
 
     def _object(self, key: str, name: str) -> str:
@@ -162,16 +165,7 @@ class RemoteCompileCaches:
         if not wanted:
             return UploadOutcome(False, uri, "S3 already has this content")
         archive, packed = await pack_delta(wanted)
-        entry = ArchiveEntry(
-            name=f"artifacts/{packed.digest.removeprefix(DIGEST_PREFIX)[:32]}.tar.zst",
-            digest=packed.digest,
-            archive_bytes=packed.archive_bytes,
-            content_bytes=packed.content_bytes,
-            file_count=packed.file_count,
-            uploaded=time.time(),
-            uploader=socket.gethostname(),
-            files=packed.files,
-        )
+        entry = archive_entry(packed)
         await self._put_archive(key, entry.name, archive, packed.archive_bytes)
         for _ in range(_MERGE_ATTEMPTS):
             merged = manifest.with_archive(entry)
@@ -185,6 +179,38 @@ class RemoteCompileCaches:
             f"The compile-cache manifest of {key} at {uri} kept changing under "
             f"{_MERGE_ATTEMPTS} attempts; other nodes are uploading it. Push again later."
         )
+
+    async def replace_archives(
+        self, key: str, manifest: Manifest, union: tuple[Path, PackResult]
+    ) -> bool:
+        """Make ``union`` (every archive of ``manifest`` as one) the key's only archive.
+
+        The switch is conditional on the manifest's ETag, as an upload's is: if
+        any node added an archive since ``manifest`` was read, nothing changes
+        (False) and a later compaction tries again. The archives replaced stay
+        in S3, listed as retired, for ``sweep`` to delete once no restore that
+        read the old manifest can still be reading them.
+        """
+        archive, packed = union
+        entry = archive_entry(packed)
+        await self._put_archive(key, entry.name, archive, packed.archive_bytes)
+        compacted = manifest.compacted(entry, time.time())
+        return await self._switch_manifest(key, compacted.to_bytes(), manifest.etag or None)
+
+    async def sweep(self, key: str, manifest: Manifest, retired_before: float) -> int:
+        """Delete the archives ``manifest`` retired before ``retired_before``; how many.
+
+        Deleted first, then dropped from the manifest (conditionally): a manifest
+        changed meanwhile keeps naming them, and the next sweep deletes nothing
+        twice that matters (a missing object deletes cleanly).
+        """
+        due = manifest.retired_before(retired_before)
+        if not due:
+            return 0
+        for name in due:
+            await self._source.delete_object(self._uri.bucket, self._object(key, name))
+        await self._switch_manifest(key, manifest.swept(due).to_bytes(), manifest.etag or None)
+        return len(due)
 
     async def _manifest_for_update(self, key: str, parts: dict[str, Any]) -> Manifest:
         """The manifest to add to: as read, the legacy pointer's, or an empty one."""
@@ -231,6 +257,20 @@ class RemoteCompileCaches:
         except Conflict:
             return False
         return True
+
+
+def archive_entry(packed: PackResult) -> ArchiveEntry:
+    """The manifest entry of an archive packed now on this node, named by its files' digest."""
+    return ArchiveEntry(
+        name=f"artifacts/{packed.digest.removeprefix(DIGEST_PREFIX)[:32]}.tar.zst",
+        digest=packed.digest,
+        archive_bytes=packed.archive_bytes,
+        content_bytes=packed.content_bytes,
+        file_count=packed.file_count,
+        uploaded=time.time(),
+        uploader=socket.gethostname(),
+        files=packed.files,
+    )
 
 
 async def _file_parts(path: Path, part_size: int) -> AsyncIterator[bytes]:

@@ -52,15 +52,30 @@ from agent.compile.manifest import Manifest
 from agent.compile.remote import ArchiveGone, RemoteCompileCaches
 from agent.obs.metrics import COMPILE_CACHE_PHASE_SECONDS
 
-__all__ = ["CompileCacheTransfer", "Fetched", "PodRestore", "PushOutcome", "parts_of"]
+__all__ = [
+    "CompactOutcome",
+    "CompileCacheTransfer",
+    "Fetched",
+    "PodRestore",
+    "PushOutcome",
+    "parts_of",
+]
 
 log = logging.getLogger(__name__)
 
 _RESTORE_ATTEMPTS = 3
+# A key whose manifest lists more archives than this is compacted into one after an
+# upload: a restore makes one GET (and one unpack) per archive.
+COMPACT_AFTER_ARCHIVES = 8
+# Archives a compaction replaced are deleted this long after: far beyond any restore
+# (compile_cache.restore_timeout_seconds, 120 s by default) that read the old manifest.
+RETIRED_GRACE_SECONDS = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
 class PushOutcome:
+    """What publishing a key came to: uploaded or skipped (and why), where, digest, bytes."""
+
     uploaded: bool
     uri: str
     digest: str
@@ -86,6 +101,16 @@ class Fetched:
 
 
 @dataclass(frozen=True, slots=True)
+class CompactOutcome:
+    """What a compaction came to: done or not (and why), archives before, retirees deleted."""
+
+    compacted: bool
+    archives_before: int
+    retired_deleted: int
+    skipped_reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class PodRestore:
     """What a pod's restore came to: an archive, or the reason it starts empty."""
 
@@ -104,14 +129,19 @@ class CompileCacheTransfer:
         *,
         room: Callable[[], int],
         restore_timeout: float,
+        compact_after: int = COMPACT_AFTER_ARCHIVES,
+        retired_grace: float = RETIRED_GRACE_SECONDS,
     ) -> None:
         self._remote = remote
         self._index = index
+        self._compact_after = compact_after
+        self._retired_grace = retired_grace
         # Bytes the disk can still take: an archive that unpacks to more is refused.
         self._room = room
         self._restore_timeout = restore_timeout
 
     def uri_of(self, key: str) -> str:
+        """The S3 URI of ``key``'s prefix."""
         return self._remote.uri_of(key)
 
     async def restore_for_pod(self, key: str) -> PodRestore:
@@ -240,7 +270,74 @@ class CompileCacheTransfer:
         sent = outcome.manifest.archives[-1].archive_bytes if outcome.manifest else 0
         if outcome.uploaded:
             COMPILE_CACHE_PHASE_SECONDS.labels("upload").observe(time.monotonic() - started)
+        if outcome.manifest is not None:
+            await self._tidy(key, outcome.manifest)
         return PushOutcome(outcome.uploaded, outcome.uri, current.digest, sent, outcome.reason)
+
+    async def _tidy(self, key: str, manifest: Manifest) -> None:
+        """After an upload: compact a key past ``compact_after`` archives, delete old retirees.
+
+        Neither is the upload's business to fail: a failure is logged, and the
+        next upload of the key tries again.
+        """
+        try:
+            if len(manifest.archives) > self._compact_after:
+                await self.compact(key)
+            elif manifest.retired_before(time.time() - self._retired_grace):
+                await self._sweep_now(key)
+        except PrewarmError as exc:
+            log.warning("compaction of compile cache %s failed: %s", key, exc, extra={"key": key})
+
+    async def compact(self, key: str) -> CompactOutcome:
+        """Make the key's archives in S3 one archive of their union (as a restore merges them).
+
+        The union is restored into scratch space here, packed, checked to hold
+        exactly what the manifest says, and switched in with a conditional
+        manifest write; archives retired more than ``retired_grace`` ago are
+        deleted. Nothing a restoring node reads is deleted under it.
+        """
+        fetched = await self.fetch(key)
+        if fetched is None or not fetched.manifest.compactable:
+            await self._discard(fetched)
+            count = len(fetched.manifest.archives) if fetched else 0
+            return CompactOutcome(False, count, 0, "nothing to compact")
+        manifest, archive = fetched.manifest, self._index.scratch(key, ".tar.zst")
+        try:
+            packed = await asyncio.to_thread(pack, fetched.staging, archive)
+            if packed.digest != manifest.digest:
+                raise IntegrityError(
+                    f"the union of {key}'s archives packs to {packed.digest}, its manifest "
+                    f"says {manifest.digest}",
+                    path="manifest.json",
+                    check="digest",
+                )
+            switched = await self._remote.replace_archives(key, manifest, (archive, packed))
+        finally:
+            await asyncio.shield(asyncio.to_thread(archive.unlink, missing_ok=True))
+            await self._discard(fetched)
+        if not switched:
+            return CompactOutcome(False, len(manifest.archives), 0, "the manifest changed")
+        deleted = await self._sweep_now(key)
+        log.info(
+            "compacted compile cache %s: %d archives -> 1 (%d bytes); deleted %d retired",
+            key,
+            len(manifest.archives),
+            packed.archive_bytes,
+            deleted,
+            extra={"key": key},
+        )
+        return CompactOutcome(True, len(manifest.archives), deleted, "")
+
+    async def _sweep_now(self, key: str) -> int:
+        """Delete the key's archives retired long enough ago, as the manifest says now."""
+        manifest = await self._remote.read_manifest(key)
+        if manifest is None:
+            return 0
+        return await self._remote.sweep(key, manifest, time.time() - self._retired_grace)
+
+    async def _discard(self, fetched: Fetched | None) -> None:
+        if fetched is not None:
+            await self._index.discard(fetched.staging)
 
 
 def _check_unchanged(wanted: tuple[FileFacts, ...], packed: PackResult) -> None:

@@ -30,14 +30,23 @@ VERDICTS = (HIT, PARTIAL_MISS, MISS)
 # Files directly in the key directory, outside any sub-cache.
 TOP_LEVEL = "."
 
+# Artifacts that are kept and uploaded but are not compiled code, so they never make a
+# launch a miss: vLLM records each model's inspected architecture in
+# ``modelinfos/<model>.json`` (vllm/model_executor/models/registry.py), even with
+# compilation off.
+NOT_COMPILED = ("vllm/modelinfos/",)
+
 # Per sub-cache: (files, bytes) of artifacts.
 SubCacheSizes = dict[str, tuple[int, int]]
 
 
 def measure_sub_caches(directory: Path, group: int | None = None) -> SubCacheSizes:
-    """Artifacts (as packed: no locks, temporary files, links or other groups' files)."""
+    """Compiled artifacts per sub-cache (as packed: no locks, temporary files, links or other
+    groups' files; and not ``NOT_COMPILED``)."""
     sizes: SubCacheSizes = {}
     for relative, item in walk_artifacts(directory, group):
+        if relative.startswith(NOT_COMPILED):
+            continue
         sub = relative.split("/", 1)[0] if "/" in relative else TOP_LEVEL
         try:
             size = item.stat(follow_symlinks=False).st_size
@@ -60,10 +69,12 @@ class Verdict:
 
     @property
     def files_added(self) -> int:
+        """Files the launch added, over every sub-cache."""
         return sum(files for files, _ in self.grown.values())
 
     @property
     def bytes_added(self) -> int:
+        """Bytes the launch added, over every sub-cache."""
         return sum(size for _, size in self.grown.values())
 
     def describe(self) -> str:
@@ -76,11 +87,13 @@ class Verdict:
         return f"{self.verdict}: {growth}"
 
     def to_json(self) -> dict[str, Any]:
+        """The verdict as the index's JSON record holds it."""
         grown = {sub: list(pair) for sub, pair in self.grown.items()}
         return {"verdict": self.verdict, "grown": grown, "at": self.at, "client": self.client}
 
     @classmethod
     def from_json(cls, document: Mapping[str, Any]) -> Verdict:
+        """A verdict from ``to_json``'s form; ValueError names a bad one."""
         verdict = str(document["verdict"])
         if verdict not in VERDICTS:
             raise ValueError(f"verdict {verdict!r}")

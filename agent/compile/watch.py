@@ -49,6 +49,7 @@ class SettleWatcher:
         root: Path,
         quiet_seconds: float,
         on_settled: Callable[[str], Awaitable[None]],
+        *,
         key_of: Callable[[str], str | None],
         keys: Callable[[], Iterable[str]],
     ) -> None:

@@ -1,0 +1,123 @@
+"""Compaction: a key's many archives in S3 become one, and nothing a restore reads goes early.
+
+Every upload of new files adds an archive, and a restore reads (GET and
+unpack) every archive listed. Past ``COMPACT_AFTER_ARCHIVES`` the uploading
+node packs their union into one archive and switches the manifest to it with
+a conditional write; the replaced archives stay in S3, listed as retired,
+until no restore that read the old manifest can still be reading them. In
+process, with MemorySource as S3 (its ``reads`` record every ranged GET).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from store_helpers import open_store
+
+from agent._config import CompileCacheSettings, Settings, TierSettings
+from agent._uri import parse_uri
+from agent.compile.cache import CompileCaches
+from agent.compile.keys import CompileKeyParts, compile_key
+from agent.compile.remote import RemoteCompileCaches
+from agent.compile.transfer import COMPACT_AFTER_ARCHIVES
+from agent.testing import MemorySource
+
+BUCKET = "caches"
+PARTS = CompileKeyParts(torch_version="2.13.0", model_key="compaction")
+KEY = compile_key(PARTS)
+PREFIX = f"cc/node/{KEY}/"
+
+
+@contextlib.asynccontextmanager
+async def node(root: Path, source: MemorySource) -> AsyncIterator[CompileCaches]:
+    """One node's compile caches under ``root``, sharing ``source``'s bucket."""
+    store = await open_store(root)
+    settings = Settings(
+        tiers=TierSettings(shm_root=root / "shm", disk_root=root / "disk"),
+        compile_cache=CompileCacheSettings(uri=f"s3://{BUCKET}/cc", quiet_seconds=3600),
+    )
+    async with CompileCaches(settings, store, source) as caches:
+        yield caches
+
+
+def _manifest(source: MemorySource) -> dict[str, Any]:
+    document: dict[str, Any] = json.loads(source.objects[BUCKET][PREFIX + "manifest.json"])
+    return document
+
+
+async def _restore(root: Path, source: MemorySource) -> tuple[dict[str, bytes], int, float]:
+    """A new node's restore: the files it got, the archives it read, the seconds it took."""
+    reads_before = len(source.reads)
+    started = time.monotonic()
+    async with node(root, source) as fresh:
+        restored = await fresh.ensure(PARTS)
+    seconds = time.monotonic() - started
+    files = {p.name: p.read_bytes() for p in (restored.info.path / "inductor").iterdir()}
+    return files, len(source.reads) - reads_before, seconds
+
+
+async def test_uploads_past_the_limit_leave_one_archive_holding_their_union(
+    tmp_path: Path,
+) -> None:
+    """The upload that makes one archive too many compacts: one archive, every file, one GET."""
+    source = MemorySource(objects={BUCKET: {}})
+    written: dict[str, bytes] = {}
+    async with node(tmp_path / "a", source) as first:
+        path = (await first.ensure(PARTS)).info.path
+        for number in range(COMPACT_AFTER_ARCHIVES + 1):
+            if number == COMPACT_AFTER_ARCHIVES:
+                before = _manifest(source)
+                files, reads_before, seconds_before = await _restore(tmp_path / "b", source)
+            written[f"kernel-{number}.so"] = os.urandom(20_000)
+            (path / "inductor" / f"kernel-{number}.so").write_bytes(written[f"kernel-{number}.so"])
+            assert (await first.push(KEY)).uploaded
+
+    after = _manifest(source)
+    assert len(before["archives"]) == COMPACT_AFTER_ARCHIVES
+    assert files.keys() == {f"kernel-{n}.so" for n in range(COMPACT_AFTER_ARCHIVES)}
+    (only,) = after["archives"]
+    assert only["file_count"] == COMPACT_AFTER_ARCHIVES + 1
+    assert after["digest"] == only["digest"]
+    # The replaced archives are retired, not deleted: a restore may still be reading them.
+    retired = [name for name, _ in after["retired"]]
+    assert len(retired) == COMPACT_AFTER_ARCHIVES + 1
+    assert all(PREFIX + name in source.objects[BUCKET] for name in retired)
+
+    restored, reads_after, seconds_after = await _restore(tmp_path / "c", source)
+    assert restored == written
+    assert (reads_before, reads_after) == (COMPACT_AFTER_ARCHIVES, 1)
+    print(
+        f"\nrestore: {COMPACT_AFTER_ARCHIVES} archives {reads_before} GETs {seconds_before:.3f} s;"
+        f" compacted: {reads_after} GET {seconds_after:.3f} s"
+    )
+
+
+async def test_retired_archives_are_deleted_only_once_their_grace_is_over(
+    tmp_path: Path,
+) -> None:
+    """A sweep inside the grace deletes nothing; after it, the retirees and their listing go."""
+    source = MemorySource(objects={BUCKET: {}})
+    async with node(tmp_path / "a", source) as first:
+        path = (await first.ensure(PARTS)).info.path
+        for number in range(COMPACT_AFTER_ARCHIVES + 1):
+            (path / "inductor" / f"kernel-{number}.so").write_bytes(os.urandom(1000))
+            await first.push(KEY)
+    remote = RemoteCompileCaches(source, parse_uri(f"s3://{BUCKET}/cc/node/"))
+    manifest = await remote.read_manifest(KEY)
+    assert manifest is not None
+    retired = [name for name, _ in manifest.retired]
+
+    assert await remote.sweep(KEY, manifest, time.time() - 3600) == 0
+    assert await remote.sweep(KEY, manifest, time.time() + 1) == len(retired)
+    assert not any(PREFIX + name in source.objects[BUCKET] for name in retired)
+    swept = await remote.read_manifest(KEY)
+    assert swept is not None
+    assert (swept.retired, len(swept.archives)) == ((), 1)
+    restored, _, _ = await _restore(tmp_path / "b", source)
+    assert len(restored) == COMPACT_AFTER_ARCHIVES + 1

@@ -17,10 +17,11 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from agent._compile_parts import CompileKeyParts
 from agent._exceptions import InvalidRequest
 
 __all__ = [
@@ -46,30 +47,6 @@ _MAX_TEXT = 256
 _MAX_EXTRAS = 64
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _SPACES = re.compile(r"\s+")
-
-
-@dataclass(frozen=True, slots=True)
-class CompileKeyParts:
-    """What compiled artifacts depend on. Any change gives another cache key.
-
-    ``torch_version`` is required: every torch change invalidates compiled
-    artifacts. ``engine_version`` defaults to the torch version for plain
-    PyTorch. Parallel sizes of 0 mean 1. ``extras`` holds anything else that
-    changes what gets compiled (dtype, max batch size, the Python version...).
-    """
-
-    engine: str = "torch"
-    engine_version: str = ""
-    torch_version: str = ""
-    triton_version: str = ""
-    cuda_version: str = ""
-    gpu_name: str = ""
-    model_key: str = ""
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-    data_parallel: int = 1
-    config_hash: str = ""
-    extras: dict[str, str] = field(default_factory=dict)
 
 
 def _text(name: str, value: object, *, collapse: bool = False) -> str:

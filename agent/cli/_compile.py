@@ -17,11 +17,11 @@ from agent.client import (
     Client,
     CompileCacheHandle,
     CompileCacheInfo,
+    CompileVerdict,
     InvalidRequest,
     NotFound,
     PrewarmError,
 )
-from agent.client._compile_types import CompileVerdict
 
 from . import _render as render
 from ._options import SocketOption

@@ -70,7 +70,7 @@ from agent.client import (
 )
 from agent.client import Progress as PullProgress
 from agent.client._compile import key_fields_from_text
-from agent.client._compile import key_parts as key_parts_from
+from agent.client._messages import key_parts as key_parts_from
 
 from . import _render as render
 from ._engine_flags import detect_engine, engine_key_fields, merged_key_fields

@@ -26,7 +26,7 @@ import typer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agent.client import AgentUnavailable, wait_for_agent
-from agent.client._convert import CHANNEL_OPTIONS, channel_target, resolve_socket_path
+from agent.client._transport import CHANNEL_OPTIONS, channel_target, resolve_socket_path
 
 from ._options import SocketOption, WaitForAgentOption
 

@@ -43,7 +43,6 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from enum import StrEnum
 from pathlib import Path
 from types import FrameType
 from typing import Annotated, NoReturn
@@ -74,7 +73,15 @@ from agent.client._messages import key_parts as key_parts_from
 
 from . import _render as render
 from ._engine_flags import detect_engine, engine_key_fields, merged_key_fields
-from ._options import AsRequesterOption, CachedOnlyOption, SocketOption, WaitForAgentOption
+from ._options import (
+    AsRequesterOption,
+    CachedOnlyOption,
+    ExcludeOption,
+    IncludeOption,
+    SocketOption,
+    TierOption,
+    WaitForAgentOption,
+)
 from ._ready import ReadyWatch, ready_waiter, report_ready
 
 __all__ = ["CachedOnlyOption", "exec_command"]
@@ -91,11 +98,6 @@ PLACEHOLDER = "{model}"
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-class _Tier(StrEnum):
-    shm = "shm"
-    disk = "disk"
-
-
 def exec_command(
     uri: Annotated[str, typer.Argument(help="The model, e.g. s3://models/llama-3-8b/.")],
     command: Annotated[
@@ -107,18 +109,9 @@ def exec_command(
         ),
     ],
     *,
-    tier: Annotated[
-        _Tier | None,
-        typer.Option(help="Where to place the model if it is pulled (default: the agent's)."),
-    ] = None,
-    include: Annotated[
-        list[str] | None,
-        typer.Option("--include", help="Only paths matching this glob (repeatable)."),
-    ] = None,
-    exclude: Annotated[
-        list[str] | None,
-        typer.Option("--exclude", help="Skip paths matching this glob (repeatable)."),
-    ] = None,
+    tier: TierOption = None,
+    include: IncludeOption = None,
+    exclude: ExcludeOption = None,
     compile_key: Annotated[
         list[str] | None,
         typer.Option(
@@ -195,7 +188,7 @@ def exec_command(
                 handle = stack.enter_context(
                     client.leased(
                         uri,
-                        tier=tier.value if tier else None,
+                        tier=tier,
                         include=include or (),
                         exclude=exclude or (),
                         client_name=client_name,

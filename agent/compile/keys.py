@@ -1,7 +1,8 @@
 """What a torch.compile cache depends on, the key derived from it, and each engine's env.
 
-Standard library only: the client imports this module too, so that a pod can
-build and check key parts without the daemon's dependencies.
+Standard library only. The parts themselves (``CompileKeyParts``) live in the
+foundation ``agent._compile_parts``, shared with the wire maps and the client,
+which do not import this module.
 
 Every part is normalised before hashing (whitespace, case of the engine name,
 unset parallel sizes as 1, extras in sorted order), so two pods that describe

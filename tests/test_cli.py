@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 from agent_helpers import AgentFactory, outside_the_socket_group
 from rich.console import Console
 from rich.progress import Progress
@@ -202,6 +203,19 @@ def test_missing_socket_exits_3_and_says_how_to_fix_it(tmp_path: Path) -> None:
     assert done.stderr.startswith(f"error: no prewarm agent is listening on {missing}")
     assert "systemctl start prewarmd" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("command", [["ls"], ["compile", "ls"]], ids=["main", "compile"])
+def test_every_app_reports_errors_escaped_with_the_same_status(
+    tmp_path: Path, command: list[str]
+) -> None:
+    """The main and the compile app share one handler: exit 3, the message escaped on stderr."""
+    hostile = tmp_path / "\x1b]8;;https://evil.example\x1b\\agent.sock"
+    done = prewarm(*command, "--socket", str(hostile), socket=tmp_path / "ignored.sock")
+    assert done.returncode == 3
+    assert done.stderr.startswith("error: no prewarm agent is listening on ")
+    assert "\x1b" not in done.stderr
+    assert "\\x1b]8;;https://evil.example" in done.stderr
 
 
 def test_version_flag_prints_the_version() -> None:

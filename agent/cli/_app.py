@@ -131,7 +131,8 @@ def _pull_with_bar(client: Client, uri: str, options: EnsureOptions) -> ModelHan
         transient=True,
     )
     with progress:
-        return client.ensure(uri, **options, progress=_Bar(progress))
+        with_bar: EnsureOptions = {**options, "progress": _Bar(progress)}
+        return client.ensure(uri, **with_bar)
 
 
 @app.command()

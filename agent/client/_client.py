@@ -380,7 +380,9 @@ class AsyncClient(_BaseClient, contextlib.AbstractAsyncContextManager["AsyncClie
             self._channel = grpc.aio.insecure_channel(
                 channel_target(self._socket_path), options=CHANNEL_OPTIONS
             )
-            self._live_stub = pb_grpc.PrewarmAsyncStub(self._channel)
+            # PrewarmAsyncStub exists only in the type stubs: on an aio channel
+            # the generated PrewarmStub is the async one.
+            self._live_stub = pb_grpc.PrewarmStub(self._channel)
         return self._live_stub
 
     async def _read(self, stream: AsyncIterable[Any], reader: messages.StreamReader[T]) -> T:

@@ -38,9 +38,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Generic, Self, TypeVar
 
-from agent._exceptions import AgentUnavailable, NotFound, PrewarmError
-
-from ._exceptions import Conflict, error_for_code
+from ._exceptions import AgentUnavailable, Conflict, NotFound, PrewarmError, error_for_code
 from ._models import LeaseGrant, ModelHandle
 
 __all__ = [

@@ -210,12 +210,13 @@ def test_every_app_reports_errors_escaped_with_the_same_status(
     tmp_path: Path, command: list[str]
 ) -> None:
     """The main and the compile app share one handler: exit 3, the message escaped on stderr."""
-    hostile = tmp_path / "\x1b]8;;https://evil.example\x1b\\agent.sock"
+    # An OSC 8 hyperlink sequence, as a directory name: the message quotes the path.
+    hostile = tmp_path / "\x1b]8;;evil.example\x1b\\" / "agent.sock"
     done = prewarm(*command, "--socket", str(hostile), socket=tmp_path / "ignored.sock")
     assert done.returncode == 3
     assert done.stderr.startswith("error: no prewarm agent is listening on ")
     assert "\x1b" not in done.stderr
-    assert "\\x1b]8;;https://evil.example" in done.stderr
+    assert "\\x1b]8;;evil.example\\x1b" in done.stderr
 
 
 def test_version_flag_prints_the_version() -> None:

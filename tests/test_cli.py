@@ -16,9 +16,11 @@ import pytest
 from agent_helpers import AgentFactory, outside_the_socket_group
 from rich.console import Console
 from rich.progress import Progress
+from typer.testing import CliRunner
 
 from agent import __version__
 from agent.cli import _render as render
+from agent.cli import app
 from agent.client import Client
 from agent.testing import AgentProcess, SampleModel
 
@@ -217,6 +219,22 @@ def test_every_app_reports_errors_escaped_with_the_same_status(
     assert done.stderr.startswith("error: no prewarm agent is listening on ")
     assert "\x1b" not in done.stderr
     assert "\\x1b]8;;evil.example\\x1b" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("command", "hints"),
+    [
+        (["pull"], ["the agent's"] * 4 + ["/run/prewarm/agent.sock"]),
+        (["exec"], ["the agent's", "/run/prewarm/agent.sock"]),
+        (["gc"], ["both"]),
+    ],
+    ids=["pull", "exec", "gc"],
+)
+def test_option_help_shows_its_default_hint(command: list[str], hints: list[str]) -> None:
+    """A "(default: ...)" hint in an option's help reaches --help (rich ate "[default: ...]")."""
+    shown = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "400"}).output
+    for hint in set(hints):
+        assert shown.count(f"(default: {hint})") == hints.count(hint), hint
 
 
 def test_version_flag_prints_the_version() -> None:

@@ -151,19 +151,19 @@ def pull(
     ] = False,
     data_plane: Annotated[
         DataPlaneName | None,
-        typer.Option(help="What moves the bytes if this starts a pull [default: the agent's]."),
+        typer.Option(help="What moves the bytes if this starts a pull (default: the agent's)."),
     ] = None,
     concurrency: Annotated[
         int | None,
         # Checked with the client's other pull options (agent._vocabulary).
-        typer.Option(help="Parallel streams if this starts a pull [default: the agent's]."),
+        typer.Option(help="Parallel streams if this starts a pull (default: the agent's)."),
     ] = None,
     chunk_size: Annotated[
         int | None,
         typer.Option(
             parser=_parse_size,
             metavar="SIZE",
-            help="Bytes per ranged GET and journal entry, e.g. 64MiB [default: the agent's].",
+            help="Bytes per ranged GET and journal entry, e.g. 64MiB (default: the agent's).",
         ),
     ] = None,
     cached_only: CachedOnlyOption = False,
@@ -257,7 +257,7 @@ def evict(
 
 @app.command()
 def gc(
-    tier: Annotated[TierName | None, typer.Option(help="Only this tier [default: both].")] = None,
+    tier: Annotated[TierName | None, typer.Option(help="Only this tier (default: both).")] = None,
     socket: SocketOption = None,
     json_out: JsonOption = False,
 ) -> None:

@@ -28,7 +28,7 @@ SocketOption = Annotated[
     typer.Option(
         "--socket",
         envvar="PREWARM_SOCKET_PATH",
-        help="The agent's socket [default: /run/prewarm/agent.sock].",
+        help="The agent's socket (default: /run/prewarm/agent.sock).",
         show_default=False,
         # A socket is connected to, never read: click's readable check (os.access R_OK)
         # would stop a user outside the socket's group with "path ... is not readable",
@@ -72,7 +72,7 @@ WaitForAgentOption = Annotated[
 
 TierOption = Annotated[
     TierName | None,
-    typer.Option(help="Where to place the model if it is pulled [default: the agent's]."),
+    typer.Option(help="Where to place the model if it is pulled (default: the agent's)."),
 ]
 IncludeOption = Annotated[
     list[str] | None,

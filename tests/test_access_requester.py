@@ -29,7 +29,7 @@ from agent._exceptions import AccessDenied, InvalidRequest
 from agent._proto.prewarm.v1 import prewarm_pb2 as pb
 from agent._proto.prewarm.v1 import prewarm_pb2_grpc as pb_grpc
 from agent.client import Client
-from agent.client._requester import requester_credentials
+from agent.client._messages import requester_credentials
 from agent.testing import InProcessAgent, S3Server, upload_model
 from agent.testing._endpoint import LoopbackEndpoint
 from agent.testing._process import purge_tree

@@ -12,12 +12,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 from agent_helpers import AgentFactory, outside_the_socket_group
 from rich.console import Console
 from rich.progress import Progress
+from typer.testing import CliRunner
 
 from agent import __version__
 from agent.cli import _render as render
+from agent.cli import app
 from agent.client import Client
 from agent.testing import AgentProcess, SampleModel
 
@@ -202,6 +205,36 @@ def test_missing_socket_exits_3_and_says_how_to_fix_it(tmp_path: Path) -> None:
     assert done.stderr.startswith(f"error: no prewarm agent is listening on {missing}")
     assert "systemctl start prewarmd" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("command", [["ls"], ["compile", "ls"]], ids=["main", "compile"])
+def test_every_app_reports_errors_escaped_with_the_same_status(
+    tmp_path: Path, command: list[str]
+) -> None:
+    """The main and the compile app share one handler: exit 3, the message escaped on stderr."""
+    # An OSC 8 hyperlink sequence, as a directory name: the message quotes the path.
+    hostile = tmp_path / "\x1b]8;;evil.example\x1b\\" / "agent.sock"
+    done = prewarm(*command, "--socket", str(hostile), socket=tmp_path / "ignored.sock")
+    assert done.returncode == 3
+    assert done.stderr.startswith("error: no prewarm agent is listening on ")
+    assert "\x1b" not in done.stderr
+    assert "\\x1b]8;;evil.example\\x1b" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("command", "hints"),
+    [
+        (["pull"], ["the agent's"] * 4 + ["/run/prewarm/agent.sock"]),
+        (["exec"], ["the agent's", "/run/prewarm/agent.sock"]),
+        (["gc"], ["both"]),
+    ],
+    ids=["pull", "exec", "gc"],
+)
+def test_option_help_shows_its_default_hint(command: list[str], hints: list[str]) -> None:
+    """A "(default: ...)" hint in an option's help reaches --help (rich ate "[default: ...]")."""
+    shown = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "400"}).output
+    for hint in set(hints):
+        assert shown.count(f"(default: {hint})") == hints.count(hint), hint
 
 
 def test_version_flag_prints_the_version() -> None:

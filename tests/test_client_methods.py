@@ -1,4 +1,4 @@
-"""Both clients are built from one description per call: same methods, real signatures."""
+"""Client and AsyncClient are written out method by method: the same methods, alike."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 
-from agent.client import AsyncClient, Client, InvalidRequest
+from agent.client import AsyncClient, Client, EnsureOptions, InvalidRequest, LeasedOptions
 
 PUBLIC = sorted(
     name
@@ -30,9 +30,10 @@ def test_both_clients_offer_the_same_methods() -> None:
 
 @pytest.mark.parametrize("name", PUBLIC)
 def test_methods_show_their_own_parameters_and_docstring(name: str) -> None:
-    """help() and inspect see each method's real parameters and docstring, alike on both."""
+    """help() and inspect see the same parameters and docstring for a method on both clients."""
     sync, asynchronous = getattr(Client, name), getattr(AsyncClient, name)
-    assert inspect.signature(sync) == inspect.signature(asynchronous)
+    # Only the parameters: one returns a value, the other an awaitable of it.
+    assert inspect.signature(sync).parameters == inspect.signature(asynchronous).parameters
     assert next(iter(inspect.signature(sync).parameters)) == "self"
     assert sync.__qualname__ == f"Client.{name}"
     assert asynchronous.__qualname__ == f"AsyncClient.{name}"
@@ -43,8 +44,29 @@ def test_methods_show_their_own_parameters_and_docstring(name: str) -> None:
 def test_bound_method_signature_starts_after_self() -> None:
     """A bound method's signature starts at its first real parameter, not one past it."""
     client = Client("/nonexistent/agent.sock")
-    assert list(inspect.signature(client.ensure).parameters)[:2] == ["uri", "tier"]
+    assert list(inspect.signature(client.ensure).parameters) == ["uri", "options"]
     assert list(inspect.signature(client.get).parameters) == ["ref"]
+
+
+def test_ensure_options_are_typed_keywords() -> None:
+    """ensure takes its options as keywords typed by EnsureOptions; leased all of them but lease."""
+    assert "tier" in EnsureOptions.__optional_keys__
+    assert "lease" in EnsureOptions.__optional_keys__
+    assert LeasedOptions.__optional_keys__ == EnsureOptions.__optional_keys__ - {"lease"}
+    kinds = {p.name: p.kind for p in inspect.signature(Client.ensure).parameters.values()}
+    assert kinds["options"] is inspect.Parameter.VAR_KEYWORD
+
+
+def test_a_misspelt_option_fails_as_on_a_written_out_signature() -> None:
+    """An unknown keyword is a TypeError before any connection, not silently dropped."""
+    with Client("/nonexistent/agent.sock") as client:
+        with pytest.raises(TypeError, match="unexpected keyword argument 'teir'"):
+            client.ensure("s3://b/m/", teir="shm")  # type: ignore[call-arg]
+        with (
+            pytest.raises(TypeError, match="unexpected keyword argument 'lease'"),
+            client.leased("s3://b/m/", lease=False),  # type: ignore[call-arg]
+        ):
+            pass
 
 
 @pytest.mark.parametrize("name", PUBLIC)

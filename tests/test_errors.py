@@ -20,7 +20,7 @@ from agent._exceptions import Conflict, PrewarmError, error_type_for_status
 from agent._proto.prewarm.v1 import prewarm_pb2 as pb
 from agent._proto.prewarm.v1 import prewarm_pb2_grpc as pb_grpc
 from agent.client import Client, Progress
-from agent.client._errors import error_for_code
+from agent.client._exceptions import error_for_code
 from agent.edge.server import ApiServer
 from agent.edge.status import status_code_for
 from agent.testing import AgentProcess, S3Server, make_safetensors_model, upload_model

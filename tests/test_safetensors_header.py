@@ -21,7 +21,7 @@ from agent.check.safetensors import (
     parse_header,
     read_header,
 )
-from agent.client import _tensors
+from agent.client import SafetensorsError, _tensors
 
 
 def _sample() -> dict[str, torch.Tensor]:
@@ -350,7 +350,7 @@ def test_client_error_is_an_integrity_error_with_path_and_check(tmp_path: Path) 
     """The client loader's error is an IntegrityError naming the file and the check."""
     header = {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}
     path = _write(tmp_path / "x.safetensors", header, bytes(16))
-    with pytest.raises(_tensors.SafetensorsError) as caught:
+    with pytest.raises(SafetensorsError) as caught:
         _tensors.load_safetensors(path)
     assert isinstance(caught.value, IntegrityError)
     assert (caught.value.path, caught.value.check) == (str(path), CHECK)
@@ -384,5 +384,5 @@ def test_client_loader_refuses_a_packed_dtype_by_name(tmp_path: Path) -> None:
     """The client loader refuses the packed F4 dtype by name instead of misreading it."""
     path = tmp_path / "x.safetensors"
     save_file({"w": torch.zeros(3, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)}, str(path))
-    with pytest.raises(_tensors.SafetensorsError, match="dtype 'F4', which load_safetensors"):
+    with pytest.raises(SafetensorsError, match="dtype 'F4', which load_safetensors"):
         _tensors.load_safetensors(path)

@@ -13,7 +13,8 @@ from agent._config import S3Settings
 from agent._proto.prewarm.v1 import prewarm_pb2 as pb
 from agent._vocabulary import PullOptions
 from agent._wire import pull_options_from_proto, pull_options_to_proto
-from agent.client._convert import ensure_request
+from agent.client import EnsureOptions
+from agent.client._messages import ensure_request
 from agent.pull.tuning import GETS_PER_STREAM, auto_concurrency, node_gbps, tune, worker_processes
 from agent.source.transfer import STREAMER_MIN_BLOCK, concurrency_ceiling, streamer_environment
 
@@ -128,7 +129,14 @@ def test_the_client_refuses_bad_pull_options_in_the_agents_words(
     with pytest.raises(InvalidRequest) as agent_side:
         PullOptions(**options)
     with pytest.raises(InvalidRequest) as client_side:
-        ensure_request("s3://b/m/", tier=None, include=(), exclude=(), client_name="", **options)
+        ensure_request(
+            "s3://b/m/",
+            EnsureOptions(
+                data_plane=options.get("data_plane"),
+                concurrency=options.get("concurrency"),
+                chunk_size=options.get("chunk_size"),
+            ),
+        )
     assert str(client_side.value) == str(agent_side.value)
 
 

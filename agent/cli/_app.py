@@ -5,10 +5,8 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -21,36 +19,34 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from agent._exceptions import printable
 from agent._version import __version__
 from agent._vocabulary import DataPlaneName, TierName
-from agent.client import (
-    AgentUnavailable,
-    Client,
-    InvalidRequest,
-    ModelHandle,
-    PrewarmError,
-)
+from agent.client import Client, EnsureOptions, InvalidRequest, ModelHandle
 from agent.client import Progress as PullProgress
 
 from . import _render as render
 from ._compile import compile_app
+from ._errors import EXIT_ERROR, agent_errors, fail
 from ._exec import exec_command
 from ._health import health_command
-from ._options import AsRequesterOption, CachedOnlyOption, SocketOption
+from ._options import (
+    AsRequesterOption,
+    CachedOnlyOption,
+    ExcludeOption,
+    IncludeOption,
+    JsonOption,
+    SocketOption,
+    TierOption,
+)
 
 __all__ = ["app"]
-
-EXIT_ERROR = 1
-EXIT_INVALID = 2
-EXIT_NO_AGENT = 3
 
 app = typer.Typer(
     name="prewarm",
     help="Inspect and manage the model cache of this node's prewarm agent.",
     no_args_is_help=True,
     add_completion=False,
-    # Expected errors are reported in one line (see _agent_errors); anything
+    # Expected errors are reported in one line (see _errors); anything
     # else is a bug, and a plain traceback is the most useful report of it.
     pretty_exceptions_enable=False,
 )
@@ -70,34 +66,10 @@ def _parse_size(text: str) -> int:
     return int(number) * int(base**power)
 
 
-JsonOption = Annotated[
-    bool, typer.Option("--json", help="Print machine-readable JSON on stdout, nothing else.")
-]
-
-
 def _stdout() -> Console:
     # Off a terminal, rich assumes 80 columns and would wrap or cut table
     # cells; tables only take the width they need, so a wide page is safe.
     return Console(highlight=False, width=None if sys.stdout.isatty() else 400)
-
-
-def _fail(exc: PrewarmError, code: int) -> NoReturn:
-    # Errors raised on this side quote the caller's input; escape it like agent values.
-    sys.stderr.write(f"error: {printable(str(exc))}\n")
-    raise typer.Exit(code)
-
-
-@contextmanager
-def _agent_errors() -> Iterator[None]:
-    """Expected errors become one line on stderr and an exit status, no traceback."""
-    try:
-        yield
-    except InvalidRequest as exc:
-        _fail(exc, EXIT_INVALID)
-    except AgentUnavailable as exc:
-        _fail(exc, EXIT_NO_AGENT)
-    except PrewarmError as exc:
-        _fail(exc, EXIT_ERROR)
 
 
 def _client_name() -> str:
@@ -131,6 +103,7 @@ class _Bar:
         self._task: TaskID = progress.add_task("resolve", total=None, files="")
 
     def __call__(self, event: PullProgress) -> None:
+        """Move the bar to where ``event`` says the pull is."""
         files = f"{event.files_done}/{event.files_total} files" if event.files_total else ""
         self._progress.update(
             self._task,
@@ -141,11 +114,11 @@ class _Bar:
         )
 
 
-def _pull_with_bar(client: Client, uri: str, **kwargs: object) -> ModelHandle:
+def _pull_with_bar(client: Client, uri: str, options: EnsureOptions) -> ModelHandle:
     console = Console(stderr=True)
     if not console.is_terminal:
         # Logs and pipes get the summary line only, not bar frames.
-        return client.ensure(uri, **kwargs)  # type: ignore[arg-type]
+        return client.ensure(uri, **options)
     progress = Progress(
         TextColumn("{task.description:<8}"),
         BarColumn(),
@@ -158,25 +131,17 @@ def _pull_with_bar(client: Client, uri: str, **kwargs: object) -> ModelHandle:
         transient=True,
     )
     with progress:
-        return client.ensure(uri, progress=_Bar(progress), **kwargs)  # type: ignore[arg-type]
+        with_bar: EnsureOptions = {**options, "progress": _Bar(progress)}
+        return client.ensure(uri, **with_bar)
 
 
 @app.command()
 def pull(
     uri: Annotated[str, typer.Argument(help="The model, e.g. s3://models/llama-3-8b/.")],
     *,
-    tier: Annotated[
-        TierName | None,
-        typer.Option(help="Where to place it if it has to be pulled [default: the agent's]."),
-    ] = None,
-    include: Annotated[
-        list[str] | None,
-        typer.Option("--include", help="Only paths matching this glob (repeatable)."),
-    ] = None,
-    exclude: Annotated[
-        list[str] | None,
-        typer.Option("--exclude", help="Skip paths matching this glob (repeatable)."),
-    ] = None,
+    tier: TierOption = None,
+    include: IncludeOption = None,
+    exclude: ExcludeOption = None,
     pin: Annotated[
         bool, typer.Option("--pin", help="Pin it: never evicted by pressure (see `unpin`).")
     ] = False,
@@ -186,19 +151,19 @@ def pull(
     ] = False,
     data_plane: Annotated[
         DataPlaneName | None,
-        typer.Option(help="What moves the bytes if this starts a pull [default: the agent's]."),
+        typer.Option(help="What moves the bytes if this starts a pull (default: the agent's)."),
     ] = None,
     concurrency: Annotated[
         int | None,
         # Checked with the client's other pull options (agent._vocabulary).
-        typer.Option(help="Parallel streams if this starts a pull [default: the agent's]."),
+        typer.Option(help="Parallel streams if this starts a pull (default: the agent's)."),
     ] = None,
     chunk_size: Annotated[
         int | None,
         typer.Option(
             parser=_parse_size,
             metavar="SIZE",
-            help="Bytes per ranged GET and journal entry, e.g. 64MiB [default: the agent's].",
+            help="Bytes per ranged GET and journal entry, e.g. 64MiB (default: the agent's).",
         ),
     ] = None,
     cached_only: CachedOnlyOption = False,
@@ -211,25 +176,25 @@ def pull(
     --data-plane, --concurrency and --chunk-size apply only when this request
     starts the pull; joining a pull in progress keeps that pull's settings.
     """
-    with _agent_errors(), Client(socket) as client:
-        request: dict[str, object] = {
-            "tier": tier,
-            "include": include or (),
-            "exclude": exclude or (),
-            "client_name": _client_name(),
-            "pin": pin,
-            "strict_tier": strict_tier,
-            "data_plane": data_plane,
-            "concurrency": concurrency,
-            "chunk_size": chunk_size,
-            "cached_only": cached_only,
-            "as_requester": as_requester,
-        }
+    options = EnsureOptions(
+        tier=tier,
+        include=include or (),
+        exclude=exclude or (),
+        client_name=_client_name(),
+        pin=pin,
+        strict_tier=strict_tier,
+        data_plane=data_plane,
+        concurrency=concurrency,
+        chunk_size=chunk_size,
+        cached_only=cached_only,
+        as_requester=as_requester,
+    )
+    with agent_errors(), Client(socket) as client:
         if json_out:
-            handle = client.ensure(uri, **request)  # type: ignore[arg-type]
+            handle = client.ensure(uri, **options)
             sys.stdout.write(render.to_json(handle) + "\n")
         else:
-            handle = _pull_with_bar(client, uri, **request)
+            handle = _pull_with_bar(client, uri, options)
             _stdout().print(render.pull_summary(handle, cached_only=cached_only), soft_wrap=True)
 
 
@@ -240,7 +205,7 @@ def list_models(socket: SocketOption = None, json_out: JsonOption = False) -> No
     FILTERS shows a snapshot's include (+GLOB) and exclude (-GLOB) globs: one URI pulled
     with other filters is another snapshot, on a row of its own.
     """
-    with _agent_errors(), Client(socket) as client:
+    with agent_errors(), Client(socket) as client:
         models = client.list_models()
     if json_out:
         sys.stdout.write(render.to_json(models) + "\n")
@@ -257,7 +222,7 @@ def show(
     json_out: JsonOption = False,
 ) -> None:
     """Show one cached model, its leases and its files."""
-    with _agent_errors(), Client(socket) as client:
+    with agent_errors(), Client(socket) as client:
         info = client.get(ref)
     if json_out:
         sys.stdout.write(render.to_json(info) + "\n")
@@ -282,7 +247,7 @@ def evict(
     json_out: JsonOption = False,
 ) -> None:
     """Remove models from the node cache."""
-    with _agent_errors(), Client(socket) as client:
+    with agent_errors(), Client(socket) as client:
         result = client.evict(ref, force=force)
     if json_out:
         sys.stdout.write(render.to_json(result) + "\n")
@@ -292,12 +257,12 @@ def evict(
 
 @app.command()
 def gc(
-    tier: Annotated[TierName | None, typer.Option(help="Only this tier [default: both].")] = None,
+    tier: Annotated[TierName | None, typer.Option(help="Only this tier (default: both).")] = None,
     socket: SocketOption = None,
     json_out: JsonOption = False,
 ) -> None:
     """Run an eviction pass now (normally the agent runs one at the high watermark)."""
-    with _agent_errors(), Client(socket) as client:
+    with agent_errors(), Client(socket) as client:
         result = client.collect_garbage(tier)
     if json_out:
         sys.stdout.write(render.to_json(result) + "\n")
@@ -311,6 +276,7 @@ def verify(
         str | None,
         typer.Argument(help="A URI, a key, or a unique key prefix; or --all.", show_default=False),
     ] = None,
+    *,
     all_models: Annotated[bool, typer.Option("--all", help="Verify every cached model.")] = False,
     report_only: Annotated[
         bool,
@@ -322,14 +288,13 @@ def verify(
     """Re-hash cached files; snapshots that fail are evicted. Exits 1 if any failed."""
     if all_models == bool(ref):
         # Said in the command's own terms (the client's check names its all=True).
-        _fail(
+        fail(
             InvalidRequest(
                 "give one model to verify (a URI or a key) or --all, "
                 + ("not both." if all_models else "e.g. `prewarm verify --all`.")
-            ),
-            EXIT_INVALID,
+            )
         )
-    with _agent_errors(), Client(socket) as client:
+    with agent_errors(), Client(socket) as client:
         results = client.verify(ref, all=all_models, report_only=report_only)
     if json_out:
         sys.stdout.write(render.to_json(results) + "\n")
@@ -357,7 +322,7 @@ def unpin(ref: RefArgument, socket: SocketOption = None, json_out: JsonOption = 
 
 
 def _pin(ref: str, *, pinned: bool, socket: Path | None, json_out: bool) -> None:
-    with _agent_errors(), Client(socket) as client:
+    with agent_errors(), Client(socket) as client:
         info = client.pin(ref, pinned=pinned)
     if json_out:
         sys.stdout.write(render.to_json(info) + "\n")
@@ -368,7 +333,7 @@ def _pin(ref: str, *, pinned: bool, socket: Path | None, json_out: bool) -> None
 @app.command()
 def status(socket: SocketOption = None, json_out: JsonOption = False) -> None:
     """Show the agent's version, tiers (budgets, usage, leases, pins) and pulls in flight."""
-    with _agent_errors(), Client(socket) as client:
+    with agent_errors(), Client(socket) as client:
         agent_status = client.status()
     if json_out:
         sys.stdout.write(render.to_json(agent_status) + "\n")

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Annotated
 
@@ -13,26 +11,21 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 
 from agent.client import (
-    AgentUnavailable,
     Client,
     CompileCacheHandle,
     CompileCacheInfo,
+    CompileVerdict,
     InvalidRequest,
     NotFound,
-    PrewarmError,
 )
-from agent.client._compile_types import CompileVerdict
 from agent.compile.why import Nearest, nearest_key
 
 from . import _render as render
+from ._errors import agent_errors as _agent_errors
 from ._options import SocketOption
 
 __all__ = ["compile_app"]
 
-# The same exit codes as every other prewarm command (see _app).
-EXIT_ERROR = 1
-EXIT_INVALID = 2
-EXIT_NO_AGENT = 3
 _KEY_WIDTH = 12
 _EPOCH = datetime.fromtimestamp(0, UTC)
 
@@ -53,17 +46,6 @@ KeyArgument = Annotated[
 
 def _stdout() -> Console:
     return Console(highlight=False, width=None if sys.stdout.isatty() else 400)
-
-
-@contextmanager
-def _agent_errors() -> Iterator[None]:
-    """Expected errors become one line on stderr and an exit status, no traceback."""
-    try:
-        yield
-    except PrewarmError as exc:
-        sys.stderr.write(f"error: {exc}\n")
-        code = EXIT_NO_AGENT if isinstance(exc, AgentUnavailable) else EXIT_ERROR
-        raise typer.Exit(EXIT_INVALID if isinstance(exc, InvalidRequest) else code) from None
 
 
 def _when(moment: datetime | None) -> str:

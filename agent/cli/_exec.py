@@ -53,7 +53,6 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 from types import FrameType
 from typing import Annotated, NoReturn
@@ -68,6 +67,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from agent._vocabulary import TierName
 from agent.client import (
     AgentUnavailable,
     Client,
@@ -80,14 +80,22 @@ from agent.client import (
 )
 from agent.client import Progress as PullProgress
 from agent.client._compile import key_fields_from_text
-from agent.client._compile import key_parts as key_parts_from
+from agent.client._messages import key_parts as key_parts_from
 from agent.compile.engine_world import engine_world_fields, interpreter_of, probe_interpreter
 from agent.compile.keys import CompileKeyParts
 from agent.compile.why import Nearest, nearest_key
 
 from . import _render as render
 from ._engine_flags import detect_engine, engine_key_fields, merged_key_fields
-from ._options import AsRequesterOption, CachedOnlyOption, SocketOption, WaitForAgentOption
+from ._options import (
+    AsRequesterOption,
+    CachedOnlyOption,
+    ExcludeOption,
+    IncludeOption,
+    SocketOption,
+    TierOption,
+    WaitForAgentOption,
+)
 from ._ready import ReadyWaiter, ReadyWatch, ready_waiter
 
 __all__ = ["CachedOnlyOption", "exec_command"]
@@ -108,18 +116,13 @@ _UNSAFE_IN_USER = re.compile(r'[\\/:*?"<>|]')
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-class _Tier(StrEnum):
-    shm = "shm"
-    disk = "disk"
-
-
 @dataclass(frozen=True, slots=True)
 class _ModelRequest:
     """What to lease: the model and how the agent should place and fetch it."""
 
     uri: str
     command: Sequence[str]
-    tier: _Tier | None
+    tier: TierName | None
     include: Sequence[str]
     exclude: Sequence[str]
     client_name: str
@@ -146,18 +149,6 @@ CommandArgument = Annotated[
         "local directory.",
         show_default=False,
     ),
-]
-TierOption = Annotated[
-    _Tier | None,
-    typer.Option(help="Where to place the model if it is pulled (default: the agent's)."),
-]
-IncludeOption = Annotated[
-    list[str] | None,
-    typer.Option("--include", help="Only paths matching this glob (repeatable)."),
-]
-ExcludeOption = Annotated[
-    list[str] | None,
-    typer.Option("--exclude", help="Skip paths matching this glob (repeatable)."),
 ]
 CompileKeyOption = Annotated[
     list[str] | None,
@@ -302,7 +293,7 @@ def _lease_model(
             return stack.enter_context(
                 client.leased(
                     model.uri,
-                    tier=model.tier.value if model.tier else None,
+                    tier=model.tier,
                     include=model.include,
                     exclude=model.exclude,
                     client_name=model.client_name,

@@ -26,26 +26,26 @@ import typer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agent.client import AgentUnavailable, wait_for_agent
-from agent.client._convert import CHANNEL_OPTIONS, channel_target, resolve_socket_path
+from agent.client._transport import CHANNEL_OPTIONS, channel_target, resolve_socket_path
 
-from ._options import SocketOption, WaitForAgentOption
+from ._errors import EXIT_NO_AGENT
+from ._options import JsonOption, SocketOption, WaitForAgentOption
 
 __all__ = ["health_command"]
 
+# The agent answered, but is not serving (starting, or draining after SIGTERM).
 EXIT_NOT_SERVING = 1
-EXIT_NO_AGENT = 3
 
 
 def health_command(
+    *,
     socket: SocketOption = None,
     service: Annotated[
         str,
         typer.Option(help="Health service name; empty is the whole agent, or prewarm.v1.Prewarm."),
     ] = "",
     timeout: Annotated[float, typer.Option(min=0.1, help="Seconds to wait for an answer.")] = 3.0,
-    json_out: Annotated[
-        bool, typer.Option("--json", help="Print machine-readable JSON on stdout, nothing else.")
-    ] = False,
+    json_out: JsonOption = False,
     wait_for_agent: WaitForAgentOption = 0.0,
 ) -> None:
     """Exit 0 if the agent reports SERVING, 1 if it answers otherwise, 3 if it does not answer.

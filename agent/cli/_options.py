@@ -1,5 +1,7 @@
-"""Options shared by the ``prewarm`` commands; each env var lets a pod spec turn it on without
-new arguments."""
+"""Options shared by the ``prewarm`` commands, written once so they read alike everywhere.
+
+An option with an env var lets a pod spec turn it on without new arguments.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +10,25 @@ from typing import Annotated
 
 import typer
 
-__all__ = ["AsRequesterOption", "CachedOnlyOption", "SocketOption", "WaitForAgentOption"]
+from agent._vocabulary import TierName
+
+__all__ = [
+    "AsRequesterOption",
+    "CachedOnlyOption",
+    "ExcludeOption",
+    "IncludeOption",
+    "JsonOption",
+    "SocketOption",
+    "TierOption",
+    "WaitForAgentOption",
+]
 
 SocketOption = Annotated[
     Path | None,
     typer.Option(
         "--socket",
         envvar="PREWARM_SOCKET_PATH",
-        help="The agent's socket [default: /run/prewarm/agent.sock].",
+        help="The agent's socket (default: /run/prewarm/agent.sock).",
         show_default=False,
         # A socket is connected to, never read: click's readable check (os.access R_OK)
         # would stop a user outside the socket's group with "path ... is not readable",
@@ -55,4 +68,20 @@ WaitForAgentOption = Annotated[
         "the agent on a new node); 0 fails at once. A socket this user may not open is never "
         "waited for.",
     ),
+]
+
+TierOption = Annotated[
+    TierName | None,
+    typer.Option(help="Where to place the model if it is pulled (default: the agent's)."),
+]
+IncludeOption = Annotated[
+    list[str] | None,
+    typer.Option("--include", help="Only paths matching this glob (repeatable)."),
+]
+ExcludeOption = Annotated[
+    list[str] | None,
+    typer.Option("--exclude", help="Skip paths matching this glob (repeatable)."),
+]
+JsonOption = Annotated[
+    bool, typer.Option("--json", help="Print machine-readable JSON on stdout, nothing else.")
 ]

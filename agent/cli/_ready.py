@@ -99,6 +99,7 @@ class ReadyWatch:
         self._thread = threading.Thread(target=self._run, name="prewarm ready", daemon=True)
 
     def start(self) -> None:
+        """Start waiting for readiness, on a thread of its own, as the child starts."""
         self._thread.start()
 
     def _run(self) -> None:

@@ -82,6 +82,7 @@ class BinarySpeedColumn(ProgressColumn):
     """
 
     def render(self, task: Task) -> Text:
+        """The task's speed so far (its finished speed once done), e.g. ``12.5 MiB/s``."""
         speed = task.finished_speed or task.speed
         if speed is None:
             return Text("?", style="progress.data.speed")
@@ -148,6 +149,7 @@ def _pull_line(handle: ModelHandle, cached_only: bool) -> str:
 
 
 def models_table(models: list[ModelInfo]) -> Table:
+    """``prewarm ls``: one row per cached snapshot."""
     table = Table(box=None, header_style="bold", pad_edge=False)
     table.add_column("key", no_wrap=True)
     table.add_column("uri", overflow="fold")
@@ -194,6 +196,7 @@ def _fields(rows: list[tuple[str, str]]) -> Table:
 
 
 def model_detail(info: ModelInfo) -> RenderableType:
+    """``prewarm show``: one snapshot's fields, its leases and its files."""
     rows = [
         ("uri", info.uri),
         ("key", info.key),
@@ -249,6 +252,7 @@ def _lease_state(lease: LeaseInfo) -> str:
 
 
 def evict_summary(result: EvictResult) -> Text:
+    """``prewarm evict``: what was evicted and the bytes freed, in one line."""
     return plain(_evict_line(result))
 
 
@@ -263,6 +267,7 @@ def _evict_line(result: EvictResult) -> str:
 
 
 def gc_summary(result: EvictResult) -> Text:
+    """``prewarm gc``: what the pass collected and the bytes freed, in one line."""
     return plain(_gc_line(result))
 
 
@@ -276,6 +281,7 @@ def _gc_line(result: EvictResult) -> str:
 
 
 def pin_summary(info: ModelInfo) -> Text:
+    """``prewarm pin``/``unpin``: the snapshot and its new state, in one line."""
     what = "pinned" if info.pinned else "unpinned"
     return plain(f"{what} {info.uri} ({info.key[:_KEY_WIDTH]})")
 
@@ -318,6 +324,7 @@ def _pull_row(p: PullStatus) -> tuple[str, ...]:
 
 
 def status_view(status: AgentStatus) -> RenderableType:
+    """``prewarm status``: the agent, its tiers and the pulls in flight."""
     head = _fields(
         [
             ("version", status.version),

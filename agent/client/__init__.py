@@ -10,9 +10,18 @@
 
 Imports only grpc, protobuf and the standard library; torch is imported by
 ``load_safetensors`` when it runs.
+
+The modules, each one concept: ``_client`` (``Client``, ``AsyncClient`` and the
+one-call shortcuts), ``_models`` (every value returned, the options taken),
+``_exceptions`` (the error tree and grpc errors mapped onto it), ``_messages``
+(requests built and answers read), ``_transport`` (the socket, the channel,
+waiting for the agent), ``_leases`` (holding a lease open), ``_compile`` (key
+parts, Mega-Cache), ``_tensors`` (``load_safetensors``).
 """
 
-from agent._exceptions import (
+from ._client import AsyncClient, Client, acompile_cache, aensure, compile_cache, ensure
+from ._compile import detect_key_parts, megacache
+from ._exceptions import (
     AccessDenied,
     AgentUnavailable,
     Conflict,
@@ -21,14 +30,14 @@ from agent._exceptions import (
     NoSpace,
     NotFound,
     PrewarmError,
+    SafetensorsError,
     SourceChanged,
     SourceUnavailable,
     UnsafeObjectKey,
 )
-
-from ._async import AsyncClient
-from ._compile import detect_key_parts, megacache
-from ._compile_types import (
+from ._leases import AsyncLeaseHold, LeaseHold
+from ._models import (
+    AgentStatus,
     CompileCacheHandle,
     CompileCacheInfo,
     CompileCachePush,
@@ -37,18 +46,12 @@ from ._compile_types import (
     CompileLockGrant,
     CompileReady,
     CompileVerdict,
-)
-from ._convert import DEFAULT_LEASE_SOCKET_PATH, DEFAULT_SOCKET_PATH, SOCKET_ENV
-from ._hold import AsyncLeaseHold, LeaseHold
-from ._shortcuts import acompile_cache, aensure, compile_cache, ensure
-from ._sync import Client
-from ._tensors import SafetensorsError, load_safetensors
-from ._types import (
-    AgentStatus,
     DataPlaneName,
+    EnsureOptions,
     EvictResult,
     FileEntry,
     FileProblem,
+    LeasedOptions,
     LeaseGrant,
     LeaseInfo,
     ModelHandle,
@@ -61,7 +64,8 @@ from ._types import (
     TierStatus,
     Verification,
 )
-from ._wait import wait_for_agent
+from ._tensors import load_safetensors
+from ._transport import DEFAULT_LEASE_SOCKET_PATH, DEFAULT_SOCKET_PATH, SOCKET_ENV, wait_for_agent
 
 __all__ = [
     "DEFAULT_LEASE_SOCKET_PATH",
@@ -83,6 +87,7 @@ __all__ = [
     "CompileVerdict",
     "Conflict",
     "DataPlaneName",
+    "EnsureOptions",
     "EvictResult",
     "FileEntry",
     "FileProblem",
@@ -91,6 +96,7 @@ __all__ = [
     "LeaseGrant",
     "LeaseHold",
     "LeaseInfo",
+    "LeasedOptions",
     "ModelHandle",
     "ModelInfo",
     "NoSpace",

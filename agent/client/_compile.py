@@ -9,8 +9,9 @@
         with agent.compile_lock(parts) as grant:
             warm_up()                        # one pod per node compiles; others wait
 
-Standard library only; ``detect_key_parts`` imports torch when it runs. The
-calls that send the parts to the agent are in ``_compile_calls``.
+``detect_key_parts`` imports torch when it runs, ``megacache`` when it enters.
+The client's methods send the parts to the agent (``_client``); they are
+checked and put on the wire in ``_messages``.
 """
 
 from __future__ import annotations
@@ -22,29 +23,17 @@ import platform
 import shutil
 import subprocess
 from collections.abc import Iterator, Mapping
-from dataclasses import fields as dataclass_fields
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from agent._exceptions import InvalidRequest
-from agent.compile.keys import CompileKeyParts
+from ._client import Client
+from ._exceptions import InvalidRequest
+from ._messages import KEY_FIELDS, key_parts
+from ._models import CompileKeyParts
 
-__all__ = ["detect_key_parts", "key_fields_from_text", "key_parts", "megacache"]
+__all__ = ["MEGACACHE_FILE", "detect_key_parts", "key_fields_from_text", "megacache"]
 
-_KEY_FIELDS = frozenset(f.name for f in dataclass_fields(CompileKeyParts))
 _TRITON_DISTRIBUTIONS = ("triton", "pytorch-triton", "pytorch-triton-rocm", "pytorch-triton-xpu")
-
-
-def key_parts(parts: CompileKeyParts | None = None, **fields: Any) -> CompileKeyParts:
-    """``parts`` (or empty parts) with ``fields`` replaced; unknown names are refused."""
-    unknown = set(fields) - _KEY_FIELDS
-    if unknown:
-        raise InvalidRequest(
-            f"Unknown compile key part(s) {', '.join(sorted(unknown))}; "
-            f"the parts are {', '.join(sorted(_KEY_FIELDS))}."
-        )
-    return replace(parts or CompileKeyParts(), **fields)
 
 
 _SIZES = frozenset({"tensor_parallel", "pipeline_parallel", "data_parallel"})
@@ -67,12 +56,12 @@ def key_fields_from_text(pairs: Mapping[str, str]) -> dict[str, Any]:
                     f"Compile key part {name} must be a whole number, not {value!r}."
                 )
             found[name] = int(value)
-        elif name in _KEY_FIELDS and name != "extras":
+        elif name in KEY_FIELDS and name != "extras":
             found[name] = value
         else:
             raise InvalidRequest(
                 f"Unknown compile key part {name!r}; the parts are "
-                f"{', '.join(sorted(_KEY_FIELDS - {'extras'}))} and extras.NAME."
+                f"{', '.join(sorted(KEY_FIELDS - {'extras'}))} and extras.NAME."
             )
     if extras:
         found["extras"] = extras
@@ -177,8 +166,6 @@ def megacache(
     graph and AOTAutograd hit, the C++ compiler still runs.
     """
     import torch
-
-    from ._sync import Client
 
     with Client(socket_path) as agent:
         handle = agent.compile_cache(key_parts(parts, **fields), client_name=client_name)

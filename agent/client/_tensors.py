@@ -20,15 +20,15 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agent._exceptions import IntegrityError, NotFound
 from agent.check.safetensors import SafetensorsHeader, read_header
 
-from ._types import ModelHandle
+from ._exceptions import IntegrityError, NotFound, SafetensorsError
+from ._models import ModelHandle
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SafetensorsError", "load_safetensors"]
+__all__ = ["load_safetensors"]
 
 # safetensors dtype -> torch attribute; a torch without the attribute cannot load it.
 # The header parser knows more dtypes (C64, and F4/F6, which pack several elements
@@ -53,14 +53,6 @@ _DTYPES: dict[str, str] = {
     "F8_E5M2FNUZ": "float8_e5m2fnuz",
     "F8_E8M0": "float8_e8m0fnu",
 }
-
-
-class SafetensorsError(IntegrityError):
-    """A file is not valid safetensors, or the files of one model clash.
-
-    A subclass of ``IntegrityError``, so one ``except IntegrityError`` catches a
-    corrupt file whether the agent found it before publishing or the loader did.
-    """
 
 
 def load_safetensors(

@@ -1,7 +1,8 @@
 """What a torch.compile cache depends on, the key derived from it, and each engine's env.
 
-Standard library only: the client imports this module too, so that a pod can
-build and check key parts without the daemon's dependencies.
+Standard library only. The parts themselves (``CompileKeyParts``) live in the
+foundation ``agent._compile_parts``, shared with the wire maps and the client,
+which do not import this module.
 
 Every part is normalised before hashing (whitespace, case of the engine name,
 unset parallel sizes as 1, extras in sorted order), so two pods that describe
@@ -17,10 +18,11 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from agent._compile_parts import CompileKeyParts
 from agent._exceptions import InvalidRequest
 
 __all__ = [
@@ -46,30 +48,6 @@ _MAX_TEXT = 256
 _MAX_EXTRAS = 64
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _SPACES = re.compile(r"\s+")
-
-
-@dataclass(frozen=True, slots=True)
-class CompileKeyParts:
-    """What compiled artifacts depend on. Any change gives another cache key.
-
-    ``torch_version`` is required: every torch change invalidates compiled
-    artifacts. ``engine_version`` defaults to the torch version for plain
-    PyTorch. Parallel sizes of 0 mean 1. ``extras`` holds anything else that
-    changes what gets compiled (dtype, max batch size, the Python version...).
-    """
-
-    engine: str = "torch"
-    engine_version: str = ""
-    torch_version: str = ""
-    triton_version: str = ""
-    cuda_version: str = ""
-    gpu_name: str = ""
-    model_key: str = ""
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-    data_parallel: int = 1
-    config_hash: str = ""
-    extras: dict[str, str] = field(default_factory=dict)
 
 
 def _text(name: str, value: object, *, collapse: bool = False) -> str:

@@ -38,21 +38,31 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Generic, Self, TypeVar
 
-from agent._exceptions import AgentUnavailable, NotFound, PrewarmError
+from ._exceptions import AgentUnavailable, Conflict, NotFound, PrewarmError, error_for_code
+from ._models import LeaseGrant, ModelHandle
 
-from ._closing import ClosedOnAsyncExit, ClosedOnExit
-from ._errors import error_for_code
-from ._types import LeaseGrant
-
-__all__ = ["AsyncLeaseHold", "LeaseHold"]
+__all__ = [
+    "HOLD_TIMEOUT",
+    "LEASE_ALREADY_ENDED",
+    "AsyncLeaseHold",
+    "LeaseHold",
+    "granted_lease",
+    "lease_socket_for",
+    "regranted",
+]
 
 # The agent reads at most this much of a hello, and answers in one short line.
 _LINE_LIMIT = 4096
-_DEFAULT_TIMEOUT = 5.0
+# How long the lease socket may take to answer when the caller gives no timeout.
+HOLD_TIMEOUT = 5.0
 # Waits between tries to take a lease again while the agent is away: quick at
 # first (a restart takes a second or two), then every few seconds.
 _RETRY_FIRST = 0.05
 _RETRY_MOST = 2.0
+
+# Failures of the release that follows a held lease which mean there is
+# nothing left to end: the lease is gone already, or there is no agent to ask.
+LEASE_ALREADY_ENDED: tuple[type[Exception], ...] = (NotFound, AgentUnavailable)
 
 log = logging.getLogger("agent.client.leases")
 # What stays open while the lease is held: a socket, or an asyncio stream's writer.
@@ -68,7 +78,7 @@ class _Hold(Generic[Connection]):
         *,
         name: str = "",
         socket_path: str | os.PathLike[str] | None = None,
-        timeout: float = _DEFAULT_TIMEOUT,
+        timeout: float = HOLD_TIMEOUT,
     ) -> None:
         self._lease = lease
         self._name = name
@@ -79,10 +89,12 @@ class _Hold(Generic[Connection]):
 
     @property
     def lease(self) -> LeaseGrant:
+        """The lease held: a new one after a regrant."""
         return self._lease
 
     @property
     def socket_path(self) -> Path:
+        """The lease socket this hold connects to."""
         return self._socket_path
 
     @property
@@ -96,6 +108,7 @@ class _Hold(Generic[Connection]):
         return self._ended
 
     def __repr__(self) -> str:
+        """The lease, its snapshot and the lease socket, e.g. for logs."""
         return (
             f"{type(self).__name__}(lease={self._lease.id!r}, key={self._lease.key!r}, "
             f"socket_path={str(self._socket_path)!r})"
@@ -189,7 +202,7 @@ class _Hold(Generic[Connection]):
         return AgentUnavailable(f"cannot hold the lease on {path}: {exc}.")
 
 
-class LeaseHold(_Hold[socket.socket], ClosedOnExit):
+class LeaseHold(_Hold[socket.socket], contextlib.AbstractContextManager["LeaseHold"]):
     """Holds a lease open on the agent's lease socket until closed; blocking.
 
     ``with LeaseHold(handle.lease, name="ns/pod"):`` the snapshot is not evicted
@@ -213,7 +226,7 @@ class LeaseHold(_Hold[socket.socket], ClosedOnExit):
         *,
         name: str = "",
         socket_path: str | os.PathLike[str] | None = None,
-        timeout: float = _DEFAULT_TIMEOUT,
+        timeout: float = HOLD_TIMEOUT,
         regrant: Callable[[], LeaseGrant] | None = None,
     ) -> None:
         super().__init__(lease, name=name, socket_path=socket_path, timeout=timeout)
@@ -223,8 +236,13 @@ class LeaseHold(_Hold[socket.socket], ClosedOnExit):
         self._keeper: threading.Thread | None = None
 
     def __enter__(self) -> Self:
+        """Open the hold: the lease is held inside the block."""
         self.open()
         return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """Close the hold: the lease ends with the block."""
+        self.close()
 
     def open(self) -> None:
         """Connect, send the hello, check the reply; the lease is held when this returns."""
@@ -303,17 +321,9 @@ class LeaseHold(_Hold[socket.socket], ClosedOnExit):
             except AgentUnavailable:
                 continue  # not back yet
             except NotFound as exc:
-                if self._regrant is None:
-                    self._given_up(exc)
-                    return False
-                try:
-                    self._lease = self._regrant()
-                except AgentUnavailable:
+                if self._regranted(exc):
                     continue
-                except PrewarmError as refused:
-                    self._given_up(refused)
-                    return False
-                continue
+                return False
             except PrewarmError as exc:
                 self._given_up(exc)
                 return False
@@ -325,8 +335,28 @@ class LeaseHold(_Hold[socket.socket], ClosedOnExit):
             return True
         return False  # pragma: no cover - the delays never run out
 
+    def _regranted(self, forgotten: NotFound) -> bool:
+        """A new lease to hold after the agent forgot this one; False when there is none.
 
-class AsyncLeaseHold(_Hold[tuple[asyncio.StreamReader, asyncio.StreamWriter]], ClosedOnAsyncExit):
+        True also when the agent is away again: the next try asks once more.
+        """
+        if self._regrant is None:
+            self._given_up(forgotten)
+            return False
+        try:
+            self._lease = self._regrant()
+        except AgentUnavailable:
+            return True
+        except PrewarmError as refused:
+            self._given_up(refused)
+            return False
+        return True
+
+
+class AsyncLeaseHold(
+    _Hold[tuple[asyncio.StreamReader, asyncio.StreamWriter]],
+    contextlib.AbstractAsyncContextManager["AsyncLeaseHold"],
+):
     """``LeaseHold`` for asyncio code: ``async with AsyncLeaseHold(lease): ...``.
 
     A task of the hold, on the loop that opened it, takes the lease again when
@@ -339,7 +369,7 @@ class AsyncLeaseHold(_Hold[tuple[asyncio.StreamReader, asyncio.StreamWriter]], C
         *,
         name: str = "",
         socket_path: str | os.PathLike[str] | None = None,
-        timeout: float = _DEFAULT_TIMEOUT,
+        timeout: float = HOLD_TIMEOUT,
         regrant: Callable[[], Awaitable[LeaseGrant]] | None = None,
     ) -> None:
         super().__init__(lease, name=name, socket_path=socket_path, timeout=timeout)
@@ -348,8 +378,13 @@ class AsyncLeaseHold(_Hold[tuple[asyncio.StreamReader, asyncio.StreamWriter]], C
         self._keeper: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Self:
+        """Open the hold: the lease is held inside the block."""
         await self.open()
         return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        """Close the hold: the lease ends with the block."""
+        await self.close()
 
     async def open(self) -> None:
         """Connect, send the hello, check the reply; the lease is held when this returns."""
@@ -439,22 +474,31 @@ class AsyncLeaseHold(_Hold[tuple[asyncio.StreamReader, asyncio.StreamWriter]], C
             except AgentUnavailable:
                 continue  # not back yet
             except NotFound as exc:
-                if self._regrant is None:
-                    self._given_up(exc)
-                    return False
-                try:
-                    self._lease = await self._regrant()
-                except AgentUnavailable:
+                if await self._regranted(exc):
                     continue
-                except PrewarmError as refused:
-                    self._given_up(refused)
-                    return False
-                continue
+                return False
             except PrewarmError as exc:
                 self._given_up(exc)
                 return False
             return True
         return False  # pragma: no cover - the delays never run out
+
+    async def _regranted(self, forgotten: NotFound) -> bool:
+        """A new lease to hold after the agent forgot this one; False when there is none.
+
+        True also when the agent is away again: the next try asks once more.
+        """
+        if self._regrant is None:
+            self._given_up(forgotten)
+            return False
+        try:
+            self._lease = await self._regrant()
+        except AgentUnavailable:
+            return True
+        except PrewarmError as refused:
+            self._given_up(refused)
+            return False
+        return True
 
 
 def _wait_until_closed(sock: socket.socket) -> None:
@@ -482,3 +526,40 @@ async def _read_line(reader: asyncio.StreamReader) -> bytes:
     except asyncio.LimitOverrunError:
         # Longer than any reply: hand back what there is; the check reports it.
         return await reader.read(_LINE_LIMIT)
+
+
+def granted_lease(handle: ModelHandle, api_socket: Path) -> LeaseGrant:
+    """The lease an EnsureModel(lease=true) answer must carry."""
+    if handle.lease is None:
+        raise PrewarmError(
+            f"The prewarm agent on {api_socket} answered EnsureModel(lease=true) for "
+            f"{handle.uri} without a lease; it is older than this client: upgrade it."
+        )
+    return handle.lease
+
+
+def regranted(first: ModelHandle, again: ModelHandle, api_socket: Path) -> LeaseGrant:
+    """The lease ``again`` carries, if it is on the snapshot the block uses; else Conflict.
+
+    A different snapshot (the cache now holds a newer one) protects nothing
+    the running block maps; its lease is left to expire.
+    """
+    grant = granted_lease(again, api_socket)
+    if again.key != first.key:
+        raise Conflict(
+            f"the node's cached snapshot of {first.uri} is now {again.key}, not {first.key}, "
+            "which this process uses; it cannot be leased again"
+        )
+    return grant
+
+
+def lease_socket_for(grant: LeaseGrant, api_socket: Path) -> Path:
+    """Where this process reaches the agent's lease socket.
+
+    The agent names the path as it is on the node; a pod that mounts the
+    agent's directory elsewhere reaches the API socket (and the lease socket
+    next to it) under another path. So the lease socket next to the API
+    socket this client uses wins when it exists, else the agent's path.
+    """
+    sibling = api_socket.parent / grant.socket_path.name
+    return sibling if sibling.exists() else grant.socket_path

@@ -1,40 +1,99 @@
-"""Waiting for the agent on a node that has just started, instead of failing at once.
+"""Reaching the agent: its socket, the channel options, failed calls, waiting for it to start.
 
 On a new node a pod can start before the agent's DaemonSet pod (or unit) has
 bound its socket. ``wait_for_agent`` returns as soon as the socket accepts a
 connection, and gives up after a bounded time with a sentence saying what was
 missing. The waiting itself is grpc's: a channel reconnecting with a short
 backoff until it is ready, so the agent is found within about a second of
-binding its socket, and nothing here sleeps or polls.
-
-A socket this user may not open (EACCES) is not waited for: group membership
-does not change while a process runs, so it fails at once with the fix.
+binding its socket, and nothing here sleeps or polls. A socket this user may
+not open (EACCES) is not waited for: group membership does not change while a
+process runs, so it fails at once with the fix.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
 import grpc
 
-from agent._exceptions import AgentUnavailable
+from ._exceptions import AgentUnavailable, agent_unavailable, translate_rpc_error
 
-from . import _convert as convert
-from ._errors import agent_unavailable
+__all__ = [
+    "CHANNEL_OPTIONS",
+    "DEFAULT_LEASE_SOCKET_PATH",
+    "DEFAULT_SOCKET_PATH",
+    "SOCKET_ENV",
+    "cancelled_at_exit",
+    "channel_target",
+    "errors_translated",
+    "resolve_socket_path",
+    "wait_for_agent",
+]
 
-__all__ = ["wait_for_agent"]
-
+DEFAULT_SOCKET_PATH = Path("/run/prewarm/agent.sock")
+DEFAULT_LEASE_SOCKET_PATH = Path("/run/prewarm/lease.sock")
+SOCKET_ENV = "PREWARM_SOCKET_PATH"
+# A model with many thousands of files lists them all in one answer, and
+# ListModels answers for every model at once: 4 MiB (grpc's default) is too low.
+CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (("grpc.max_receive_message_length", 256 * 1024**2),)
 # Reconnect quickly while waiting: grpc's default backoff grows to two minutes.
 _WAITING_OPTIONS = (
-    *convert.CHANNEL_OPTIONS,
+    *CHANNEL_OPTIONS,
     ("grpc.initial_reconnect_backoff_ms", 250),
     ("grpc.min_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
+
+
+class _Cancellable(Protocol):
+    def cancel(self) -> Any:
+        """Stop the call (grpc's and grpc.aio's server streams both have it)."""
+        ...
+
+
+Stream = TypeVar("Stream", bound=_Cancellable)
+
+
+def resolve_socket_path(socket_path: str | os.PathLike[str] | None) -> Path:
+    """The explicit path, else $PREWARM_SOCKET_PATH, else the systemd unit's default."""
+    if socket_path is not None and str(socket_path):
+        return Path(socket_path)
+    from_env = os.environ.get(SOCKET_ENV)
+    return Path(from_env) if from_env else DEFAULT_SOCKET_PATH
+
+
+def channel_target(socket_path: Path) -> str:
+    """The grpc target that names a Unix socket."""
+    return f"unix:{socket_path}"
+
+
+@contextlib.contextmanager
+def errors_translated(socket_path: Path) -> Iterator[None]:
+    """A failed call inside raises the prewarm error for it, from the grpc error."""
+    try:
+        yield
+    except grpc.RpcError as exc:
+        raise translate_rpc_error(exc, socket_path) from exc
+
+
+@contextlib.contextmanager
+def cancelled_at_exit(stream: Stream) -> Iterator[Stream]:
+    """Cancel a server stream when the block exits: a no-op once it has ended.
+
+    Otherwise it stops the call when a callback raised, the block ended early,
+    the user pressed Ctrl-C or the task was cancelled; the agent carries on
+    for its other callers.
+    """
+    try:
+        yield stream
+    finally:
+        stream.cancel()
 
 
 def wait_for_agent(
@@ -51,7 +110,7 @@ def wait_for_agent(
     missing), at once when ``timeout`` is 0, and at once when this user may not
     open the socket. Blocking; from asyncio, ``await asyncio.to_thread(...)``.
     """
-    path = convert.resolve_socket_path(socket_path)
+    path = resolve_socket_path(socket_path)
     problem = _connect_once(path)
     if problem is None:
         return
@@ -59,7 +118,7 @@ def wait_for_agent(
         raise _unavailable(path, problem)
     if waiting is not None:
         waiting(_why(problem))
-    with grpc.insecure_channel(convert.channel_target(path), options=_WAITING_OPTIONS) as channel:
+    with grpc.insecure_channel(channel_target(path), options=_WAITING_OPTIONS) as channel:
         try:
             grpc.channel_ready_future(channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:

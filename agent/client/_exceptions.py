@@ -1,4 +1,17 @@
-"""grpc errors to the prewarm error tree, at the edge of the client."""
+"""What the client raises: prewarm's one error tree, and failed calls mapped onto it.
+
+The tree is ``agent._exceptions``'s (drawn there), the same classes the agent
+raises, so a pod catches ``NotFound`` whichever side found it. The client
+adds one leaf::
+
+    PrewarmError
+     └── IntegrityError
+          └── SafetensorsError     a file the loader maps is not valid safetensors
+
+grpc errors become these at the client's edge (``translate_rpc_error``, raised
+``from`` the grpc error); the lease socket's JSON replies name the same status
+(``error_for_code``).
+"""
 
 from __future__ import annotations
 
@@ -8,21 +21,46 @@ from pathlib import Path
 import grpc
 
 from agent._exceptions import (
+    AccessDenied,
     AgentUnavailable,
+    Conflict,
+    IntegrityError,
+    InvalidRequest,
+    NoSpace,
+    NotFound,
     PrewarmError,
+    SourceChanged,
     SourceUnavailable,
+    UnsafeObjectKey,
     error_type_for_status,
 )
 
-from ._types import LeaseGrant, ModelHandle
-
 __all__ = [
+    "AccessDenied",
+    "AgentUnavailable",
+    "Conflict",
+    "IntegrityError",
+    "InvalidRequest",
+    "NoSpace",
+    "NotFound",
+    "PrewarmError",
+    "SafetensorsError",
+    "SourceChanged",
+    "SourceUnavailable",
+    "UnsafeObjectKey",
     "agent_unavailable",
     "error_for_code",
-    "granted_lease",
-    "missing_handle",
     "translate_rpc_error",
 ]
+
+
+class SafetensorsError(IntegrityError):
+    """A file is not valid safetensors, or the files of one model clash.
+
+    A subclass of ``IntegrityError``, so one ``except IntegrityError`` catches a
+    corrupt file whether the agent found it before publishing or the loader did.
+    """
+
 
 # UNAVAILABLE means two different things: the agent itself could not be
 # reached (grpc core says so, in these words, before any agent code ran), or
@@ -35,6 +73,7 @@ _START_HINT = "start it (systemctl start prewarmd) or pass --socket / PREWARM_SO
 
 
 def agent_unavailable(socket_path: Path, details: str) -> AgentUnavailable:
+    """The error for an agent this process could not reach, saying what to do about it."""
     if not socket_path.exists():
         return AgentUnavailable(
             f"no prewarm agent is listening on {socket_path} (the socket does not exist): "
@@ -69,6 +108,11 @@ def translate_rpc_error(exc: grpc.RpcError, socket_path: Path) -> PrewarmError:
     error_type = error_type_for_status(code.name)
     if error_type is not PrewarmError:
         return error_type(message)
+    return _unmapped(code, details, message, socket_path)
+
+
+def _unmapped(code: grpc.StatusCode, details: str, message: str, socket_path: Path) -> PrewarmError:
+    """A status no branch of the tree names: what it most likely means for the caller."""
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return PrewarmError(
             f"The call to the prewarm agent on {socket_path} ran out of time ({details}); "
@@ -89,20 +133,3 @@ def error_for_code(code_name: str, message: str) -> PrewarmError:
     failure (the error's ``status``), so it maps to the same class as over the API.
     """
     return error_type_for_status(code_name)(message)
-
-
-def missing_handle(uri: str, socket_path: Path) -> PrewarmError:
-    return PrewarmError(
-        f"The prewarm agent on {socket_path} ended EnsureModel for {uri} without a model "
-        "handle; the client and the agent may be different versions."
-    )
-
-
-def granted_lease(handle: ModelHandle, socket_path: Path) -> LeaseGrant:
-    """The lease an EnsureModel(lease=true) answer must carry."""
-    if handle.lease is None:
-        raise PrewarmError(
-            f"The prewarm agent on {socket_path} answered EnsureModel(lease=true) for "
-            f"{handle.uri} without a lease; it is older than this client: upgrade it."
-        )
-    return handle.lease

@@ -1,0 +1,431 @@
+"""Every value the client hands back, and the options ``ensure`` takes: plain and frozen.
+
+No protobuf leaks past the client: ``_messages`` turns each answer into these.
+They are the one client-side type per concept; the CLI prints them and its
+``--json`` is their fields.
+
+Where the daemon keeps its own type for the same concept, it differs on purpose:
+
+==========================  ==================================  =============================
+client (here)               daemon                              why they differ
+==========================  ==================================  =============================
+``ModelHandle``,            ``service.results.EnsureResult``,   the daemon's hold its store
+``ModelInfo``               ``store.CachedModel``               records (manifest, journal);
+                                                                a pod gets only what it may see
+``LeaseGrant``,             ``store.leases.LeaseRecord``        the record carries the holder's
+``LeaseInfo``                                                   credentials and the grantee
+                                                                socket, which stay on the node
+``CompileCacheInfo``,       ``compile.index.CompileCacheInfo``, times are ``float`` seconds on
+``CompileVerdict``          ``compile.verdict.Verdict``         the daemon (its clock, written
+                                                                to JSON files); the wire carries
+                                                                Timestamps and a client gets
+                                                                aware UTC ``datetime`` values
+``PhaseTimings``            ``service.results.RequestTimings``  same fields; the daemon's is
+                                                                built step by step, this one
+                                                                only read
+``AgentStatus``,            ``service.results.AgentStatus``,    the daemon's holds live objects
+``TierStatus``,             ``store.TierUsage``, ``Flight``     (flights, usage); the client a
+``PullStatus``                                                  snapshot of their numbers
+``FileProblem``             ``check.hashes.FileProblem``        the check's ``check`` is a
+                                                                ``Literal``; here a plain
+                                                                ``str``, so a newer agent's
+                                                                kind does not break the client
+==========================  ==================================  =============================
+
+Shared as one type on both sides: ``CompileKeyParts`` (``agent._compile_parts``)
+and the vocabulary ``TierName``, ``DataPlaneName``, ``PhaseName``
+(``agent._vocabulary``), re-exported here so a pod finds them next to the
+values that carry them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, MutableMapping
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import TypedDict
+
+from agent._compile_parts import CompileKeyParts
+from agent._vocabulary import DataPlaneName, PhaseName, TierName
+
+__all__ = [
+    "AgentStatus",
+    "CompileCacheHandle",
+    "CompileCacheInfo",
+    "CompileCachePush",
+    "CompileEvictResult",
+    "CompileKeyParts",
+    "CompileLockGrant",
+    "CompileReady",
+    "CompileVerdict",
+    "DataPlaneName",
+    "EnsureOptions",
+    "EvictResult",
+    "FileEntry",
+    "FileProblem",
+    "LeaseGrant",
+    "LeaseInfo",
+    "LeasedOptions",
+    "ModelHandle",
+    "ModelInfo",
+    "PhaseName",
+    "PhaseTimings",
+    "Progress",
+    "PullStatus",
+    "TierName",
+    "TierStatus",
+    "Verification",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    """One file of a snapshot, relative to the model directory."""
+
+    path: str
+    size: int
+    # ETag (or version id) of the S3 object the file came from.
+    etag: str
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseTimings:
+    """Where the time of one EnsureModel call went, in seconds."""
+
+    resolve: float
+    # Time spent waiting for a pull that another request had started.
+    wait: float
+    download: float
+    verify: float
+    publish: float
+    total: float
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseGrant:
+    """A lease the agent granted: the snapshot is not evicted while it lives.
+
+    Hold it open with ``LeaseHold`` (or use ``Client.leased``), or renew it
+    with ``Client.renew_lease`` before ``expires``.
+    """
+
+    id: str
+    key: str
+    # When the lease ends unless renewed or held open; None while a
+    # connection holds it open (it then ends when that connection closes).
+    expires: datetime | None
+    # The agent's lease socket, as a path on the node.
+    socket_path: Path
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseInfo:
+    """A live lease on a cached snapshot, as the agent lists it."""
+
+    id: str
+    client_name: str
+    # The process holding the lease connection (SO_PEERCRED); None while
+    # nobody holds it open. uid 0 is root, not "unknown".
+    pid: int | None
+    uid: int | None
+    gid: int | None
+    acquired: datetime
+    # None while the lease is held open by a connection.
+    expires: datetime | None
+    held: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ModelHandle:
+    """A complete, published snapshot on this node, ready to be mapped."""
+
+    uri: str
+    key: str
+    path: Path
+    tier: TierName
+    # True when the snapshot was already cached and no byte moved.
+    hit: bool
+    files: tuple[FileEntry, ...]
+    total_bytes: int
+    timings: PhaseTimings
+    # True when the newest cached snapshot was served without checking that it
+    # is still current: S3 was unreachable, or the call asked for cached_only.
+    resolved_offline: bool
+    # Set when ensure() asked for a lease.
+    lease: LeaseGrant | None = None
+    # Bytes that a resumed pull did not have to fetch again.
+    resumed_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """One progress event of a pull."""
+
+    phase: PhaseName
+    bytes_done: int
+    bytes_total: int
+    files_done: int
+    files_total: int
+    # Snapshot key; empty until the URI is resolved.
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """A cached snapshot as the agent's store sees it."""
+
+    uri: str
+    key: str
+    path: Path
+    tier: TierName
+    total_bytes: int
+    file_count: int
+    created: datetime
+    last_used: datetime
+    hit_count: int
+    files: tuple[FileEntry, ...]
+    include: tuple[str, ...]
+    exclude: tuple[str, ...]
+    leases: tuple[LeaseInfo, ...] = ()
+    # Pinned snapshots are never evicted by pressure.
+    pinned: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EvictResult:
+    """What an eviction (or a garbage collection) removed."""
+
+    evicted: tuple[ModelInfo, ...]
+    bytes_freed: int
+
+
+@dataclass(frozen=True, slots=True)
+class TierStatus:
+    """One cache tier and the filesystem under it."""
+
+    tier: TierName
+    root: Path
+    # Size of the filesystem the tier lives on.
+    capacity_bytes: int
+    # Bytes held by published snapshots of this tier.
+    used_bytes: int
+    # Free bytes on the filesystem.
+    free_bytes: int
+    model_count: int
+    # Most bytes the cache may hold on this tier.
+    budget_bytes: int = 0
+    # Free space always left on the filesystem.
+    reserve_bytes: int = 0
+    # Bytes held by pulls in progress (and resumable leftovers).
+    staging_bytes: int = 0
+    leased_count: int = 0
+    pinned_count: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PullStatus:
+    """A pull in flight."""
+
+    uri: str
+    key: str
+    tier: TierName
+    progress: Progress
+    # Requests currently attached to this pull.
+    waiters: int
+    started: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class AgentStatus:
+    """A snapshot of the agent: version, tiers, pulls in flight."""
+
+    version: str
+    tiers: tuple[TierStatus, ...]
+    pulls: tuple[PullStatus, ...]
+    model_count: int
+    uptime_seconds: float
+    socket_path: str
+    # Data plane that moves bytes (e.g. "aiobotocore").
+    data_plane: str
+    default_tier: TierName
+    lease_count: int = 0
+    # torch.compile caches on the disk tier, and their bytes (counted in its budget).
+    compile_cache_count: int = 0
+    compile_cache_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class FileProblem:
+    """One file of a snapshot that failed verification."""
+
+    path: str
+    # What failed: "missing", "size", "hash".
+    check: str
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class Verification:
+    """The result of re-checking one cached snapshot against its manifest."""
+
+    uri: str
+    key: str
+    ok: bool
+    problems: tuple[FileProblem, ...]
+    # True when the agent evicted the snapshot because it failed.
+    evicted: bool
+    bytes_checked: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class CompileCacheHandle:
+    """A compile-cache directory on this node and the env vars that point an engine at it.
+
+    Apply ``env`` before the engine imports torch (``handle.apply()`` sets it in
+    ``os.environ``), or pass it to the engine's process.
+    """
+
+    key: str
+    path: Path
+    env: dict[str, str]
+    # True when this request restored the directory from S3, and how long that took.
+    restored: bool
+    restore_seconds: float
+    # Why a restore was not used (nothing uploaded yet, a refused archive...).
+    restore_note: str
+    parts: CompileKeyParts
+    bytes: int
+    file_count: int
+
+    def apply(self, environ: MutableMapping[str, str] | None = None) -> None:
+        """Set ``env`` in ``environ`` (default ``os.environ``)."""
+        (os.environ if environ is None else environ).update(self.env)
+
+
+@dataclass(frozen=True, slots=True)
+class CompileVerdict:
+    """Whether a launch reused its compile cache: ``hit``, ``partial miss`` or ``miss``."""
+
+    verdict: str
+    # Sub-cache (inductor, triton, vllm...) -> (files added, bytes added); only those that grew.
+    grown: dict[str, tuple[int, int]]
+    at: datetime | None
+    client_name: str
+
+    def describe(self) -> str:
+        """One line, e.g. ``partial miss: inductor +3 files (120 kB)``."""
+        if not self.grown:
+            return "hit: nothing compiled" if self.verdict == "hit" else self.verdict
+        growth = ", ".join(
+            f"{sub} +{files} files ({size} B)" for sub, (files, size) in sorted(self.grown.items())
+        )
+        return f"{self.verdict}: {growth}"
+
+
+@dataclass(frozen=True, slots=True)
+class CompileCacheInfo:
+    """A compile cache on the node, as ``prewarm compile ls`` lists it."""
+
+    key: str
+    path: Path
+    parts: CompileKeyParts
+    bytes: int
+    file_count: int
+    created: datetime
+    last_used: datetime
+    # Content digest of the last upload or restore ("" if none), and when.
+    uploaded_digest: str
+    uploaded: datetime | None
+    restored: bool
+    # The last launch that reported ready (None before any did).
+    last_verdict: CompileVerdict | None = None
+    # Uploaded only when a launch reports ready, never when quiet.
+    publish_on_ready: bool = False
+    # The compile domain it belongs to (a tenant's, or "node").
+    domain: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class CompileEvictResult:
+    """What evicting a compile cache removed."""
+
+    evicted: tuple[CompileCacheInfo, ...]
+    bytes_freed: int
+
+
+@dataclass(frozen=True, slots=True)
+class CompileCachePush:
+    """What a push did: uploaded, or why not."""
+
+    uploaded: bool
+    uri: str
+    digest: str
+    # Bytes of the archive uploaded (0 when skipped).
+    bytes: int
+    skipped_reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class CompileReady:
+    """A launch's verdict and the upload that followed it."""
+
+    key: str
+    verdict: CompileVerdict
+    upload: CompileCachePush
+
+
+@dataclass(frozen=True, slots=True)
+class CompileLockGrant:
+    """The node's compile lock for a key, as granted to this caller."""
+
+    key: str
+    # True when the directory already held artifacts when the lock was granted:
+    # the compile will mostly hit the cache.
+    warm: bool
+    # True when another pod held the lock first and this caller waited.
+    waited: bool
+    # False when this caller was let go without the lock because the cache
+    # became warm while it waited (the holder may still be compiling more).
+    exclusive: bool = True
+    # Who held the lock while this caller waited ("" if it did not wait).
+    waited_for: str = ""
+
+
+# -- what ensure and leased take ----------------------------------------------------------------
+
+
+class LeasedOptions(TypedDict, total=False):
+    """The keyword options of ``leased``: those of ``ensure`` but ``lease``, which it sets.
+
+    Every key is optional; a missing one means the default given here.
+    """
+
+    # Where to place the snapshot if it is pulled (default: the agent's).
+    tier: TierName | None
+    # Glob patterns: only the paths that match / skip the paths that match.
+    include: Iterable[str]
+    exclude: Iterable[str]
+    # Who asks, for the agent's logs and lease listings.
+    client_name: str
+    # Called for every progress event of the pull.
+    progress: Callable[[Progress], None] | None
+    # Seconds the lease lives unless renewed or held (None: the agent's default).
+    lease_ttl: float | None
+    pin: bool
+    # Fail rather than use the other tier when ``tier`` is full.
+    strict_tier: bool
+    # Overrides for a pull this call starts (None: the agent's settings).
+    data_plane: DataPlaneName | None
+    concurrency: int | None
+    chunk_size: int | None
+    cached_only: bool
+    as_requester: bool
+
+
+class EnsureOptions(LeasedOptions, total=False):
+    """The keyword options of ``ensure`` (see ``Client.ensure`` for what each does)."""
+
+    lease: bool

@@ -126,7 +126,7 @@ def small_model(
 ) -> SampleModel:
     """The small model uploaded to ``s3://<bucket>/models/small/``."""
     directory, tensors = small_model_source
-    return upload_model(s3_client, bucket, "models/small", directory, tensors)
+    return upload_model(s3_client, bucket, "models/small", directory, tensors=tensors)
 
 
 @pytest.fixture

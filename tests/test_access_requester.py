@@ -57,7 +57,7 @@ def iam_world(
         models = {}
         for bucket in ("model-a", "model-b"):
             admin.create_bucket(Bucket=bucket)
-            models[bucket] = upload_model(admin, bucket, "m", directory, tensors)
+            models[bucket] = upload_model(admin, bucket, "m", directory, tensors=tensors)
         node = _node_user_that_cannot_read(s3, "model-a")
         user_a, user_b = s3.create_user("a", ["model-a"]), s3.create_user("b", ["model-b"])
         s3.enforce_iam()

@@ -29,16 +29,11 @@ MAX_FUNCTION_LINES = 80
 LONG_FUNCTIONS_BEING_SPLIT = frozenset(
     {
         "agent/service/operations.py::AgentService.ensure",
-        "agent/cli/_exec.py::exec_command",
     }
 )
 # issue 17: removed at merge. The client's cycle (_compile imports _sync inside a
 # function), broken by the client rework. Delete it as that branch lands.
-CYCLES_BEING_BROKEN = frozenset(
-    {
-        frozenset({"agent.client._compile", "agent.client._compile_calls", "agent.client._sync"}),
-    }
-)
+CYCLES_BEING_BROKEN = frozenset({})
 
 
 @dataclass(frozen=True, slots=True)

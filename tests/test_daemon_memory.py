@@ -60,7 +60,9 @@ def test_the_memory_of_concurrent_pulls_goes_back_when_they_end(
     where it started (it grew by about 50 MiB before).
     """
     tensors = make_safetensors_model(tmp_path, total_bytes=16 * MiB, shards=2, seed=3)
-    models = [upload_model(s3_client, bucket, f"m{n}", tmp_path, tensors) for n in range(PULLS)]
+    models = [
+        upload_model(s3_client, bucket, f"m{n}", tmp_path, tensors=tensors) for n in range(PULLS)
+    ]
     agent = start_agent_process('[s3]\nchunk_size = "1MiB"\ndata_plane = "threads"\n')
     assert agent.pid is not None
     before = _rss_mib(agent.pid)

@@ -87,7 +87,7 @@ def second_model(
 ) -> SampleModel:
     """The small model again under another prefix: a second snapshot beside the first."""
     directory, tensors = small_model_source
-    return upload_model(s3_client, bucket, "models/other", directory, tensors)
+    return upload_model(s3_client, bucket, "models/other", directory, tensors=tensors)
 
 
 def _what_a_local_user_knows(

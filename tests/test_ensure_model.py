@@ -23,7 +23,7 @@ def _model(
 ) -> SampleModel:
     source = tmp_path / prefix.replace("/", "_")
     tensors = make_safetensors_model(source, total_bytes=mib * 1024**2, shards=shards)
-    return upload_model(s3.client(), bucket, prefix, source, tensors)
+    return upload_model(s3.client(), bucket, prefix, source, tensors=tensors)
 
 
 def test_pulled_files_equal_the_source(

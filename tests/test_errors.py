@@ -174,7 +174,7 @@ def test_model_larger_than_a_strict_tier_is_resource_exhausted(
     """
     source = tmp_path / "big"
     tensors = make_safetensors_model(source, total_bytes=3 * 1024**2, shards=2)
-    model = upload_model(s3_server.client(), bucket, "m", source, tensors)
+    model = upload_model(s3_server.client(), bucket, "m", source, tensors=tensors)
     error = _ensure_status(tiny_shm_agent, model.uri, tier=pb.TIER_SHM, strict_tier=True)
     assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "Tier shm" in error.details
@@ -188,7 +188,7 @@ def test_model_larger_than_the_hinted_tier_falls_back_to_the_other(
     """Without strict_tier, a model too big for shm lands on the disk tier instead."""
     source = tmp_path / "big"
     tensors = make_safetensors_model(source, total_bytes=3 * 1024**2, shards=2)
-    model = upload_model(s3_server.client(), bucket, "m", source, tensors)
+    model = upload_model(s3_server.client(), bucket, "m", source, tensors=tensors)
     with Client(tiny_shm_agent.socket_path) as client:
         handle = client.ensure(model.uri, tier="shm")
     assert handle.tier == "disk"
@@ -201,7 +201,7 @@ def test_evicting_a_model_while_it_is_pulled_is_refused(
     """Evicting a model mid-pull is a Conflict; the pull finishes and can be evicted afterwards."""
     source = tmp_path / "slow"
     tensors = make_safetensors_model(source, total_bytes=32 * 1024**2, shards=4)
-    model = upload_model(s3_server.client(), bucket, "m", source, tensors)
+    model = upload_model(s3_server.client(), bucket, "m", source, tensors=tensors)
     agent = start_agent('[s3]\nchunk_size = "1MiB"\nconcurrency = 1\n')
     moving = threading.Event()
     outcome: list[object] = []

@@ -159,7 +159,7 @@ def test_lease_ids_are_shown_only_to_the_requester(
     """GetModel and ListModels show who holds a lease but never its id; the ensure that asked
     for it gets the id, and holding it over the socket still works."""
     tensors = make_safetensors_model(tmp_path / "m", total_bytes=MiB, shards=1)
-    model = upload_model(s3_server.client(), bucket, "models/m", tmp_path / "m", tensors)
+    model = upload_model(s3_server.client(), bucket, "models/m", tmp_path / "m", tensors=tensors)
     agent = start_agent()
     with (
         Client(agent.socket_path) as client,
@@ -180,7 +180,7 @@ def test_leases_per_socket_are_capped(
     """Past [leases] max_per_peer live leases on one API socket, ensure(lease=True) is
     RESOURCE_EXHAUSTED (NoSpace) with what to do; releasing one makes room again."""
     tensors = make_safetensors_model(tmp_path / "m", total_bytes=MiB, shards=1)
-    model = upload_model(s3_server.client(), bucket, "models/m", tmp_path / "m", tensors)
+    model = upload_model(s3_server.client(), bucket, "models/m", tmp_path / "m", tensors=tensors)
     agent = start_agent("[leases]\nmax_per_peer = 5\n")
     with Client(agent.socket_path) as client:
         granted = [client.ensure(model.uri, lease=True) for _ in range(5)]

@@ -165,7 +165,7 @@ def test_sigkill_mid_pull_resumes_and_fetches_only_what_was_missing(
     """After SIGKILL mid-pull, the next pull resumes from the journal and GETs only the rest."""
     source = tmp_path / "model"
     tensors = make_safetensors_model(source, total_bytes=48 * MiB, shards=4)
-    model = upload_model(s3_server.client(), bucket, "m", source, tensors)
+    model = upload_model(s3_server.client(), bucket, "m", source, tensors=tensors)
     agent = start_agent_process('[s3]\nchunk_size = "1MiB"\nconcurrency = 2\n')
     s3_server.clear_requests()
     halfway = threading.Event()
@@ -218,7 +218,7 @@ def test_a_changed_object_after_a_crash_starts_clean(
     """An object changed in S3 after a crash makes the next pull start clean, not resume."""
     source = tmp_path / "model"
     tensors = make_safetensors_model(source, total_bytes=24 * MiB, shards=3)
-    model = upload_model(s3_server.client(), bucket, "m", source, tensors)
+    model = upload_model(s3_server.client(), bucket, "m", source, tensors=tensors)
     agent = start_agent_process('[s3]\nchunk_size = "1MiB"\nconcurrency = 1\n')
     moving = threading.Event()
 
@@ -254,7 +254,7 @@ def test_a_corrupt_safetensors_header_is_refused_and_nothing_is_published(
     data = bytearray(shard.read_bytes())
     data[8:9] = b"["  # the header's JSON object now opens as a list
     shard.write_bytes(bytes(data))
-    model = upload_model(s3_server.client(), bucket, "m", source, {})
+    model = upload_model(s3_server.client(), bucket, "m", source, tensors={})
     agent = start_agent()
     with Client(agent.socket_path) as client, pytest.raises(IntegrityError) as info:
         client.ensure(model.uri)
@@ -271,7 +271,7 @@ def test_a_truncated_safetensors_object_is_refused(
     make_safetensors_model(source, total_bytes=2 * MiB, shards=1)
     shard = next(source.glob("*.safetensors"))
     shard.write_bytes(shard.read_bytes()[:-4096])  # the upload was cut short
-    model = upload_model(s3_server.client(), bucket, "m", source, {})
+    model = upload_model(s3_server.client(), bucket, "m", source, tensors={})
     agent = start_agent()
     with Client(agent.socket_path) as client, pytest.raises(IntegrityError) as info:
         client.ensure(model.uri)
@@ -332,7 +332,7 @@ def test_sigterm_mid_pull_keeps_the_pull_resumable(
     """A graceful stop with no grace period cancels a pull but keeps it resumable."""
     source = tmp_path / "model"
     tensors = make_safetensors_model(source, total_bytes=32 * MiB, shards=2)
-    model = upload_model(s3_server.client(), bucket, "m", source, tensors)
+    model = upload_model(s3_server.client(), bucket, "m", source, tensors=tensors)
     # No grace period: the stop cancels the pull instead of letting it finish.
     agent = start_agent_process(
         'shutdown_grace_seconds = 0\n[s3]\nchunk_size = "1MiB"\nconcurrency = 1\n'

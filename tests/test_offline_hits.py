@@ -92,7 +92,13 @@ def test_refused_endpoint_serves_the_cached_snapshot_at_once(
     fallback at the first refused connection returns within the test timeout.
     """
     stoppable_s3.client().create_bucket(Bucket="refused")
-    model = upload_model(stoppable_s3.client(), "refused", "models/small", *small_model_source)
+    model = upload_model(
+        stoppable_s3.client(),
+        "refused",
+        "models/small",
+        small_model_source[0],
+        tensors=small_model_source[1],
+    )
     agent = start_agent(PATIENT, s3=stoppable_s3)
     with Client(agent.socket_path) as client:
         cold = client.ensure(model.uri)

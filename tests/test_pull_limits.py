@@ -58,7 +58,9 @@ def test_a_tenants_second_pull_is_refused_at_once_and_joining_is_not_a_pull(
     socket is NoSpace (RESOURCE_EXHAUSTED) in well under a second; a second request for the
     stalled model joins its flight; the node's socket still pulls; all end once S3 answers."""
     directory, tensors = small_model_source
-    other = upload_model(s3_server.client(), small_model.bucket, "models/other", directory, tensors)
+    other = upload_model(
+        s3_server.client(), small_model.bucket, "models/other", directory, tensors=tensors
+    )
     tenant_socket = short_dir / "a.sock"
     config = _S3 + (
         f'[[access.sockets]]\nname = "team-a"\npath = "{tenant_socket}"\n\n'

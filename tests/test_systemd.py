@@ -242,7 +242,7 @@ def test_sigterm_mid_pull_says_stopping_and_exits_within_the_units_stop_timeout(
     tensors = make_safetensors_model(source, total_bytes=16 * MiB, shards=2)
     s3 = stoppable_s3.client()
     s3.create_bucket(Bucket="models")
-    model = upload_model(s3, "models", "m", source, tensors)
+    model = upload_model(s3, "models", "m", source, tensors=tensors)
     grace = 1.0
     config = f'shutdown_grace_seconds = {grace}\n[s3]\nchunk_size = "1MiB"\nconcurrency = 1\n'
     with NotifySocket() as systemd, _notifying_agent(stoppable_s3, systemd, config) as agent:

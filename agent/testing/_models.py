@@ -179,6 +179,7 @@ def upload_model(
     bucket: str,
     prefix: str,
     directory: Path,
+    *,
     tensors: Mapping[str, NDArray[Any]],
 ) -> SampleModel:
     """Upload a model made by make_safetensors_model and describe it."""

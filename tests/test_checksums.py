@@ -14,7 +14,8 @@ from agent import IntegrityError
 from agent._config import S3Settings, Settings
 from agent.client import Client
 from agent.pull.puller import Puller
-from agent.service.operations import AgentService, EnsureResult
+from agent.service.operations import AgentService
+from agent.service.results import EnsureResult
 from agent.source.checksums import S3Checksum
 from agent.store.leases import LeaseTable
 from agent.store.store import Store

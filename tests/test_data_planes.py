@@ -22,7 +22,8 @@ from agent import SourceUnavailable
 from agent._config import Settings
 from agent._vocabulary import DataPlaneName, PullOptions
 from agent.pull.puller import Puller
-from agent.service.operations import AgentService, EnsureResult
+from agent.service.operations import AgentService
+from agent.service.results import EnsureResult
 from agent.source.range_worker import USER_AGENT as PROCESSES_USER_AGENT
 from agent.source.s3 import S3Source
 from agent.source.streamer_plane import streamer_unavailable

@@ -17,7 +17,8 @@ import pytest
 from agent import NoSpace
 from agent._config import S3Settings, Settings
 from agent.pull.puller import Puller
-from agent.service.operations import AgentService, EnsureResult
+from agent.service.operations import AgentService
+from agent.service.results import EnsureResult
 from agent.store.leases import LeaseTable
 from agent.store.store import Store, TierBudget
 from agent.testing import MemorySource

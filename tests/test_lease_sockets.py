@@ -20,7 +20,8 @@ from agent._exceptions import AccessDenied
 from agent.client import Client
 from agent.pull.puller import Puller
 from agent.service import access
-from agent.service.operations import AgentService, EnsureResult
+from agent.service.operations import AgentService
+from agent.service.results import EnsureResult
 from agent.store.leases import LeaseTable
 from agent.testing import MemorySource, SampleModel
 from agent.testing._process import purge_tree

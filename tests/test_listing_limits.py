@@ -21,7 +21,8 @@ from agent._exceptions import NoSpace
 from agent.client import Client
 from agent.pull.puller import Puller
 from agent.service import access
-from agent.service.operations import AgentService, EnsureResult
+from agent.service.operations import AgentService
+from agent.service.results import EnsureResult
 from agent.store.leases import LeaseTable
 from agent.store.store import Store
 from agent.testing import MemorySource, S3Server

@@ -22,7 +22,8 @@ from agent._exceptions import NotFound, SourceUnavailable
 from agent._uri import parse_uri
 from agent.client import Client
 from agent.pull.puller import Puller
-from agent.service.operations import AgentService, EnsureResult
+from agent.service.operations import AgentService
+from agent.service.results import EnsureResult
 from agent.source.interface import ObjectSource
 from agent.source.s3 import S3Source, SourceUnreachable
 from agent.store.leases import LeaseTable

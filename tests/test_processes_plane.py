@@ -26,7 +26,7 @@ from agent._uri import parse_uri
 from agent._vocabulary import PullOptions, TierName
 from agent.pull.puller import Puller
 from agent.pull.resolver import resolve
-from agent.service.operations import EnsureResult
+from agent.service.results import EnsureResult
 from agent.source.process_plane import ProcessPlane, WorkerPool, processes_unavailable
 from agent.source.s3 import S3Source
 from agent.store.store import Store

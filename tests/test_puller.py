@@ -16,7 +16,8 @@ from agent._uri import parse_uri
 from agent.pull.flight import PullProgress
 from agent.pull.puller import Puller
 from agent.pull.resolver import resolve
-from agent.service.operations import AgentService, EnsureResult
+from agent.service.operations import AgentService
+from agent.service.results import EnsureResult
 from agent.store.leases import LeaseTable
 from agent.store.store import Store
 from agent.testing import MemorySource

@@ -27,7 +27,7 @@ from agent._vocabulary import PullOptions, TierName
 from agent.pull.puller import Puller
 from agent.pull.resolver import resolve
 from agent.pull.tuning import THREADS_PER_STREAM, tune
-from agent.service.operations import EnsureResult
+from agent.service.results import EnsureResult
 from agent.source.interface import RangeReadError
 from agent.source.pacing import read_step
 from agent.source.s3 import S3Source, SourceUnreachable

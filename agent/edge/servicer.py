@@ -21,9 +21,10 @@ from agent.compile.cache import CompileCaches
 from agent.edge.compile_servicer import CompileCacheApi, compile_scope
 from agent.edge.status import abort
 from agent.pull.flight import Flight, PullProgress
-from agent.service.operations import AgentService, EnsureResult, EvictResult
+from agent.service.operations import AgentService
+from agent.service.results import EnsureResult, EvictResult
 from agent.store.leases import LeaseRecord
-from agent.store.store import CachedModel, TierUsage
+from agent.store.records import CachedModel, TierUsage
 
 __all__ = ["PrewarmServicer"]
 

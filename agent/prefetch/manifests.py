@@ -43,7 +43,8 @@ from agent.prefetch.schema import (
     ManifestError,
     read_manifest,
 )
-from agent.service.operations import AgentService, EnsureResult
+from agent.service.operations import AgentService
+from agent.service.results import EnsureResult
 
 # CompileSpec is part of CompileCacheHook's signature, so it is offered here too.
 __all__ = ["CompileCacheHook", "CompileSpec", "ManifestWatcher"]

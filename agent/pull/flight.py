@@ -11,9 +11,9 @@ from dataclasses import dataclass, replace
 from agent._snapshot import Snapshot, SourceObject
 from agent._vocabulary import PhaseName, TierName
 from agent.obs.metrics import BYTES_PULLED
-from agent.store.store import CachedModel
+from agent.store.records import CachedModel
 
-__all__ = ["Flight", "PhaseName", "PullProgress", "PullTimings"]
+__all__ = ["Flight", "PullProgress", "PullTimings"]
 
 # Longest a watcher waits to hear of new bytes.
 NOTIFY_SECONDS = 0.05

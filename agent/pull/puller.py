@@ -41,7 +41,8 @@ from agent.source.ranged_plane import AiobotocorePlane
 from agent.source.streamer_plane import StreamerPlane, load_streamer, streamer_unavailable
 from agent.source.threads_plane import ThreadsPlane
 from agent.source.transfer import Tuning
-from agent.store.store import CachedFile, CachedModel, Store
+from agent.store.records import CachedFile, CachedModel
+from agent.store.store import Store
 
 __all__ = ["Puller", "ScopedSource"]
 

@@ -17,7 +17,8 @@ from agent._snapshot import Snapshot, SourceObject, select_objects, snapshot_key
 from agent._uri import ModelUri, safe_relative_path
 from agent.pull.snapshot_limits import SnapshotLimit
 from agent.source.interface import ListedObject, ObjectSource
-from agent.store.store import CachedModel, Store
+from agent.store.records import CachedModel
+from agent.store.store import Store
 
 __all__ = ["Unchecked", "resolve", "resolve_or_fall_back"]
 

@@ -33,7 +33,6 @@ from agent.source.interface import ObjectSource
 
 __all__ = [
     "NODE_TENANT",
-    "LimitExceeded",
     "PullGate",
     "Requester",
     "RequesterKeys",

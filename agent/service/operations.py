@@ -33,16 +33,10 @@ from agent.service.results import (
 from agent.source.interface import ObjectSource
 from agent.store.eviction import Evictor
 from agent.store.leases import LeaseRecord, LeaseTable
-from agent.store.store import CachedModel, Store, Usage
+from agent.store.records import CachedModel, Usage
+from agent.store.store import Store
 
-__all__ = [
-    "AgentService",
-    "AgentStatus",
-    "EnsureResult",
-    "EvictResult",
-    "RequestTimings",
-    "Verification",
-]
+__all__ = ["AgentService"]
 
 log = logging.getLogger(__name__)
 

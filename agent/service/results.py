@@ -9,7 +9,7 @@ from agent.check.hashes import FileProblem
 from agent.obs.metrics import CACHE_LOOKUPS, PHASE_SECONDS
 from agent.pull.flight import Flight
 from agent.store.leases import LeaseRecord
-from agent.store.store import CachedModel, TierUsage
+from agent.store.records import CachedModel, TierUsage
 
 __all__ = [
     "AgentStatus",

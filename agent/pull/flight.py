@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, replace
+from typing import Any
 
 from agent._snapshot import Snapshot, SourceObject
 from agent._vocabulary import PhaseName, TierName
@@ -76,19 +77,31 @@ class Flight:
         """The published model; shielded so a departing watcher never cancels the pull."""
         return await asyncio.shield(self._outcome)
 
+    def start(self, tasks: asyncio.TaskGroup, pull: Coroutine[Any, Any, None]) -> None:
+        """Run ``pull`` as this flight's task in ``tasks``; ``cancel`` stops it."""
+        self._task = tasks.create_task(pull, name=f"pull-{self.key}")
+
     def cancel(self) -> None:
+        """Stop the pull's task; the pull settles the flight as it unwinds."""
         if self._task is not None:
             self._task.cancel()
 
-    def _settle(self, model: CachedModel | None, error: BaseException | None) -> None:
+    def succeed(self, model: CachedModel) -> None:
+        """The pull published ``model``: every watcher gets it."""
         if not self._outcome.done():
-            if isinstance(error, asyncio.CancelledError):
-                self._outcome.cancel()
-            elif error is not None:
-                self._outcome.set_exception(error)
-            else:
-                assert model is not None
-                self._outcome.set_result(model)
+            self._outcome.set_result(model)
+        self._notify()
+
+    def fail(self, error: BaseException) -> None:
+        """The pull failed with ``error``: every watcher gets it raised."""
+        if not self._outcome.done():
+            self._outcome.set_exception(error)
+        self._notify()
+
+    def abandon(self) -> None:
+        """The pull was cancelled (shutdown): watchers see the flight cancelled."""
+        if not self._outcome.done():
+            self._outcome.cancel()
         self._notify()
 
     async def watch(self, min_interval: float = 0.05) -> AsyncIterator[PullProgress]:

@@ -194,9 +194,7 @@ class Puller:
         )
         # Counted against the tier from now on, so concurrent placements see it.
         superseded = self._store.begin_staging(tier, snapshot.key, snapshot.total_bytes)
-        flight._task = self._tasks.create_task(
-            self._run(flight, superseded), name=f"pull-{snapshot.key}"
-        )
+        flight.start(self._tasks, self._run(flight, superseded))
         return flight, True
 
     async def _run(self, flight: Flight, superseded: list[Path]) -> None:
@@ -232,14 +230,18 @@ class Puller:
         self._pulls.pop(flight.key, None)
         # Deleted in a worker thread: the loop keeps serving while a big tree goes.
         await self._store.purge(self._store.end_staging(flight.key, keep=keep_staging))
-        flight._settle(model, error)
+        if model is not None:
+            flight.succeed(model)
+        else:
+            assert error is not None
+            flight.fail(error)
 
     def _abandon(self, flight: Flight) -> None:
         """Settle a cancelled flight at once, keeping its staging directory for resume."""
         self._flights.pop(flight.key, None)
         self._pulls.pop(flight.key, None)
         self._store.end_staging(flight.key, keep=True)
-        flight._settle(None, asyncio.CancelledError())
+        flight.abandon()
 
     async def _pull(self, flight: Flight) -> CachedModel:
         plane, tuning, scoped = self._pulls[flight.key]

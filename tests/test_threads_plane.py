@@ -26,13 +26,13 @@ from agent._uri import parse_uri
 from agent._vocabulary import PullOptions, TierName
 from agent.pull.puller import Puller
 from agent.pull.resolver import resolve
-from agent.pull.tuning import THREADS_PER_STREAM, tune
 from agent.service.results import EnsureResult
 from agent.source.interface import RangeReadError
 from agent.source.pacing import read_step
 from agent.source.s3 import S3Source, SourceUnreachable
 from agent.source.sync_s3 import translate
 from agent.source.threads_plane import ThreadsPlane
+from agent.source.tuning import THREADS_PER_STREAM, tune
 from agent.store.store import Store
 from agent.testing import Fault, FaultProxy, S3Server, SampleModel
 

@@ -1,7 +1,7 @@
 """Pulls: a snapshot's objects into a staging directory, checked, then published.
 
 One flight per snapshot key. Each pull gets a ``Tuning`` (concurrency, chunk
-size, timeouts: agent.pull.tuning) and a data plane (agent.source.plane:
+size, timeouts: agent.source.tuning) and a data plane (agent.source.plane:
 ranged GETs in worker threads or in the event loop, or the Run:ai Model
 Streamer) from the config and the
 request that started it; requests that join a flight get that flight's.
@@ -33,14 +33,13 @@ from agent._vocabulary import DataPlaneName, PullOptions, TierName
 from agent.check.hashes import check_object_checksum
 from agent.pull.flight import Flight
 from agent.pull.staging import StagingFiles, open_staging, verify_before_publish
-from agent.pull.tuning import node_gbps, tune, worker_processes
 from agent.source.interface import ObjectSource
 from agent.source.plane import AUTO_DATA_PLANE, DataPlane, plan_ranges
 from agent.source.process_plane import ProcessPlane, WorkerPool, processes_unavailable
 from agent.source.ranged_plane import AiobotocorePlane
 from agent.source.streamer_plane import StreamerPlane, load_streamer, streamer_unavailable
 from agent.source.threads_plane import ThreadsPlane
-from agent.source.transfer import Tuning
+from agent.source.tuning import Tuning, node_gbps, tune, worker_processes
 from agent.store.records import CachedFile, CachedModel
 from agent.store.store import Store
 

@@ -30,7 +30,7 @@ from typing import Any, Literal, Protocol, TypeVar
 from agent._exceptions import PrewarmError
 from agent._snapshot import Snapshot, SourceObject
 from agent.check.hashes import ChunkHasher
-from agent.source.transfer import Tuning
+from agent.source.tuning import Tuning
 
 __all__ = [
     "AUTO_DATA_PLANE",

@@ -52,7 +52,7 @@ from agent.source.s3_errors import (
     silent_error,
     unreachable_error,
 )
-from agent.source.transfer import Tuning
+from agent.source.tuning import Tuning
 
 __all__ = ["Presigner", "ProcessPlane", "WorkerPool", "processes_unavailable"]
 

@@ -30,7 +30,7 @@ from agent.source.plane import (
     root_cause,
     write_in_thread,
 )
-from agent.source.transfer import Tuning
+from agent.source.tuning import Tuning
 
 __all__ = ["AiobotocorePlane"]
 

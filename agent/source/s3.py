@@ -42,7 +42,7 @@ from agent.source.s3_errors import (
     silent_error,
     translate_s3_error,
 )
-from agent.source.transfer import connection_pool_size
+from agent.source.tuning import connection_pool_size
 
 __all__ = ["S3Source", "SourceSilent", "SourceUnreachable"]
 

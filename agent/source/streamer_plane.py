@@ -54,7 +54,7 @@ from agent.check.hashes import ChunkHasher
 from agent.source.interface import ObjectSource
 from agent.source.pacing import backoff_delay
 from agent.source.plane import ByteRange, DataPlane, ProgressSink, RangeSink, write_in_thread
-from agent.source.transfer import Tuning, streamer_environment
+from agent.source.tuning import Tuning, streamer_environment
 
 __all__ = ["StreamerPlane", "load_streamer", "streamer_unavailable"]
 

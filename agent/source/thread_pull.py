@@ -19,7 +19,7 @@ from typing import Any
 
 from agent.source.pacing import Body, slow_body_reason
 from agent.source.plane import ByteRange, ProgressSink, RangeSink
-from agent.source.transfer import Tuning
+from agent.source.tuning import Tuning
 
 __all__ = ["PullState", "Stopped", "watch_speed"]
 

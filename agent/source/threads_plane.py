@@ -40,7 +40,7 @@ from agent.source.pacing import Body, backoff_delay, read_step
 from agent.source.plane import AUTO_DATA_PLANE, ByteRange, ProgressSink, RangeCursor, RangeSink
 from agent.source.sync_s3 import body_reader, body_socket, make_sync_client, translate
 from agent.source.thread_pull import PullState, Stopped, watch_speed
-from agent.source.transfer import Tuning
+from agent.source.tuning import Tuning
 
 __all__ = ["ThreadsPlane"]
 

@@ -15,9 +15,10 @@ sink, both by shape.
 Four implementations: ``ProcessPlane`` (process_plane: presigned ranged GETs
 sent by worker processes, each with its own interpreter lock), ``ThreadsPlane``
 (threads_plane: ranged GETs in the daemon's threads, each body read into a
-worker's buffer and written at its offset), ``AiobotocorePlane`` (ranged_plane:
+worker's buffer and written at its offset), ``AiobotocorePlane`` (aiobotocore_plane:
 ranged GETs in the event loop) and ``StreamerPlane`` (streamer_plane: the Run:ai
-Model Streamer's C++ client in a thread). See docs/data-planes.md.
+Model Streamer's C++ client in a thread), held by name in agent.source.plane_registry,
+which also decides what ``auto`` means. See docs/data-planes.md.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from agent._exceptions import PrewarmError
 from agent._snapshot import Snapshot, SourceObject
@@ -33,7 +34,6 @@ from agent.check.hashes import ChunkHasher
 from agent.source.tuning import Tuning
 
 __all__ = [
-    "AUTO_DATA_PLANE",
     "ByteRange",
     "DataPlane",
     "ProgressSink",
@@ -45,9 +45,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-# What data_plane = "auto" means, chosen by measurement (docs/data-planes.md).
-AUTO_DATA_PLANE: Literal["processes", "threads", "streamer", "aiobotocore"] = "processes"
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,8 +68,6 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
     _check_access(settings)
     _check_paths_creatable(settings)
     node, tenants = access_rules.tenants_from_settings(settings)
-    # The daemon's own callers (manifests) are the node: its sources, its limits.
-    access_rules.bind_requester(access_rules.Requester(node))
     notifier = SystemdNotifier.from_environment()
     notifier.status(f"Reconciling the cache in {tiers.shm_root} and {tiers.disk_root}")
     store = Store(
@@ -109,10 +107,10 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
         # Owned by serve(), closed before the puller: metrics endpoint, manifest watcher.
         contextlib.AsyncExitStack() as background,
     ):
-        service = AgentService(store, puller, source, leases, settings)
+        service = AgentService(store, puller, source, leases, settings=settings)
         await service.start()
         await background.enter_async_context(
-            _metrics_and_manifests(service, settings, compile_caches)
+            _metrics_and_manifests(service, settings, compile_caches, node=node)
         )
         async with api.serving(service, compile_caches):
             log.info(
@@ -157,11 +155,10 @@ def _check_access(settings: Settings) -> None:
     compile_uri = settings.compile_cache.uri
     if compile_uri and access.sources:
         node, _ = access_rules.tenants_from_settings(settings)
-        with access_rules.requester_bound(access_rules.Requester(node)):
-            try:
-                access_rules.check_source(compile_uri)
-            except PrewarmError as exc:
-                raise ConfigError(f"compile_cache.uri: {exc}") from exc
+        try:
+            access_rules.check_source(compile_uri, access_rules.Requester(node))
+        except PrewarmError as exc:
+            raise ConfigError(f"compile_cache.uri: {exc}") from exc
 
 
 def _check_paths_creatable(settings: Settings) -> None:
@@ -252,9 +249,16 @@ def _count(number: int, noun: str) -> str:
 
 @contextlib.asynccontextmanager
 async def _metrics_and_manifests(
-    service: AgentService, settings: Settings, compile_caches: CompileCaches
+    service: AgentService,
+    settings: Settings,
+    compile_caches: CompileCaches,
+    *,
+    node: access_rules.Tenant,
 ) -> AsyncIterator[None]:
-    """The metrics endpoint (when metrics.port is set) and the prefetch manifests."""
+    """The metrics endpoint (when metrics.port is set) and the prefetch manifests.
+
+    The manifests' prefetches ask as ``node``: its sources, its limits.
+    """
     collector = StateCollector(lambda: _state_reading(service))
     REGISTRY.register(collector)
     try:
@@ -269,6 +273,7 @@ async def _metrics_and_manifests(
                     settings.manifests,
                     settings.tiers.disk_root / "prefetch-pins.json",
                     compile_cache=_manifest_compile_hook(compile_caches),
+                    requester=access_rules.Requester(node),
                 )
             )
             yield

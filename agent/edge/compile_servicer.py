@@ -27,7 +27,7 @@ from agent.compile.cache import (
 )
 from agent.compile.verdict import Verdict
 from agent.edge.status import abort
-from agent.service import access
+from agent.service.access import NODE_TENANT, Tenant
 
 __all__ = ["CompileCacheApi"]
 
@@ -39,12 +39,11 @@ _LOCK_STATE = {
 }
 
 
-def compile_scope() -> Scope:
-    """The compile scope of the request being served: its tenant's domain, or the node's."""
-    bound = access.current_requester()
-    if bound is None or bound.tenant.name == access.NODE_TENANT:
+def compile_scope(tenant: Tenant | None) -> Scope:
+    """The compile scope of a socket's requests: its tenant's domain, or the node's."""
+    if tenant is None or tenant.name == NODE_TENANT:
         return NODE_SCOPE
-    return Scope(bound.tenant.compile_domain or bound.tenant.name)
+    return Scope(tenant.compile_domain or tenant.name)
 
 
 def _info(info: CompileCacheInfo) -> pb.CompileCacheInfo:
@@ -109,6 +108,7 @@ class CompileCacheApi:
     """EnsureCompileCache, List/Evict/Push/PullCompileCache, CompileLock and CompileReady."""
 
     _compile_caches: CompileCaches | None
+    _tenant: Tenant | None
 
     def _caches(self) -> CompileCaches:
         if self._compile_caches is None:
@@ -123,7 +123,7 @@ class CompileCacheApi:
         try:
             ensured = await self._caches().ensure(
                 parts_from_proto(request.parts),
-                scope=compile_scope(),
+                scope=compile_scope(self._tenant),
                 skip_restore=request.skip_restore,
                 client_name=request.client_name,
                 publish_on_ready=request.publish_on_ready,
@@ -139,7 +139,7 @@ class CompileCacheApi:
     ) -> pb.CompileReadyResponse:
         try:
             ready = await self._caches().ready(
-                request.key, request.client_name, scope=compile_scope()
+                request.key, request.client_name, scope=compile_scope(self._tenant)
             )
         except PrewarmError as exc:
             await abort(context, exc)
@@ -160,7 +160,7 @@ class CompileCacheApi:
         ],
     ) -> pb.ListCompileCachesResponse:
         try:
-            caches = await self._caches().caches(compile_scope())
+            caches = await self._caches().caches(compile_scope(self._tenant))
         except PrewarmError as exc:
             await abort(context, exc)
         return pb.ListCompileCachesResponse(caches=[_info(c) for c in caches])
@@ -173,7 +173,7 @@ class CompileCacheApi:
         ],
     ) -> pb.EvictCompileCacheResponse:
         try:
-            evicted = await self._caches().evict(request.key, compile_scope())
+            evicted = await self._caches().evict(request.key, compile_scope(self._tenant))
         except PrewarmError as exc:
             await abort(context, exc)
         return pb.EvictCompileCacheResponse(
@@ -186,7 +186,7 @@ class CompileCacheApi:
         context: grpc.aio.ServicerContext[pb.PushCompileCacheRequest, pb.PushCompileCacheResponse],
     ) -> pb.PushCompileCacheResponse:
         try:
-            outcome = await self._caches().push(request.key, compile_scope())
+            outcome = await self._caches().push(request.key, compile_scope(self._tenant))
         except PrewarmError as exc:
             await abort(context, exc)
         return _push(outcome)
@@ -197,7 +197,7 @@ class CompileCacheApi:
         context: grpc.aio.ServicerContext[pb.PullCompileCacheRequest, pb.CompileCacheHandle],
     ) -> pb.CompileCacheHandle:
         try:
-            ensured = await self._caches().pull(request.key, compile_scope())
+            ensured = await self._caches().pull(request.key, compile_scope(self._tenant))
         except PrewarmError as exc:
             await abort(context, exc)
         return _handle(ensured)
@@ -212,7 +212,9 @@ class CompileCacheApi:
             # aclosing: the lock passes on the moment this call ends, even when
             # gRPC cancels it because the pod went away.
             async with contextlib.aclosing(
-                self._caches().hold_lock(parts_from_proto(request.parts), name, compile_scope())
+                self._caches().hold_lock(
+                    parts_from_proto(request.parts), name, compile_scope(self._tenant)
+                )
             ) as events:
                 async for event in events:
                     if event.state == "granted":

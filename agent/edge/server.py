@@ -141,7 +141,9 @@ class ApiServer:
                 *connection_options(self._max_connections),
             ],
         )
-        servicer = PrewarmServicer(service, socket_path=str(path), compile_caches=compile_caches)
+        servicer = PrewarmServicer(
+            service, socket_path=str(path), tenant=tenant, compile_caches=compile_caches
+        )
         prewarm_pb2_grpc.add_PrewarmServicer_to_server(servicer, server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

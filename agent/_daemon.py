@@ -29,7 +29,7 @@ from agent.compile.domains import domain_specs
 from agent.compile.keys import CompileKeyParts
 from agent.edge.connection_limits import raise_descriptor_limit
 from agent.edge.lease_socket import LeaseServer
-from agent.edge.server import ApiServer, TenantSocket
+from agent.edge.server import ApiServer, ServerLimits, TenantSocket
 from agent.obs.logs import configure_logging
 from agent.obs.metrics import REGISTRY, StateCollector, StateReading, TierReading
 from agent.obs.metrics_server import serve_metrics
@@ -218,17 +218,16 @@ def _api_server(
 ) -> ApiServer:
     """The API socket for the node's own callers, and one socket per tenant."""
     return ApiServer(
-        settings.socket_path,
-        settings.socket_mode,
-        settings.socket_group,
-        settings.shutdown_grace_seconds,
-        node_tenant=node,
+        TenantSocket(settings.socket_path, settings.socket_mode, settings.socket_group, node),
+        ServerLimits(
+            settings.shutdown_grace_seconds,
+            max_request_bytes=int(settings.access.max_request_bytes),
+            max_connections=settings.access.max_connections_per_socket,
+        ),
         tenant_sockets=[
             TenantSocket(entry.path, entry.mode, entry.group, tenants[entry.name])
             for entry in settings.access.sockets
         ],
-        max_request_bytes=int(settings.access.max_request_bytes),
-        max_connections=settings.access.max_connections_per_socket,
         compile_cache_uri=settings.compile_cache.uri,
     )
 

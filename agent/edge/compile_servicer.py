@@ -120,6 +120,7 @@ class CompileCacheApi:
         request: pb.EnsureCompileCacheRequest,
         context: grpc.aio.ServicerContext[pb.EnsureCompileCacheRequest, pb.CompileCacheHandle],
     ) -> pb.CompileCacheHandle:
+        """The compile cache for the request's parts in the caller's scope, restored if asked."""
         try:
             ensured = await self._caches().ensure(
                 parts_from_proto(request.parts),
@@ -137,6 +138,7 @@ class CompileCacheApi:
         request: pb.CompileReadyRequest,
         context: grpc.aio.ServicerContext[pb.CompileReadyRequest, pb.CompileReadyResponse],
     ) -> pb.CompileReadyResponse:
+        """A compile finished: record its verdict and, if uploads are on, push the cache."""
         try:
             ready = await self._caches().ready(
                 request.key, request.client_name, scope=compile_scope(self._tenant)
@@ -159,6 +161,7 @@ class CompileCacheApi:
             pb.ListCompileCachesRequest, pb.ListCompileCachesResponse
         ],
     ) -> pb.ListCompileCachesResponse:
+        """The compile caches of the caller's scope."""
         try:
             caches = await self._caches().caches(compile_scope(self._tenant))
         except PrewarmError as exc:
@@ -172,6 +175,7 @@ class CompileCacheApi:
             pb.EvictCompileCacheRequest, pb.EvictCompileCacheResponse
         ],
     ) -> pb.EvictCompileCacheResponse:
+        """Evict a compile cache of the caller's scope (node socket only)."""
         try:
             evicted = await self._caches().evict(request.key, compile_scope(self._tenant))
         except PrewarmError as exc:
@@ -185,6 +189,7 @@ class CompileCacheApi:
         request: pb.PushCompileCacheRequest,
         context: grpc.aio.ServicerContext[pb.PushCompileCacheRequest, pb.PushCompileCacheResponse],
     ) -> pb.PushCompileCacheResponse:
+        """Upload a compile cache of the caller's scope to S3."""
         try:
             outcome = await self._caches().push(request.key, compile_scope(self._tenant))
         except PrewarmError as exc:
@@ -196,6 +201,7 @@ class CompileCacheApi:
         request: pb.PullCompileCacheRequest,
         context: grpc.aio.ServicerContext[pb.PullCompileCacheRequest, pb.CompileCacheHandle],
     ) -> pb.CompileCacheHandle:
+        """Restore a compile cache of the caller's scope from S3."""
         try:
             ensured = await self._caches().pull(request.key, compile_scope(self._tenant))
         except PrewarmError as exc:
@@ -207,6 +213,7 @@ class CompileCacheApi:
         request: pb.CompileLockRequest,
         context: grpc.aio.ServicerContext[pb.CompileLockRequest, pb.CompileLockEvent],
     ) -> AsyncIterator[pb.CompileLockEvent]:
+        """Hold the node lock on a compile key: waiting, then granted, until the call ends."""
         name = request.client_name or "anonymous"
         try:
             # aclosing: the lock passes on the moment this call ends, even when

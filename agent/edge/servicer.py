@@ -111,6 +111,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         request: pb.GetModelRequest,
         context: grpc.aio.ServicerContext[pb.GetModelRequest, pb.ModelInfo],
     ) -> pb.ModelInfo:
+        """The newest snapshot a ref names, with its files (node socket only)."""
         try:
             model = self._service.get(request.ref)
             return self._model_info(model, self._requester(request), with_files=True)
@@ -122,6 +123,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         request: pb.ListModelsRequest,
         context: grpc.aio.ServicerContext[pb.ListModelsRequest, pb.ListModelsResponse],
     ) -> pb.ListModelsResponse:
+        """Every cached snapshot (node socket only)."""
         return pb.ListModelsResponse(
             models=[
                 self._model_info(m, self._requester(request), with_files=False)
@@ -134,6 +136,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         request: pb.EvictModelRequest,
         context: grpc.aio.ServicerContext[pb.EvictModelRequest, pb.EvictModelResponse],
     ) -> pb.EvictModelResponse:
+        """Evict the snapshots a ref names (node socket only)."""
         try:
             result = await self._service.evict(request.ref, force=request.force)
         except PrewarmError as exc:
@@ -151,6 +154,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         request: pb.RenewLeaseRequest,
         context: grpc.aio.ServicerContext[pb.RenewLeaseRequest, pb.Lease],
     ) -> pb.Lease:
+        """Renew a lease granted on this socket."""
         try:
             if request.ttl_seconds < 0:
                 raise InvalidRequest("ttl_seconds must not be negative.")
@@ -166,6 +170,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         request: pb.ReleaseLeaseRequest,
         context: grpc.aio.ServicerContext[pb.ReleaseLeaseRequest, pb.ReleaseLeaseResponse],
     ) -> pb.ReleaseLeaseResponse:
+        """Release a lease granted on this socket."""
         try:
             self._service.release_lease(request.id, self._requester(request))
         except PrewarmError as exc:
@@ -177,6 +182,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         request: pb.PinModelRequest,
         context: grpc.aio.ServicerContext[pb.PinModelRequest, pb.ModelInfo],
     ) -> pb.ModelInfo:
+        """Pin or unpin the newest snapshot a ref names (node socket only)."""
         try:
             model = await self._service.pin(request.ref, request.pinned)
         except PrewarmError as exc:
@@ -188,6 +194,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         request: pb.CollectGarbageRequest,
         context: grpc.aio.ServicerContext[pb.CollectGarbageRequest, pb.CollectGarbageResponse],
     ) -> pb.CollectGarbageResponse:
+        """Evict what nothing protects, on one tier or both (node socket only)."""
         tier = tier_from_proto(request.tier)
         result = await self._service.collect_garbage(tier)
         requester = self._requester(request)
@@ -201,6 +208,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         request: pb.VerifyModelsRequest,
         context: grpc.aio.ServicerContext[pb.VerifyModelsRequest, pb.VerifyModelsResponse],
     ) -> pb.VerifyModelsResponse:
+        """Re-hash cached snapshots; evict those that changed unless report_only."""
         try:
             results = await self._service.verify(
                 request.ref, every=request.all, report_only=request.report_only
@@ -230,6 +238,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         request: pb.StatusRequest,
         context: grpc.aio.ServicerContext[pb.StatusRequest, pb.StatusResponse],
     ) -> pb.StatusResponse:
+        """The agent's state as this socket's tenant may see it."""
         status = self._service.status(self._requester(request))
         caches = self._compile_caches
         compiles = caches.statistics(compile_scope(self._tenant)) if caches else (0, 0)

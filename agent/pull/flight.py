@@ -22,6 +22,8 @@ NOTIFY_SECONDS = 0.05
 
 @dataclass(frozen=True, slots=True)
 class PullProgress:
+    """Where a pull stands: its phase, bytes and files done of the total."""
+
     phase: PhaseName
     bytes_done: int
     bytes_total: int
@@ -32,6 +34,8 @@ class PullProgress:
 
 @dataclass(frozen=True, slots=True)
 class PullTimings:
+    """Seconds a pull spent downloading, verifying and publishing."""
+
     download: float = 0.0
     verify: float = 0.0
     publish: float = 0.0
@@ -67,10 +71,12 @@ class Flight:
 
     @property
     def key(self) -> str:
+        """The snapshot key this flight pulls."""
         return self.snapshot.key
 
     @property
     def done(self) -> bool:
+        """Whether the pull has settled (published, failed or abandoned)."""
         return self._outcome.done()
 
     async def result(self) -> CachedModel:
@@ -135,6 +141,7 @@ class Flight:
             self.waiters -= 1
 
     def set_phase(self, phase: PhaseName) -> None:
+        """The pull moved on to ``phase``: watchers hear of it at once."""
         self.progress = replace(self.progress, phase=phase)
         self._notify()
 

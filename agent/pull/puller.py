@@ -68,6 +68,7 @@ class Puller:
         self._planes = DataPlanes(source, settings, gbps=self._gbps)
 
     async def __aenter__(self) -> Self:
+        """Start the data planes (workers, clients) and the task group pulls run in."""
         await self._planes.__aenter__()
         self._tasks = asyncio.TaskGroup()
         await self._tasks.__aenter__()
@@ -79,6 +80,7 @@ class Puller:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        """Cancel every pull, wait for them, close the data planes."""
         assert self._tasks is not None
         for flight in list(self._flights.values()):
             flight.cancel()
@@ -100,9 +102,11 @@ class Puller:
         return self._planes.choose(name)
 
     def flights(self) -> list[Flight]:
+        """The pulls in flight now."""
         return list(self._flights.values())
 
     def flight_for(self, key: str) -> Flight | None:
+        """The flight pulling ``key``, if one is."""
         return self._flights.get(key)
 
     def join(

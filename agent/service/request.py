@@ -53,8 +53,10 @@ class EnsureRequest:
     client_name: str = ""
 
     def __post_init__(self) -> None:
-        # Checked and in canonical order however the request was built: the
-        # snapshot key is computed from them.
+        """Check the filters and put them in canonical order (the snapshot key is made of them).
+
+        Done however the request was built, so no caller can skip it.
+        """
         object.__setattr__(self, "include", check_globs(self.include, what="Include"))
         object.__setattr__(self, "exclude", check_globs(self.exclude, what="Exclude"))
 

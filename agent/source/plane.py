@@ -57,6 +57,7 @@ class ByteRange:
 
     @property
     def where(self) -> str:
+        """The range, as messages name it: path and byte span."""
         return f"{self.obj.relative_path} bytes {self.start}-{self.start + self.length - 1}"
 
 
@@ -70,10 +71,12 @@ class RangeCursor:
 
     @property
     def offset(self) -> int:
+        """The file offset the next byte of this range goes to."""
         return self.range.start + self.written
 
     @property
     def missing(self) -> int:
+        """Bytes of this range not written yet."""
         return self.range.length - self.written
 
 
@@ -81,10 +84,14 @@ class ProgressSink(Protocol):
     """Where a plane reports the bytes it wrote: the pull's progress (``Flight``)."""
 
     @property
-    def snapshot(self) -> Snapshot: ...
+    def snapshot(self) -> Snapshot:
+        """The snapshot being pulled."""
+        ...
 
     @property
-    def key(self) -> str: ...
+    def key(self) -> str:
+        """The snapshot's key."""
+        ...
 
     def add_bytes(self, obj: SourceObject, count: int) -> None:
         """``count`` bytes of ``obj`` arrived from the source and were written."""
@@ -95,7 +102,9 @@ class RangeSink(Protocol):
     """The files a plane writes into and journals ranges of (``StagingFiles``)."""
 
     @property
-    def chunk_size(self) -> int: ...
+    def chunk_size(self) -> int:
+        """Bytes per journal range."""
+        ...
 
     @property
     def bypass_page_cache(self) -> bool:
@@ -127,6 +136,8 @@ class RangeSink(Protocol):
 
 
 class DataPlane(Protocol):
+    """Moves a pull's bulk bytes: see the module docstring for what it must do."""
+
     name: str
 
     async def download(

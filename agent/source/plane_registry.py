@@ -86,6 +86,7 @@ class DataPlanes:
             self._missing["streamer"] = missing
 
     async def __aenter__(self) -> Self:
+        """Load what is wanted, refuse a configured plane that cannot run, start the default."""
         await self._load_streamer()
         configured = self._settings.data_plane
         if configured != "auto" and configured in self._missing:
@@ -110,6 +111,7 @@ class DataPlanes:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        """Close the threads plane's client and stop the worker processes."""
         threads = self._planes.get("threads")
         if isinstance(threads, ThreadsPlane):
             threads.close()

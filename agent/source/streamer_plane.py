@@ -179,12 +179,14 @@ class StreamerPlane:
         ranges: Sequence[ByteRange],
         tuning: Tuning,
     ) -> None:
+        """Stream every range through the Run:ai streamer; restart it while it makes
+        progress, else fetch what is left with the fallback plane."""
         pending = list(ranges)
         streamed: dict[str, SourceObject] = {}
         restarts = 0
         while pending:
             try:
-                await self._stream(flight, staging, pending, tuning, streamed)
+                await self._stream(flight, staging, pending, tuning, streamed=streamed)
                 break
             except _StreamFailed as exc:
                 left = [r for r in pending if not staging.is_done(r.obj.relative_path, r.start)]
@@ -218,6 +220,7 @@ class StreamerPlane:
         staging: RangeSink,
         ranges: list[ByteRange],
         tuning: Tuning,
+        *,
         streamed: dict[str, SourceObject],
     ) -> None:
         handoff = _Handoff(asyncio.get_running_loop())

@@ -95,6 +95,7 @@ class ThreadsPlane:
         ranges: Sequence[ByteRange],
         tuning: Tuning,
     ) -> None:
+        """Fetch every range on worker threads; the loop journals and reports."""
         if not ranges:
             return
         client = await asyncio.to_thread(self._s3)

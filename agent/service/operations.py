@@ -22,7 +22,7 @@ from agent.pull.flight import Flight, PullProgress, PullTimings
 from agent.pull.puller import Puller, ScopedSource
 from agent.pull.resolver import Resolver, Unchecked
 from agent.service import access
-from agent.service.access import Requester
+from agent.service.access import Requester, RequesterKeys
 from agent.service.request import EnsureRequest
 from agent.service.results import (
     AgentStatus,
@@ -129,7 +129,7 @@ class AgentService:
         """
         refuse_whole_bucket(request.uri, self._settings.access.whole_buckets)
         access.check_source(request.uri, request.requester)
-        scoped = _scoped_source(self._source, request.requester) is not None
+        scoped = _scoped_keys(self._source, request.requester) is not None
         if request.options is not None:
             self._puller.check(request.options, scoped=scoped)
         return scoped
@@ -404,12 +404,23 @@ def _capped_ttl(
     return requested if requester is None else requester.lease_ttl(requested, default)
 
 
+def _scoped_keys(source: ObjectSource, requester: Requester | None) -> RequesterKeys | None:
+    """The keys a pull this request starts signs with: the requester's, if it sent any.
+
+    None for no keys, or for a source check_snapshot already refused them for.
+    """
+    keys = requester.keys if requester is not None else None
+    if keys is None or not isinstance(source, access.CredentialScopedSource):
+        return None
+    return keys
+
+
 def _scoped_source(source: ObjectSource, requester: Requester | None) -> ScopedSource | None:
     """The source a pull this request starts goes through: the requester's keys, if it sent any.
 
     Not opened here: the puller opens it when the pull starts and closes it when it ends.
     """
-    keys = requester.keys if requester is not None else None
+    keys = _scoped_keys(source, requester)
     if keys is None or not isinstance(source, access.CredentialScopedSource):
-        return None  # no keys, or a source check_snapshot already refused them for
+        return None
     return source.with_credentials(keys.access_key_id, keys.secret_access_key, keys.session_token)

@@ -32,7 +32,7 @@ from agent.compile.domains import domain_specs
 from agent.compile.keys import CompileKeyParts
 from agent.edge.connection_limits import raise_descriptor_limit
 from agent.edge.lease_socket import LeaseServer
-from agent.edge.server import ApiServer, TenantSocket
+from agent.edge.server import ApiServer, ServerLimits, TenantSocket
 from agent.obs.logs import configure_logging
 from agent.obs.metrics import REGISTRY, StateCollector, StateReading, TierReading
 from agent.obs.metrics_server import serve_metrics
@@ -68,8 +68,6 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
     _check_access(settings)
     _check_paths_creatable(settings)
     node, tenants = access_rules.tenants_from_settings(settings)
-    # The daemon's own callers (manifests) are the node: its sources, its limits.
-    access_rules.bind_requester(access_rules.Requester(node))
     notifier = SystemdNotifier.from_environment()
     store = await _open_store(settings.tiers, notifier)
     api = _api_server(settings, node, tenants)
@@ -95,10 +93,10 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
         # Owned by serve(), closed before the puller: metrics endpoint, manifest watcher.
         contextlib.AsyncExitStack() as background,
     ):
-        service = AgentService(store, puller, source, leases, settings)
+        service = AgentService(store, puller, source, leases, settings=settings)
         await service.start()
         await background.enter_async_context(
-            _metrics_and_manifests(service, settings, compile_caches)
+            _metrics_and_manifests(service, settings, compile_caches, node=node)
         )
         async with api.serving(service, compile_caches):
             describe = functools.partial(_describe, store, puller, settings.socket_path)
@@ -190,11 +188,10 @@ def _check_access(settings: Settings) -> None:
     compile_uri = settings.compile_cache.uri
     if compile_uri and access.sources:
         node, _ = access_rules.tenants_from_settings(settings)
-        with access_rules.requester_bound(access_rules.Requester(node)):
-            try:
-                access_rules.check_source(compile_uri)
-            except PrewarmError as exc:
-                raise ConfigError(f"compile_cache.uri: {exc}") from exc
+        try:
+            access_rules.check_source(compile_uri, access_rules.Requester(node))
+        except PrewarmError as exc:
+            raise ConfigError(f"compile_cache.uri: {exc}") from exc
 
 
 def _check_paths_creatable(settings: Settings) -> None:
@@ -254,17 +251,16 @@ def _api_server(
 ) -> ApiServer:
     """The API socket for the node's own callers, and one socket per tenant."""
     return ApiServer(
-        settings.socket_path,
-        settings.socket_mode,
-        settings.socket_group,
-        settings.shutdown_grace_seconds,
-        node_tenant=node,
+        TenantSocket(settings.socket_path, settings.socket_mode, settings.socket_group, node),
+        ServerLimits(
+            settings.shutdown_grace_seconds,
+            max_request_bytes=int(settings.access.max_request_bytes),
+            max_connections=settings.access.max_connections_per_socket,
+        ),
         tenant_sockets=[
             TenantSocket(entry.path, entry.mode, entry.group, tenants[entry.name])
             for entry in settings.access.sockets
         ],
-        max_request_bytes=int(settings.access.max_request_bytes),
-        max_connections=settings.access.max_connections_per_socket,
         compile_cache_uri=settings.compile_cache.uri,
     )
 
@@ -285,9 +281,16 @@ def _count(number: int, noun: str) -> str:
 
 @contextlib.asynccontextmanager
 async def _metrics_and_manifests(
-    service: AgentService, settings: Settings, compile_caches: CompileCaches
+    service: AgentService,
+    settings: Settings,
+    compile_caches: CompileCaches,
+    *,
+    node: access_rules.Tenant,
 ) -> AsyncIterator[None]:
-    """The metrics endpoint (when metrics.port is set) and the prefetch manifests."""
+    """The metrics endpoint (when metrics.port is set) and the prefetch manifests.
+
+    The manifests' prefetches ask as ``node``: its sources, its limits.
+    """
     collector = StateCollector(lambda: _state_reading(service))
     REGISTRY.register(collector)
     try:
@@ -302,6 +305,7 @@ async def _metrics_and_manifests(
                     settings.manifests,
                     settings.tiers.disk_root / "prefetch-pins.json",
                     compile_cache=_manifest_compile_hook(compile_caches),
+                    requester=access_rules.Requester(node),
                 )
             )
             yield

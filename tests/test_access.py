@@ -21,7 +21,8 @@ from agent._exceptions import AccessDenied, NoSpace
 from agent._proto.prewarm.v1 import prewarm_pb2 as pb
 from agent._proto.prewarm.v1 import prewarm_pb2_grpc as pb_grpc
 from agent.client import Client
-from agent.service.access import LimitExceeded, PullGate, Tenant
+from agent.pull.snapshot_limits import LimitExceeded
+from agent.service.access import PullGate, Tenant
 from agent.testing import AgentStartupError, InProcessAgent, S3Server, SampleModel
 from agent.testing._process import purge_tree
 

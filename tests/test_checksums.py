@@ -12,9 +12,12 @@ from agent_helpers import AgentFactory, tree_digest
 
 from agent import IntegrityError
 from agent._config import S3Settings, Settings
+from agent._uri import parse_uri
 from agent.client import Client
 from agent.pull.puller import Puller
-from agent.service.operations import AgentService, EnsureResult
+from agent.service.operations import AgentService
+from agent.service.request import EnsureRequest
+from agent.service.results import EnsureResult
 from agent.source.checksums import S3Checksum
 from agent.store.catalog import Store
 from agent.store.leases import LeaseTable
@@ -44,7 +47,7 @@ def test_objects_with_s3_checksums_are_checked_and_published(
 
 
 async def _drain(service: AgentService) -> None:
-    async for event in service.ensure("s3://models/m", tier=None):
+    async for event in service.ensure(EnsureRequest(uri=parse_uri("s3://models/m"))):
         assert not isinstance(event, EnsureResult)
 
 
@@ -63,7 +66,7 @@ async def test_a_checksum_mismatch_is_refused_and_nothing_is_published(tmp_path:
         }
     )
     async with Puller(store, memory, S3Settings()) as puller:
-        service = AgentService(store, puller, memory, LeaseTable(60, 3600), settings)
+        service = AgentService(store, puller, memory, LeaseTable(60, 3600), settings=settings)
         with pytest.raises(IntegrityError) as info:
             await _drain(service)
     assert info.value.check == "s3-sha256"

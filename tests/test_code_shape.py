@@ -22,19 +22,6 @@ TESTS = ROOT / "tests"
 GENERATED = AGENT / "_proto"
 MAX_FUNCTION_LINES = 80
 
-# issue 17: removed at merge. Known offenders in packages reworked in parallel: the
-# service's ensure (split into check, hit and pull around one EnsureRequest) and the
-# CLI's exec (compile19). Delete each entry as its branch lands; the staleness test
-# below fails once an entry no longer names an offender.
-LONG_FUNCTIONS_BEING_SPLIT = frozenset(
-    {
-        "agent/service/operations.py::AgentService.ensure",
-    }
-)
-# issue 17: removed at merge. The client's cycle (_compile imports _sync inside a
-# function), broken by the client rework. Delete it as that branch lands.
-CYCLES_BEING_BROKEN = frozenset({})
-
 
 @dataclass(frozen=True, slots=True)
 class Function:
@@ -86,7 +73,7 @@ def _long_functions() -> list[Function]:
 
 def test_no_function_in_agent_is_over_80_lines() -> None:
     """No function or method in agent/ spans more than 80 lines; each offender is named."""
-    offenders = [f for f in _long_functions() if f.name not in LONG_FUNCTIONS_BEING_SPLIT]
+    offenders = list(_long_functions())
     assert not offenders, "functions over 80 lines (split them by step):\n" + "\n".join(
         f"  {f.path}:{f.line} {f.qualname}: {f.lines} lines" for f in offenders
     )
@@ -109,13 +96,6 @@ def test_a_function_spans_its_def_line_to_its_last_line_and_is_named_by_class(
     )
     found = {(f.qualname, f.line, f.lines) for f in _functions(source, tmp_path)}
     assert found == {("A.f", 3, 5), ("A.f.inner", 4, 2)}
-
-
-def test_the_long_function_allowance_names_only_offenders() -> None:
-    """Each allowed long function still exists and is still long: a fixed one leaves the list."""
-    long = {f.name for f in _long_functions()}
-    stale = sorted(LONG_FUNCTIONS_BEING_SPLIT - long)
-    assert not stale, f"no longer over 80 lines; delete from LONG_FUNCTIONS_BEING_SPLIT: {stale}"
 
 
 # -- imports -------------------------------------------------------------------------
@@ -235,19 +215,8 @@ def _shortest_path_back(graph: Mapping[str, Set[str]], start: str, group: Set[st
 
 def test_agent_has_no_import_cycle() -> None:
     """No module of agent/ imports itself back through others; each cycle is named."""
-    cycles = [
-        cycle
-        for cycle in import_cycles(import_graph(AGENT))
-        if frozenset(cycle) not in CYCLES_BEING_BROKEN
-    ]
+    cycles = import_cycles(import_graph(AGENT))
     assert not cycles, "import cycles:\n" + "\n".join("  " + " -> ".join(c) for c in cycles)
-
-
-def test_the_cycle_allowance_names_only_cycles() -> None:
-    """Each allowed cycle is still there: a broken one leaves CYCLES_BEING_BROKEN."""
-    found = {frozenset(cycle) for cycle in import_cycles(import_graph(AGENT))}
-    stale = [sorted(cycle) for cycle in CYCLES_BEING_BROKEN - found]
-    assert not stale, f"no longer a cycle; delete from CYCLES_BEING_BROKEN: {stale}"
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from agent_helpers import AgentFactory, object_gets, tree_digest
 import agent
 from agent import InvalidRequest
 from agent.client import Client
-from agent.source.plane import AUTO_DATA_PLANE
+from agent.source.plane_registry import AUTO_DATA_PLANE
 from agent.source.streamer_plane import streamer_unavailable
 from agent.source.sync_s3 import THREADS_USER_AGENT
 from agent.testing import AgentProcess, AgentStartupError, RecordedRequest, S3Server, SampleModel

@@ -20,9 +20,12 @@ import pytest
 
 from agent import SourceUnavailable
 from agent._config import Settings
+from agent._uri import parse_uri
 from agent._vocabulary import DataPlaneName, PullOptions
 from agent.pull.puller import Puller
-from agent.service.operations import AgentService, EnsureResult
+from agent.service.operations import AgentService
+from agent.service.request import EnsureRequest
+from agent.service.results import EnsureResult
 from agent.source.range_worker import USER_AGENT as PROCESSES_USER_AGENT
 from agent.source.s3 import S3Source
 from agent.source.streamer_plane import streamer_unavailable
@@ -76,7 +79,9 @@ class Agent:
         self, uri: str, options: PullOptions | None = None, include: tuple[str, ...] = ()
     ) -> EnsureResult:
         result = None
-        async for event in self.service.ensure(uri, tier=None, include=include, options=options):
+        async for event in self.service.ensure(
+            EnsureRequest(uri=parse_uri(uri), include=include, options=options)
+        ):
             if isinstance(event, EnsureResult):
                 result = event
         assert result is not None
@@ -111,7 +116,7 @@ async def running_agent(
         S3Source(settings.s3) as source,
         Puller(store, source, settings.s3, settings.integrity) as puller,
     ):
-        service = AgentService(store, puller, source, LeaseTable(60, 3600), settings)
+        service = AgentService(store, puller, source, LeaseTable(60, 3600), settings=settings)
         yield Agent(service, puller, store)
 
 

@@ -21,7 +21,7 @@ from agent._proto.prewarm.v1 import prewarm_pb2 as pb
 from agent._proto.prewarm.v1 import prewarm_pb2_grpc as pb_grpc
 from agent.client import Client, Progress
 from agent.client._exceptions import error_for_code
-from agent.edge.server import ApiServer
+from agent.edge.server import ApiServer, ServerLimits, TenantSocket
 from agent.edge.status import status_code_for
 from agent.testing import AgentProcess, S3Server, make_safetensors_model, upload_model
 
@@ -273,11 +273,13 @@ def test_api_socket_refuses_what_the_lease_socket_refuses(tmp_path: Path) -> Non
         listener.bind(str(live))
         listener.listen()
         with pytest.raises(Conflict, match="already serving the API"):
-            ApiServer(live, 0o660, "", 1.0).claim()
+            ApiServer(TenantSocket(live, 0o660, "", None), ServerLimits(1.0)).claim()
     regular = tmp_path / "file.sock"
     regular.write_text("not a socket")
     with pytest.raises(Conflict, match="is not a socket"):
-        ApiServer(regular, 0o660, "", 1.0).claim()
+        ApiServer(TenantSocket(regular, 0o660, "", None), ServerLimits(1.0)).claim()
     assert regular.read_text() == "not a socket"
     with pytest.raises(ConfigError, match="does not exist"):
-        ApiServer(tmp_path / "api.sock", 0o660, "no-such-group-xyz", 1.0).claim()
+        ApiServer(
+            TenantSocket(tmp_path / "api.sock", 0o660, "no-such-group-xyz", None), ServerLimits(1.0)
+        ).claim()

@@ -318,9 +318,8 @@ def test_example_pods_ask_for_models_the_daemonsets_sources_allow(
     uris = set(re.findall(r"s3://[a-z0-9.-]+/[^\s'\"]*", text))
     assert uris
     node, _ = access.tenants_from_settings(daemonset_settings(tmp_path))
-    with access.requester_bound(access.Requester(node)):
-        for uri in uris:
-            access.check_source(parse_uri(uri))
+    for uri in uris:
+        access.check_source(parse_uri(uri), access.Requester(node))
 
 
 def test_the_vllm_pod_launches_through_prewarm_exec_and_waits_for_the_agent() -> None:

@@ -16,8 +16,11 @@ import pytest
 
 from agent import NoSpace
 from agent._config import S3Settings, Settings
+from agent._uri import parse_uri
 from agent.pull.puller import Puller
-from agent.service.operations import AgentService, EnsureResult
+from agent.service.operations import AgentService
+from agent.service.request import EnsureRequest, LeaseAsk
+from agent.service.results import EnsureResult
 from agent.store.catalog import Store
 from agent.store.leases import LeaseTable
 from agent.store.records import TierBudget
@@ -49,7 +52,7 @@ async def _service(
             },
         }
     )
-    return AgentService(store, puller, source, LeaseTable(60, 3600), settings)
+    return AgentService(store, puller, source, LeaseTable(60, 3600), settings=settings)
 
 
 async def _lease_once(service: AgentService, rng: random.Random, name: str) -> tuple[int, int]:
@@ -57,7 +60,9 @@ async def _lease_once(service: AgentService, rng: random.Random, name: str) -> t
     uri = f"s3://models/m{rng.randrange(MODELS)}/"
     result: EnsureResult | None = None
     try:
-        async for event in service.ensure(uri, tier="shm", lease=True, client_name=name):
+        async for event in service.ensure(
+            EnsureRequest(uri=parse_uri(uri), tier="shm", lease=LeaseAsk(), client_name=name)
+        ):
             if isinstance(event, EnsureResult):
                 result = event
     except NoSpace:

@@ -17,10 +17,13 @@ from store_helpers import open_store
 
 from agent._config import AccessLimits, Settings
 from agent._exceptions import AccessDenied
+from agent._uri import parse_uri
 from agent.client import Client
 from agent.pull.puller import Puller
 from agent.service import access
-from agent.service.operations import AgentService, EnsureResult
+from agent.service.operations import AgentService
+from agent.service.request import EnsureRequest, LeaseAsk
+from agent.service.results import EnsureResult
 from agent.store.leases import LeaseTable
 from agent.testing import MemorySource, SampleModel
 from agent.testing._process import purge_tree
@@ -70,25 +73,26 @@ async def test_a_lease_records_its_tenant_and_other_tenants_do_not_see_it(tmp_pa
     )
     store = await open_store(tmp_path)
     async with Puller(store, source, settings.s3) as puller:
-        service = AgentService(store, puller, source, LeaseTable(60, 600), settings)
+        service = AgentService(store, puller, source, LeaseTable(60, 600), settings=settings)
         team_a, team_b = _tenant("team-a"), _tenant("team-b")
-        with access.requester_bound(access.Requester(team_a)):
-            events = [e async for e in service.ensure("s3://models/m/", tier="shm", lease=True)]
+        as_a, as_b = access.Requester(team_a), access.Requester(team_b)
+        request = EnsureRequest(
+            uri=parse_uri("s3://models/m/"), tier="shm", lease=LeaseAsk(), requester=as_a
+        )
+        events = [e async for e in service.ensure(request)]
         result = events[-1]
         assert isinstance(result, EnsureResult)
         assert result.lease is not None
         assert result.lease.grantee == "team-a"
         key = result.model.key
-        with access.requester_bound(access.Requester(team_b)):
-            assert service.leases_for(key) == []
-            with pytest.raises(AccessDenied):
-                service.release_lease(result.lease.id)
-        with access.requester_bound(access.Requester(_tenant(access.NODE_TENANT))):
-            assert [lease.id for lease in service.leases_for(key)] == [result.lease.id]
-        with access.requester_bound(access.Requester(team_a)):
-            assert len(service.leases_for(key)) == 1
-            service.release_lease(result.lease.id)
-            assert service.leases_for(key) == []
+        assert service.leases_for(key, as_b) == []
+        with pytest.raises(AccessDenied):
+            service.release_lease(result.lease.id, as_b)
+        as_node = access.Requester(_tenant(access.NODE_TENANT))
+        assert [lease.id for lease in service.leases_for(key, as_node)] == [result.lease.id]
+        assert len(service.leases_for(key, as_a)) == 1
+        service.release_lease(result.lease.id, as_a)
+        assert service.leases_for(key, as_a) == []
 
 
 def test_a_lease_from_a_tenant_socket_is_not_renewed_or_released_from_another(

@@ -8,7 +8,7 @@ the files and bytes that pass the filters are counted as each page arrives.
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -18,10 +18,13 @@ from agent_helpers import AgentFactory, object_gets
 
 from agent._config import S3Settings, Settings
 from agent._exceptions import NoSpace
+from agent._uri import parse_uri
 from agent.client import Client
 from agent.pull.puller import Puller
 from agent.service import access
-from agent.service.operations import AgentService, EnsureResult
+from agent.service.operations import AgentService
+from agent.service.request import EnsureRequest
+from agent.service.results import EnsureResult
 from agent.store.catalog import Store
 from agent.store.leases import LeaseTable
 from agent.testing import MemorySource, S3Server
@@ -29,11 +32,14 @@ from agent.testing import MemorySource, S3Server
 PAGE = 1000
 
 
+Ensure = Callable[..., Awaitable[EnsureResult]]
+
+
 @asynccontextmanager
 async def limited_service(
     tmp_path: Path, source: MemorySource, limits: dict[str, int]
-) -> AsyncIterator[AgentService]:
-    """The agent's operations over ``source``, with the node's [access.limits] bound."""
+) -> AsyncIterator[Ensure]:
+    """Ensure over ``source`` as the node, whose [access.limits] are ``limits``."""
     settings = Settings.model_validate(
         {
             "socket_path": tmp_path / "agent.sock",
@@ -45,14 +51,17 @@ async def limited_service(
     store = Store({"shm": tmp_path / "shm", "disk": tmp_path / "disk"})
     await store.open()
     async with Puller(store, source, S3Settings()) as puller:
-        with access.requester_bound(access.Requester(node)):
-            yield AgentService(store, puller, source, LeaseTable(60, 3600), settings)
+        service = AgentService(store, puller, source, LeaseTable(60, 3600), settings=settings)
 
+        async def ensure(uri: str, include: tuple[str, ...] = ()) -> EnsureResult:
+            request = EnsureRequest(
+                uri=parse_uri(uri), include=include, requester=access.Requester(node)
+            )
+            results = [event async for event in service.ensure(request)]
+            assert isinstance(results[-1], EnsureResult)
+            return results[-1]
 
-async def _ensure(service: AgentService, uri: str, **kwargs: Any) -> EnsureResult:
-    results = [event async for event in service.ensure(uri, tier=None, **kwargs)]
-    assert isinstance(results[-1], EnsureResult)
-    return results[-1]
+        yield ensure
 
 
 def _many_objects(count: int, size: int = 16) -> MemorySource:
@@ -65,9 +74,9 @@ def _many_objects(count: int, size: int = 16) -> MemorySource:
 async def test_a_listing_over_max_files_stops_at_the_first_page(tmp_path: Path) -> None:
     """20,000 objects under max_files = 10: one page listed, RESOURCE_EXHAUSTED naming the limit."""
     source = _many_objects(20 * PAGE)
-    async with limited_service(tmp_path, source, {"max_files": 10}) as service:
+    async with limited_service(tmp_path, source, {"max_files": 10}) as ensure:
         with pytest.raises(NoSpace, match=r"more than 10 files; max_files of \[access.limits\]"):
-            await _ensure(service, "s3://models/big/")
+            await ensure("s3://models/big/")
     assert source.listing_pages == 1
     assert source.reads == []
 
@@ -77,17 +86,17 @@ async def test_a_listing_over_max_bytes_stops_at_the_first_page_that_passes_it(
 ) -> None:
     """3,000 objects of 1 KiB under max_bytes = 100 KiB: one page, refused naming max_bytes."""
     source = _many_objects(3 * PAGE, size=1024)
-    async with limited_service(tmp_path, source, {"max_bytes": 100 * 1024}) as service:
+    async with limited_service(tmp_path, source, {"max_bytes": 100 * 1024}) as ensure:
         with pytest.raises(NoSpace, match="more than 102400 bytes; max_bytes"):
-            await _ensure(service, "s3://models/big/")
+            await ensure("s3://models/big/")
     assert source.listing_pages == 1
 
 
 async def test_files_the_filters_drop_do_not_count_against_max_files(tmp_path: Path) -> None:
     """Only what passes include/exclude counts: 3,000 objects, 5 included, max_files = 10 serves."""
     source = _many_objects(3 * PAGE)
-    async with limited_service(tmp_path, source, {"max_files": 10}) as service:
-        result = await _ensure(service, "s3://models/big/", include=["shard-0000[0-4].bin"])
+    async with limited_service(tmp_path, source, {"max_files": 10}) as ensure:
+        result = await ensure("s3://models/big/", include=("shard-0000[0-4].bin",))
     assert len(result.model.files) == 5
     assert source.listing_pages == 3
 

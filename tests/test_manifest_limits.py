@@ -81,7 +81,7 @@ async def service(tmp_path: Path) -> AsyncIterator[AgentService]:
     store = Store({"shm": tmp_path / "shm", "disk": tmp_path / "disk"})
     await store.open()
     async with Puller(store, source, S3Settings()) as puller:
-        yield AgentService(store, puller, source, LeaseTable(60, 3600), settings)
+        yield AgentService(store, puller, source, LeaseTable(60, 3600), settings=settings)
 
 
 async def test_the_watcher_logs_the_refusal_with_the_file_name_and_reads_the_rest(

@@ -13,12 +13,14 @@ import pytest
 from agent_helpers import AgentFactory, when_logged
 
 from agent._config import ManifestSettings, S3Settings, Settings
+from agent._uri import parse_uri
 from agent.client import Client
 from agent.prefetch.manifests import CompileCacheHook, ManifestWatcher
 from agent.prefetch.pins import load_pins, save_pins
 from agent.prefetch.schema import CompileSpec, ManifestError, read_manifest
 from agent.pull.puller import Puller
 from agent.service.operations import AgentService
+from agent.service.request import EnsureRequest
 from agent.store.catalog import Store
 from agent.store.leases import LeaseTable
 from agent.testing import MemorySource, SampleModel
@@ -109,7 +111,7 @@ async def service(tmp_path: Path) -> AsyncIterator[AgentService]:
     store = Store({"shm": tmp_path / "shm", "disk": tmp_path / "disk"})
     await store.open()
     async with Puller(store, source, S3Settings()) as puller:
-        yield AgentService(store, puller, source, LeaseTable(60, 3600), settings)
+        yield AgentService(store, puller, source, LeaseTable(60, 3600), settings=settings)
 
 
 def watcher(
@@ -307,7 +309,7 @@ async def test_a_pin_made_by_hand_survives_the_manifest_going_away(
     service: AgentService, manifest_dir: Path, agent_log: LogWatch
 ) -> None:
     """A manifest never undoes a pin it did not make."""
-    async for _ in service.ensure(MODEL_URI, tier=None):
+    async for _ in service.ensure(EnsureRequest(uri=parse_uri(MODEL_URI))):
         pass
     await service.pin(MODEL_URI, True)
     manifest = manifest_dir / "llama.toml"

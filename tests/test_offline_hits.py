@@ -22,7 +22,9 @@ from agent._exceptions import NotFound, SourceUnavailable
 from agent._uri import parse_uri
 from agent.client import Client
 from agent.pull.puller import Puller
-from agent.service.operations import AgentService, EnsureResult
+from agent.service.operations import AgentService
+from agent.service.request import EnsureRequest
+from agent.service.results import EnsureResult
 from agent.source.interface import ObjectSource
 from agent.source.s3 import S3Source, SourceUnreachable
 from agent.store.catalog import Store
@@ -59,13 +61,16 @@ def service_over(tmp_path: Path) -> ServiceFactory:
         store = Store({"shm": tmp_path / "shm", "disk": tmp_path / "disk"})
         await store.open()
         async with Puller(store, source, S3Settings()) as puller:
-            yield AgentService(store, puller, source, LeaseTable(60, 3600), config)
+            yield AgentService(store, puller, source, LeaseTable(60, 3600), settings=config)
 
     return build
 
 
-async def _ensure(service: AgentService, uri: str, **kwargs: Any) -> EnsureResult:
-    results = [e async for e in service.ensure(uri, tier=None, **kwargs)]
+async def _ensure(
+    service: AgentService, uri: str, include: tuple[str, ...] = (), *, cached_only: bool = False
+) -> EnsureResult:
+    request = EnsureRequest(uri=parse_uri(uri), include=include, cached_only=cached_only)
+    results = [e async for e in service.ensure(request)]
     result = results[-1]
     assert isinstance(result, EnsureResult)
     return result
@@ -196,7 +201,7 @@ async def test_cached_only_of_an_uncached_model_is_not_found_naming_the_fix(
     async with service_over(source) as service:
         await _ensure(service, "s3://models/m/")
         with pytest.raises(NotFound, match="cached_only") as caught:
-            await _ensure(service, "s3://models/m/", include=["*.json"], cached_only=True)
+            await _ensure(service, "s3://models/m/", include=("*.json",), cached_only=True)
     assert "include ['*.json']" in str(caught.value)
     assert "--cached-only" in str(caught.value)
 

@@ -26,7 +26,8 @@ from agent._uri import parse_uri
 from agent._vocabulary import PullOptions, TierName
 from agent.pull.puller import Puller
 from agent.pull.resolver import resolve
-from agent.service.operations import EnsureResult
+from agent.service.request import EnsureRequest
+from agent.service.results import EnsureResult
 from agent.source.process_plane import ProcessPlane, WorkerPool, processes_unavailable
 from agent.source.s3 import S3Source
 from agent.store.catalog import Store
@@ -72,7 +73,7 @@ async def test_processes_plane_fills_either_tier_byte_for_byte(
     async with running_agent(tmp_path, s3_server, s3_server.endpoint_url) as agent:
         result = None
         async for event in agent.service.ensure(
-            small_model.uri, tier=tier, include=(), options=PROCESSES
+            EnsureRequest(uri=parse_uri(small_model.uri), tier=tier, options=PROCESSES)
         ):
             if isinstance(event, EnsureResult):
                 result = event

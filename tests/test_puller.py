@@ -16,7 +16,9 @@ from agent._uri import parse_uri
 from agent.pull.flight import PullProgress
 from agent.pull.puller import Puller
 from agent.pull.resolver import resolve
-from agent.service.operations import AgentService, EnsureResult
+from agent.service.operations import AgentService
+from agent.service.request import EnsureRequest
+from agent.service.results import EnsureResult
 from agent.store.catalog import Store
 from agent.store.leases import LeaseTable
 from agent.testing import MemorySource
@@ -32,7 +34,7 @@ def _settings(**overrides: object) -> S3Settings:
 
 async def _ensure(service: AgentService, uri: str) -> EnsureResult:
     result = None
-    async for event in service.ensure(uri, tier=None):
+    async for event in service.ensure(EnsureRequest(uri=parse_uri(uri))):
         if isinstance(event, EnsureResult):
             result = event
     assert result is not None
@@ -47,7 +49,7 @@ def _service(tmp_path: Path, source: MemorySource, puller: Puller, store: Store)
             "tiers": {"shm_root": tmp_path / "shm", "disk_root": tmp_path / "disk"},
         }
     )
-    return AgentService(store, puller, source, LeaseTable(60, 3600), settings)
+    return AgentService(store, puller, source, LeaseTable(60, 3600), settings=settings)
 
 
 @pytest.fixture
@@ -131,7 +133,7 @@ async def test_a_watcher_leaving_does_not_cancel_the_pull(
         moving = asyncio.Event()
 
         async def leave_after_first_bytes() -> None:
-            async for event in service.ensure("s3://models/m", tier=None):
+            async for event in service.ensure(EnsureRequest(uri=parse_uri("s3://models/m"))):
                 if isinstance(event, PullProgress) and event.bytes_done:
                     moving.set()
 

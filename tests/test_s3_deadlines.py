@@ -28,6 +28,7 @@ from agent._uri import parse_uri
 from agent._vocabulary import DataPlaneName, PullOptions
 from agent.pull.puller import Puller
 from agent.service.operations import AgentService
+from agent.service.request import EnsureRequest
 from agent.source.s3 import S3Source, SourceSilent
 from agent.store.catalog import Store
 from agent.store.leases import LeaseTable
@@ -176,11 +177,11 @@ async def test_a_data_plane_get_that_gets_no_answer_fails_within_the_bound(
         S3Source(settings.s3) as source,
         Puller(store, source, settings.s3, settings.integrity) as puller,
     ):
-        service = AgentService(store, puller, source, LeaseTable(60, 3600), settings)
+        service = AgentService(store, puller, source, LeaseTable(60, 3600), settings=settings)
         started = time.monotonic()
         with pytest.raises(SourceUnavailable) as caught:
             async for _ in service.ensure(
-                small_model.uri, tier=None, options=PullOptions(data_plane=plane)
+                EnsureRequest(uri=parse_uri(small_model.uri), options=PullOptions(data_plane=plane))
             ):
                 pass
         waited = time.monotonic() - started

@@ -26,13 +26,14 @@ from agent._uri import parse_uri
 from agent._vocabulary import PullOptions, TierName
 from agent.pull.puller import Puller
 from agent.pull.resolver import resolve
-from agent.pull.tuning import THREADS_PER_STREAM, tune
-from agent.service.operations import EnsureResult
+from agent.service.request import EnsureRequest
+from agent.service.results import EnsureResult
 from agent.source.interface import RangeReadError
 from agent.source.pacing import read_step
 from agent.source.s3 import S3Source, SourceUnreachable
 from agent.source.sync_s3 import translate
 from agent.source.threads_plane import ThreadsPlane
+from agent.source.tuning import THREADS_PER_STREAM, tune
 from agent.store.catalog import Store
 from agent.testing import Fault, FaultProxy, S3Server, SampleModel
 
@@ -55,7 +56,7 @@ async def test_threads_plane_fills_either_tier_byte_for_byte(
     async with running_agent(tmp_path, s3_server, s3_server.endpoint_url) as agent:
         result = None
         async for event in agent.service.ensure(
-            small_model.uri, tier=tier, include=(), options=THREADS
+            EnsureRequest(uri=parse_uri(small_model.uri), tier=tier, options=THREADS)
         ):
             if isinstance(event, EnsureResult):
                 result = event

@@ -15,8 +15,16 @@ from agent._vocabulary import PullOptions
 from agent._wire import pull_options_from_proto, pull_options_to_proto
 from agent.client import EnsureOptions
 from agent.client._messages import ensure_request
-from agent.pull.tuning import GETS_PER_STREAM, auto_concurrency, node_gbps, tune, worker_processes
-from agent.source.transfer import STREAMER_MIN_BLOCK, concurrency_ceiling, streamer_environment
+from agent.source.tuning import (
+    GETS_PER_STREAM,
+    STREAMER_MIN_BLOCK,
+    auto_concurrency,
+    concurrency_ceiling,
+    node_gbps,
+    streamer_environment,
+    tune,
+    worker_processes,
+)
 
 MiB = 1024**2
 GB = 10**9

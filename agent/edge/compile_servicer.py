@@ -27,7 +27,7 @@ from agent.compile.cache import (
 )
 from agent.compile.verdict import Verdict
 from agent.edge.status import abort
-from agent.service import access
+from agent.service.access import NODE_TENANT, Tenant
 
 __all__ = ["CompileCacheApi"]
 
@@ -39,12 +39,11 @@ _LOCK_STATE = {
 }
 
 
-def compile_scope() -> Scope:
-    """The compile scope of the request being served: its tenant's domain, or the node's."""
-    bound = access.current_requester()
-    if bound is None or bound.tenant.name == access.NODE_TENANT:
+def compile_scope(tenant: Tenant | None) -> Scope:
+    """The compile scope of a socket's requests: its tenant's domain, or the node's."""
+    if tenant is None or tenant.name == NODE_TENANT:
         return NODE_SCOPE
-    return Scope(bound.tenant.compile_domain or bound.tenant.name)
+    return Scope(tenant.compile_domain or tenant.name)
 
 
 def _info(info: CompileCacheInfo) -> pb.CompileCacheInfo:
@@ -109,6 +108,7 @@ class CompileCacheApi:
     """EnsureCompileCache, List/Evict/Push/PullCompileCache, CompileLock and CompileReady."""
 
     _compile_caches: CompileCaches | None
+    _tenant: Tenant | None
 
     def _caches(self) -> CompileCaches:
         if self._compile_caches is None:
@@ -120,10 +120,11 @@ class CompileCacheApi:
         request: pb.EnsureCompileCacheRequest,
         context: grpc.aio.ServicerContext[pb.EnsureCompileCacheRequest, pb.CompileCacheHandle],
     ) -> pb.CompileCacheHandle:
+        """The compile cache for the request's parts in the caller's scope, restored if asked."""
         try:
             ensured = await self._caches().ensure(
                 parts_from_proto(request.parts),
-                scope=compile_scope(),
+                scope=compile_scope(self._tenant),
                 skip_restore=request.skip_restore,
                 client_name=request.client_name,
                 publish_on_ready=request.publish_on_ready,
@@ -137,9 +138,10 @@ class CompileCacheApi:
         request: pb.CompileReadyRequest,
         context: grpc.aio.ServicerContext[pb.CompileReadyRequest, pb.CompileReadyResponse],
     ) -> pb.CompileReadyResponse:
+        """A compile finished: record its verdict and, if uploads are on, push the cache."""
         try:
             ready = await self._caches().ready(
-                request.key, request.client_name, scope=compile_scope()
+                request.key, request.client_name, scope=compile_scope(self._tenant)
             )
         except PrewarmError as exc:
             await abort(context, exc)
@@ -159,8 +161,9 @@ class CompileCacheApi:
             pb.ListCompileCachesRequest, pb.ListCompileCachesResponse
         ],
     ) -> pb.ListCompileCachesResponse:
+        """The compile caches of the caller's scope."""
         try:
-            caches = await self._caches().caches(compile_scope())
+            caches = await self._caches().caches(compile_scope(self._tenant))
         except PrewarmError as exc:
             await abort(context, exc)
         return pb.ListCompileCachesResponse(caches=[_info(c) for c in caches])
@@ -172,8 +175,9 @@ class CompileCacheApi:
             pb.EvictCompileCacheRequest, pb.EvictCompileCacheResponse
         ],
     ) -> pb.EvictCompileCacheResponse:
+        """Evict a compile cache of the caller's scope (node socket only)."""
         try:
-            evicted = await self._caches().evict(request.key, compile_scope())
+            evicted = await self._caches().evict(request.key, compile_scope(self._tenant))
         except PrewarmError as exc:
             await abort(context, exc)
         return pb.EvictCompileCacheResponse(
@@ -185,8 +189,9 @@ class CompileCacheApi:
         request: pb.PushCompileCacheRequest,
         context: grpc.aio.ServicerContext[pb.PushCompileCacheRequest, pb.PushCompileCacheResponse],
     ) -> pb.PushCompileCacheResponse:
+        """Upload a compile cache of the caller's scope to S3."""
         try:
-            outcome = await self._caches().push(request.key, compile_scope())
+            outcome = await self._caches().push(request.key, compile_scope(self._tenant))
         except PrewarmError as exc:
             await abort(context, exc)
         return _push(outcome)
@@ -196,8 +201,9 @@ class CompileCacheApi:
         request: pb.PullCompileCacheRequest,
         context: grpc.aio.ServicerContext[pb.PullCompileCacheRequest, pb.CompileCacheHandle],
     ) -> pb.CompileCacheHandle:
+        """Restore a compile cache of the caller's scope from S3."""
         try:
-            ensured = await self._caches().pull(request.key, compile_scope())
+            ensured = await self._caches().pull(request.key, compile_scope(self._tenant))
         except PrewarmError as exc:
             await abort(context, exc)
         return _handle(ensured)
@@ -207,12 +213,15 @@ class CompileCacheApi:
         request: pb.CompileLockRequest,
         context: grpc.aio.ServicerContext[pb.CompileLockRequest, pb.CompileLockEvent],
     ) -> AsyncIterator[pb.CompileLockEvent]:
+        """Hold the node lock on a compile key: waiting, then granted, until the call ends."""
         name = request.client_name or "anonymous"
         try:
             # aclosing: the lock passes on the moment this call ends, even when
             # gRPC cancels it because the pod went away.
             async with contextlib.aclosing(
-                self._caches().hold_lock(parts_from_proto(request.parts), name, compile_scope())
+                self._caches().hold_lock(
+                    parts_from_proto(request.parts), name, compile_scope(self._tenant)
+                )
             ) as events:
                 async for event in events:
                     if event.state == "granted":

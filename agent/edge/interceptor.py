@@ -92,6 +92,7 @@ class RequestObserver(grpc.aio.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> Handler | None:
+        """The method's handler, wrapped to admit, count and label each call."""
         handler = await continuation(handler_call_details)
         full_name: str = handler_call_details.method
         if handler is None:

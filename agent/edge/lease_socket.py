@@ -101,10 +101,12 @@ class LeaseServer:
 
     @property
     def path(self) -> Path:
+        """Where the lease socket listens."""
         return self._path
 
     @property
     def table(self) -> LeaseTable:
+        """The lease table whose leases are held on this socket."""
         return self._table
 
     def connection_count(self) -> int:
@@ -112,6 +114,7 @@ class LeaseServer:
         return len(self._handlers)
 
     async def __aenter__(self) -> Self:
+        """Bind the socket (owner-only, then its mode and group) and start serving."""
         gid = socket_group_id(self._group)
         clear_stale_socket(self._path, "leases")
         self._directory = SocketDirectory(self._path)
@@ -138,6 +141,7 @@ class LeaseServer:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        """Stop serving, close held connections and remove the socket."""
         self._closing = True
         try:
             if self._server is not None:

@@ -33,7 +33,7 @@ from agent.edge.unix_socket import (
 from agent.service.access import Tenant
 from agent.service.operations import AgentService
 
-__all__ = ["SERVICE_NAME", "ApiServer", "TenantSocket"]
+__all__ = ["SERVICE_NAME", "ApiServer", "ServerLimits", "TenantSocket"]
 
 log = logging.getLogger("agent.daemon")
 
@@ -51,49 +51,50 @@ class TenantSocket:
     tenant: Tenant | None
 
 
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """What every socket's server allows: the grace period, request size, open connections."""
+
+    # How long calls in progress may take to end once the server stops.
+    grace_seconds: float
+    max_request_bytes: int = 4 * 1024**2
+    # Per socket (see agent.edge.connection_limits).
+    max_connections: int = 256
+
+
 class ApiServer:
     """The Prewarm service, health and reflection on the API socket and each tenant's socket.
 
-    ``mode`` and ``group`` (a group name; empty keeps the daemon's) secure the
-    API socket file; ``grace_seconds`` is how long calls in progress may take to
-    end once the server stops; each socket keeps at most ``max_connections``
-    open (see agent.edge.connection_limits). ``node_tenant`` binds the node's access rules to
-    the API socket's requests; each of ``tenant_sockets`` gets a server of its
-    own, so every request's tenant is the socket it arrived on.
+    ``api`` is the API socket (its mode and group secure the file; a group of
+    "" keeps the daemon's); its tenant, the node's, is the requester of every
+    request that comes in on it. Each of ``tenant_sockets`` gets a server of
+    its own, so every request's tenant is the socket it arrived on.
+    ``limits`` hold for every socket.
     """
 
     def __init__(
         self,
-        socket_path: Path,
-        mode: int,
-        group: str,
-        grace_seconds: float,
+        api: TenantSocket,
+        limits: ServerLimits,
         *,
-        node_tenant: Tenant | None = None,
         tenant_sockets: Sequence[TenantSocket] = (),
-        max_request_bytes: int = 4 * 1024**2,
-        max_connections: int = 256,
         compile_cache_uri: str | None = None,
     ) -> None:
-        self._path = Path(socket_path)
-        self._mode = mode
-        self._group = group
-        self._grace_seconds = grace_seconds
-        self._node_tenant = node_tenant
+        self._api = api
+        self._limits = limits
         self._tenant_sockets = tuple(tenant_sockets)
-        self._max_request_bytes = max_request_bytes
-        self._max_connections = max_connections
         self._compile_cache_uri = compile_cache_uri
         self._health: list[health.aio.HealthServicer] = []
 
     @property
     def socket_path(self) -> Path:
-        return self._path
+        """The API socket's path."""
+        return self._api.path
 
     @property
     def connection_capacity(self) -> int:
         """Connections every socket together may hold open (each socket's cap, summed)."""
-        return self._max_connections * len(self._sockets())
+        return self._limits.max_connections * len(self._sockets())
 
     def claim(self) -> None:
         """Check the groups and the paths now: refuse a live socket before any work starts.
@@ -121,8 +122,7 @@ class ApiServer:
             await servicer.enter_graceful_shutdown()
 
     def _sockets(self) -> list[TenantSocket]:
-        own = TenantSocket(self._path, self._mode, self._group, self._node_tenant)
-        return [own, *self._tenant_sockets]
+        return [self._api, *self._tenant_sockets]
 
     @contextlib.asynccontextmanager
     async def _serving_one(
@@ -137,11 +137,13 @@ class ApiServer:
         server = grpc.aio.server(
             interceptors=interceptors,
             options=[
-                ("grpc.max_receive_message_length", self._max_request_bytes),
-                *connection_options(self._max_connections),
+                ("grpc.max_receive_message_length", self._limits.max_request_bytes),
+                *connection_options(self._limits.max_connections),
             ],
         )
-        servicer = PrewarmServicer(service, socket_path=str(path), compile_caches=compile_caches)
+        servicer = PrewarmServicer(
+            service, socket_path=str(path), tenant=tenant, compile_caches=compile_caches
+        )
         prewarm_pb2_grpc.add_PrewarmServicer_to_server(servicer, server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -163,7 +165,7 @@ class ApiServer:
             if health_servicer in self._health:
                 self._health.remove(health_servicer)
             try:
-                await server.stop(self._grace_seconds)
+                await server.stop(self._limits.grace_seconds)
                 directory.remove_own(inode)
             finally:
                 directory.close()

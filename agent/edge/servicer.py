@@ -6,10 +6,13 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf.message import Message
 
 from agent._exceptions import InvalidRequest, PrewarmError
 from agent._proto.prewarm.v1 import prewarm_pb2 as pb
 from agent._proto.prewarm.v1 import prewarm_pb2_grpc as pb_grpc
+from agent._uri import parse_uri
+from agent._vocabulary import PullOptions, TierName
 from agent._wire import (
     phase_to_proto,
     pull_options_from_proto,
@@ -20,8 +23,12 @@ from agent._wire import (
 from agent.compile.cache import CompileCaches
 from agent.edge.compile_servicer import CompileCacheApi, compile_scope
 from agent.edge.status import abort
+from agent.edge.tenancy import requester_keys
 from agent.pull.flight import Flight, PullProgress
-from agent.service.operations import AgentService, EnsureResult, EvictResult
+from agent.service.access import Requester, Tenant
+from agent.service.operations import AgentService
+from agent.service.request import EnsureRequest, LeaseAsk
+from agent.service.results import EnsureResult, EvictResult
 from agent.store.leases import LeaseRecord
 from agent.store.records import CachedModel, TierUsage
 
@@ -32,15 +39,22 @@ log = logging.getLogger(__name__)
 
 
 class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
+    """The Prewarm service on one socket: every request's requester is that socket's tenant.
+
+    ``tenant`` is None only on the socket of an agent built without access rules.
+    """
+
     def __init__(
         self,
         service: AgentService,
         *,
         socket_path: str,
+        tenant: Tenant | None,
         compile_caches: CompileCaches | None = None,
     ) -> None:
         self._service = service
         self._socket_path = socket_path
+        self._tenant = tenant
         self._compile_caches = compile_caches
 
     async def EnsureModel(
@@ -48,36 +62,15 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         request: pb.EnsureModelRequest,
         context: grpc.aio.ServicerContext[pb.EnsureModelRequest, pb.EnsureModelEvent],
     ) -> AsyncIterator[pb.EnsureModelEvent]:
-        tier = tier_from_proto(request.tier)
-        if request.tier and tier is None:
-            await abort(context, InvalidRequest(f"Unknown tier {request.tier}; use shm or disk."))
-        if request.lease_ttl_seconds < 0:
-            await abort(context, InvalidRequest("lease_ttl_seconds must not be negative."))
+        """Progress events, then the handle of the snapshot, cached or pulled."""
         try:
-            options = (
-                pull_options_from_proto(request.pull_options)
-                if request.HasField("pull_options")
-                else None
-            )
+            tier, options = _tier_and_options(request)
         except PrewarmError as exc:
             await abort(context, exc)
         yield pb.EnsureModelEvent(progress=pb.Progress(phase=pb.PHASE_RESOLVE))
         try:
-            async for event in self._service.ensure(
-                request.uri,
-                tier=tier,
-                include=list(request.include),
-                exclude=list(request.exclude),
-                client_name=request.client_name,
-                lease=request.lease,
-                lease_ttl=request.lease_ttl_seconds or None,
-                pin=request.pin,
-                strict_tier=request.strict_tier,
-                options=options,
-                cached_only=request.cached_only,
-                # The socket is who asks: leases are capped per requesting socket.
-                requester=self._socket_path,
-            ):
+            ensure = self._ensure_request(request, tier, options)
+            async for event in self._service.ensure(ensure):
                 if isinstance(event, PullProgress):
                     yield pb.EnsureModelEvent(progress=_progress(event))
                 else:
@@ -86,13 +79,42 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
             log.info("EnsureModel %s: %s", request.uri, exc)
             await abort(context, exc)
 
+    def _ensure_request(
+        self, request: pb.EnsureModelRequest, tier: TierName | None, options: PullOptions | None
+    ) -> EnsureRequest:
+        """The request in domain terms: URI parsed, filters checked, the requester named."""
+        return EnsureRequest(
+            uri=parse_uri(request.uri),
+            include=tuple(request.include),
+            exclude=tuple(request.exclude),
+            tier=tier,
+            strict_tier=request.strict_tier,
+            lease=LeaseAsk(request.lease_ttl_seconds or None) if request.lease else None,
+            pin=request.pin,
+            options=options,
+            cached_only=request.cached_only,
+            requester=self._requester(request),
+            client_name=request.client_name,
+        )
+
+    def _requester(self, request: Message) -> Requester | None:
+        """Who asks: this socket's tenant, with the pod's keys if the request carries them.
+
+        None on a socket without a tenant (an agent built without access rules).
+        """
+        if self._tenant is None:
+            return None
+        return Requester(self._tenant, requester_keys(request))
+
     async def GetModel(
         self,
         request: pb.GetModelRequest,
         context: grpc.aio.ServicerContext[pb.GetModelRequest, pb.ModelInfo],
     ) -> pb.ModelInfo:
+        """The newest snapshot a ref names, with its files (node socket only)."""
         try:
-            return self._model_info(self._service.get(request.ref), with_files=True)
+            model = self._service.get(request.ref)
+            return self._model_info(model, self._requester(request), with_files=True)
         except PrewarmError as exc:
             await abort(context, exc)
 
@@ -101,8 +123,12 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         request: pb.ListModelsRequest,
         context: grpc.aio.ServicerContext[pb.ListModelsRequest, pb.ListModelsResponse],
     ) -> pb.ListModelsResponse:
+        """Every cached snapshot (node socket only)."""
         return pb.ListModelsResponse(
-            models=[self._model_info(m, with_files=False) for m in self._service.list_models()]
+            models=[
+                self._model_info(m, self._requester(request), with_files=False)
+                for m in self._service.list_models()
+            ]
         )
 
     async def EvictModel(
@@ -110,6 +136,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         request: pb.EvictModelRequest,
         context: grpc.aio.ServicerContext[pb.EvictModelRequest, pb.EvictModelResponse],
     ) -> pb.EvictModelResponse:
+        """Evict the snapshots a ref names (node socket only)."""
         try:
             result = await self._service.evict(request.ref, force=request.force)
         except PrewarmError as exc:
@@ -120,17 +147,21 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
             len(result.evicted),
             result.bytes_freed,
         )
-        return self._evict_response(result)
+        return self._evict_response(result, self._requester(request))
 
     async def RenewLease(
         self,
         request: pb.RenewLeaseRequest,
         context: grpc.aio.ServicerContext[pb.RenewLeaseRequest, pb.Lease],
     ) -> pb.Lease:
+        """Renew a lease granted on this socket."""
         try:
             if request.ttl_seconds < 0:
                 raise InvalidRequest("ttl_seconds must not be negative.")
-            return self._lease(self._service.renew_lease(request.id, request.ttl_seconds or None))
+            renewed = self._service.renew_lease(
+                request.id, request.ttl_seconds or None, self._requester(request)
+            )
+            return self._lease(renewed)
         except PrewarmError as exc:
             await abort(context, exc)
 
@@ -139,8 +170,9 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         request: pb.ReleaseLeaseRequest,
         context: grpc.aio.ServicerContext[pb.ReleaseLeaseRequest, pb.ReleaseLeaseResponse],
     ) -> pb.ReleaseLeaseResponse:
+        """Release a lease granted on this socket."""
         try:
-            self._service.release_lease(request.id)
+            self._service.release_lease(request.id, self._requester(request))
         except PrewarmError as exc:
             await abort(context, exc)
         return pb.ReleaseLeaseResponse()
@@ -150,21 +182,24 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         request: pb.PinModelRequest,
         context: grpc.aio.ServicerContext[pb.PinModelRequest, pb.ModelInfo],
     ) -> pb.ModelInfo:
+        """Pin or unpin the newest snapshot a ref names (node socket only)."""
         try:
             model = await self._service.pin(request.ref, request.pinned)
         except PrewarmError as exc:
             await abort(context, exc)
-        return self._model_info(model, with_files=False)
+        return self._model_info(model, self._requester(request), with_files=False)
 
     async def CollectGarbage(
         self,
         request: pb.CollectGarbageRequest,
         context: grpc.aio.ServicerContext[pb.CollectGarbageRequest, pb.CollectGarbageResponse],
     ) -> pb.CollectGarbageResponse:
+        """Evict what nothing protects, on one tier or both (node socket only)."""
         tier = tier_from_proto(request.tier)
         result = await self._service.collect_garbage(tier)
+        requester = self._requester(request)
         return pb.CollectGarbageResponse(
-            evicted=[self._model_info(m, with_files=False) for m in result.evicted],
+            evicted=[self._model_info(m, requester, with_files=False) for m in result.evicted],
             bytes_freed=result.bytes_freed,
         )
 
@@ -173,6 +208,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         request: pb.VerifyModelsRequest,
         context: grpc.aio.ServicerContext[pb.VerifyModelsRequest, pb.VerifyModelsResponse],
     ) -> pb.VerifyModelsResponse:
+        """Re-hash cached snapshots; evict those that changed unless report_only."""
         try:
             results = await self._service.verify(
                 request.ref, every=request.all, report_only=request.report_only
@@ -202,9 +238,10 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         request: pb.StatusRequest,
         context: grpc.aio.ServicerContext[pb.StatusRequest, pb.StatusResponse],
     ) -> pb.StatusResponse:
-        status = self._service.status()
+        """The agent's state as this socket's tenant may see it."""
+        status = self._service.status(self._requester(request))
         caches = self._compile_caches
-        compiles = caches.statistics(compile_scope()) if caches else (0, 0)
+        compiles = caches.statistics(compile_scope(self._tenant)) if caches else (0, 0)
         return pb.StatusResponse(
             version=status.version,
             tiers=[_tier_status(t, status.leased_per_tier.get(t.tier, 0)) for t in status.tiers],
@@ -219,13 +256,17 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
             compile_cache_bytes=compiles[1],
         )
 
-    def _evict_response(self, result: EvictResult) -> pb.EvictModelResponse:
+    def _evict_response(
+        self, result: EvictResult, requester: Requester | None
+    ) -> pb.EvictModelResponse:
         return pb.EvictModelResponse(
-            evicted=[self._model_info(m, with_files=False) for m in result.evicted],
+            evicted=[self._model_info(m, requester, with_files=False) for m in result.evicted],
             bytes_freed=result.bytes_freed,
         )
 
-    def _model_info(self, model: CachedModel, *, with_files: bool) -> pb.ModelInfo:
+    def _model_info(
+        self, model: CachedModel, requester: Requester | None, *, with_files: bool
+    ) -> pb.ModelInfo:
         usage = self._service.usage(model.key)
         info = pb.ModelInfo(
             uri=model.uri,
@@ -239,7 +280,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
             hit_count=usage.hit_count,
             include=model.include,
             exclude=model.exclude,
-            leases=[_lease_info(lease) for lease in self._service.leases_for(model.key)],
+            leases=[_lease_info(lease) for lease in self._service.leases_for(model.key, requester)],
             pinned=usage.pinned,
         )
         if with_files:
@@ -276,6 +317,20 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         if result.lease is not None:
             handle.lease.CopyFrom(self._lease(result.lease))
         return handle
+
+
+def _tier_and_options(
+    request: pb.EnsureModelRequest,
+) -> tuple[TierName | None, PullOptions | None]:
+    """The tier and pull options a request asks for, checked before anything is sent back."""
+    tier = tier_from_proto(request.tier)
+    if request.tier and tier is None:
+        raise InvalidRequest(f"Unknown tier {request.tier}; use shm or disk.")
+    if request.lease_ttl_seconds < 0:
+        raise InvalidRequest("lease_ttl_seconds must not be negative.")
+    if not request.HasField("pull_options"):
+        return tier, None
+    return tier, pull_options_from_proto(request.pull_options)
 
 
 def _files(model: CachedModel) -> list[pb.FileEntry]:

@@ -74,5 +74,6 @@ def _cut(value: str) -> str:
 
 
 async def abort(context: grpc.aio.ServicerContext[Any, Any], error: PrewarmError) -> NoReturn:
+    """End the call with the error's status code and its (escaped) message."""
     await context.abort(status_code_for(error), status_detail(error))
     raise AssertionError("unreachable: abort raises")  # pragma: no cover

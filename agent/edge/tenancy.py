@@ -2,9 +2,11 @@
 
 grpcio gives no peer credentials on a Unix socket, so a socket is an identity:
 the admin mounts each tenant's socket into that tenant's pods only. Each
-socket's server carries one ``TenantBinder``; it binds the socket's tenant (and
-the pod's credentials, when the request sends them) to the request's context,
-where agent.service.access reads them, and adds ``tenant`` to its log lines.
+socket's server carries one ``TenantBinder``, which admits or refuses each
+call by what the socket's tenant may ask, checks the pod's credentials when
+the request sends them, and adds ``tenant`` to the request's log context. The
+socket's servicer puts the same tenant (and credentials) in each request as
+its ``Requester``, where agent.service.access reads them.
 
 Tenant sockets serve what a pod needs (ensure, leases, status, compile
 caches); the RPCs that show or change every tenant's snapshots (list, get,
@@ -27,11 +29,10 @@ from agent.service.access import (
     Requester,
     RequesterKeys,
     Tenant,
-    bind_requester,
     check_source,
 )
 
-__all__ = ["NODE_ONLY_METHODS", "TenantBinder"]
+__all__ = ["NODE_ONLY_METHODS", "TenantBinder", "requester_keys"]
 
 if TYPE_CHECKING:
     Context = grpc.aio.ServicerContext[Any, Any]
@@ -58,7 +59,7 @@ _KEY_LIMITS = {"access_key_id": 128, "secret_access_key": 256, "session_token": 
 
 
 class TenantBinder(grpc.aio.ServerInterceptor):
-    """Binds one socket's tenant to every call of the prewarm service on that socket."""
+    """Admits every call of the prewarm service on one socket by what its tenant may ask."""
 
     def __init__(self, service: str, tenant: Tenant, compile_cache_uri: str | None) -> None:
         self._prefix = f"/{service}/"
@@ -70,6 +71,7 @@ class TenantBinder(grpc.aio.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> Handler | None:
+        """The method's handler, wrapped so that each call is admitted before it runs."""
         handler = await continuation(handler_call_details)
         full_name: str = handler_call_details.method
         if handler is None or not full_name.startswith(self._prefix):
@@ -109,15 +111,14 @@ class TenantBinder(grpc.aio.ServerInterceptor):
         return bound
 
     async def _admit(self, method: str, request: Any, context: Context) -> None:
-        """Bind the requester, or end the call with the reason it is refused."""
+        """Let the call run, or end it with the reason it is refused."""
         tenant = self._tenant
-        bind_request(tenant=tenant.name)
+        bind_request(tenant=tenant.name)  # log context only
         try:
-            keys = _requester_keys(request)
+            keys = requester_keys(request)
             _check_method(tenant, method, request, keys)
-            bind_requester(Requester(tenant, keys))
             if method in _COMPILE_S3_METHODS and self._compile_cache_uri:
-                check_source(self._compile_cache_uri)
+                check_source(self._compile_cache_uri, Requester(tenant, keys))
         except PrewarmError as exc:
             await abort(context, exc)
 
@@ -145,7 +146,7 @@ def _check_method(tenant: Tenant, method: str, request: Any, keys: RequesterKeys
         )
 
 
-def _requester_keys(request: Any) -> RequesterKeys | None:
+def requester_keys(request: Any) -> RequesterKeys | None:
     """The pod's credentials from the request, size-checked; None when it sent none."""
     if "requester_credentials" not in request.DESCRIPTOR.fields_by_name:
         return None

@@ -110,6 +110,7 @@ class SocketDirectory:
 
     @property
     def bind_address(self) -> str:
+        """The path to bind: the socket's name inside the directory held open."""
         return f"/proc/self/fd/{self._fd}/{self.path.name}"
 
     def secure(self, mode: int, gid: int | None) -> int:
@@ -151,6 +152,7 @@ class SocketDirectory:
                 os.unlink(self.path.name, dir_fd=self._fd)
 
     def close(self) -> None:
+        """Close the directory held open."""
         os.close(self._fd)
 
 

@@ -33,6 +33,7 @@ from watchfiles import awatch
 
 from agent._config import ManifestSettings
 from agent._exceptions import NotFound, PrewarmError, SourceChanged, SourceUnavailable
+from agent._uri import parse_uri
 from agent.obs.logs import bind_request
 from agent.obs.metrics import MANIFEST_ERRORS
 from agent.prefetch.pins import load_pins, save_pins
@@ -43,7 +44,10 @@ from agent.prefetch.schema import (
     ManifestError,
     read_manifest,
 )
-from agent.service.operations import AgentService, EnsureResult
+from agent.service.access import Requester
+from agent.service.operations import AgentService
+from agent.service.request import EnsureRequest
+from agent.service.results import EnsureResult
 
 # CompileSpec is part of CompileCacheHook's signature, so it is offered here too.
 __all__ = ["CompileCacheHook", "ManifestWatcher"]
@@ -79,9 +83,12 @@ class ManifestWatcher:
         state_path: Path,
         *,
         compile_cache: CompileCacheHook | None = None,
+        requester: Requester | None = None,
     ) -> None:
         """``state_path`` keeps the pins manifests made, so an entry's removal unpins only those."""
         self._service = service
+        # Who the prefetches ask as: the node (its sources, its limits) in the daemon.
+        self._requester = requester
         self._directory = settings.directory
         self._slots = asyncio.Semaphore(settings.concurrency)
         self._state_path = state_path
@@ -231,14 +238,16 @@ class ManifestWatcher:
                 del self._prefetches[entry.identity]
 
     async def _ensure(self, entry: ManifestEntry) -> EnsureResult:
-        events = self._service.ensure(
-            entry.uri,
+        request = EnsureRequest(
+            uri=parse_uri(entry.uri),
+            include=tuple(entry.include),
+            exclude=tuple(entry.exclude),
             tier=entry.tier,
-            include=entry.include,
-            exclude=entry.exclude,
-            client_name=f"manifest {entry.path.name}",
             strict_tier=entry.strict_tier,
+            requester=self._requester,
+            client_name=f"manifest {entry.path.name}",
         )
+        events = self._service.ensure(request)
         result: EnsureResult | None = None
         # Read to the end, as a client does: the stream ends right after the result.
         async for event in events:

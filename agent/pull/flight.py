@@ -5,15 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, replace
+from typing import Any
 
 from agent._snapshot import Snapshot, SourceObject
 from agent._vocabulary import PhaseName, TierName
 from agent.obs.metrics import BYTES_PULLED
 from agent.store.records import CachedModel
 
-__all__ = ["Flight", "PhaseName", "PullProgress", "PullTimings"]
+__all__ = ["Flight", "PullProgress", "PullTimings"]
 
 # Longest a watcher waits to hear of new bytes.
 NOTIFY_SECONDS = 0.05
@@ -21,6 +22,8 @@ NOTIFY_SECONDS = 0.05
 
 @dataclass(frozen=True, slots=True)
 class PullProgress:
+    """Where a pull stands: its phase, bytes and files done of the total."""
+
     phase: PhaseName
     bytes_done: int
     bytes_total: int
@@ -31,6 +34,8 @@ class PullProgress:
 
 @dataclass(frozen=True, slots=True)
 class PullTimings:
+    """Seconds a pull spent downloading, verifying and publishing."""
+
     download: float = 0.0
     verify: float = 0.0
     publish: float = 0.0
@@ -66,29 +71,43 @@ class Flight:
 
     @property
     def key(self) -> str:
+        """The snapshot key this flight pulls."""
         return self.snapshot.key
 
     @property
     def done(self) -> bool:
+        """Whether the pull has settled (published, failed or abandoned)."""
         return self._outcome.done()
 
     async def result(self) -> CachedModel:
         """The published model; shielded so a departing watcher never cancels the pull."""
         return await asyncio.shield(self._outcome)
 
+    def start(self, tasks: asyncio.TaskGroup, pull: Coroutine[Any, Any, None]) -> None:
+        """Run ``pull`` as this flight's task in ``tasks``; ``cancel`` stops it."""
+        self._task = tasks.create_task(pull, name=f"pull-{self.key}")
+
     def cancel(self) -> None:
+        """Stop the pull's task; the pull settles the flight as it unwinds."""
         if self._task is not None:
             self._task.cancel()
 
-    def _settle(self, model: CachedModel | None, error: BaseException | None) -> None:
+    def succeed(self, model: CachedModel) -> None:
+        """The pull published ``model``: every watcher gets it."""
         if not self._outcome.done():
-            if isinstance(error, asyncio.CancelledError):
-                self._outcome.cancel()
-            elif error is not None:
-                self._outcome.set_exception(error)
-            else:
-                assert model is not None
-                self._outcome.set_result(model)
+            self._outcome.set_result(model)
+        self._notify()
+
+    def fail(self, error: BaseException) -> None:
+        """The pull failed with ``error``: every watcher gets it raised."""
+        if not self._outcome.done():
+            self._outcome.set_exception(error)
+        self._notify()
+
+    def abandon(self) -> None:
+        """The pull was cancelled (shutdown): watchers see the flight cancelled."""
+        if not self._outcome.done():
+            self._outcome.cancel()
         self._notify()
 
     async def watch(self, min_interval: float = 0.05) -> AsyncIterator[PullProgress]:
@@ -122,6 +141,7 @@ class Flight:
             self.waiters -= 1
 
     def set_phase(self, phase: PhaseName) -> None:
+        """The pull moved on to ``phase``: watchers hear of it at once."""
         self.progress = replace(self.progress, phase=phase)
         self._notify()
 

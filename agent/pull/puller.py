@@ -1,18 +1,17 @@
 """Pulls: a snapshot's objects into a staging directory, checked, then published.
 
 One flight per snapshot key. Each pull gets a ``Tuning`` (concurrency, chunk
-size, timeouts: agent.pull.tuning) and a data plane (agent.source.plane:
-ranged GETs in worker threads or in the event loop, or the Run:ai Model
-Streamer) from the config and the
-request that started it; requests that join a flight get that flight's.
+size, timeouts: agent.source.tuning) and a data plane, which the registry in
+agent.source.plane_registry picks by name (``auto`` included) from the config
+and the request that started it; requests that join a flight get that flight's.
 Completed ranges are journaled, so a pull interrupted by a crash or a shutdown
 resumes instead of starting over, as long as it asks for the same chunk size.
 
 A flight may pull through a source of its own (a requester's credentials,
 ``join(..., source=...)``): it is opened when the flight's task starts and
 closed when it ends, so no client outlives its pull. The processes plane
-presigns its GETs with it and the aiobotocore plane reads through it; the
-threads plane and the streamer sign with the node's role, so they cannot.
+presigns its GETs with it and the aiobotocore plane reads through it (the
+registry's ``through``).
 """
 
 from __future__ import annotations
@@ -26,21 +25,17 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from agent._config import ConfigError, IntegritySettings, S3Settings
-from agent._exceptions import InvalidRequest, PrewarmError, SourceUnavailable
+from agent._config import IntegritySettings, S3Settings
+from agent._exceptions import PrewarmError, SourceUnavailable
 from agent._snapshot import Snapshot
 from agent._vocabulary import DataPlaneName, PullOptions, TierName
 from agent.check.hashes import check_object_checksum
 from agent.pull.flight import Flight
 from agent.pull.staging import StagingFiles, open_staging, verify_before_publish
-from agent.pull.tuning import node_gbps, tune, worker_processes
 from agent.source.interface import ObjectSource
-from agent.source.plane import AUTO_DATA_PLANE, DataPlane, plan_ranges
-from agent.source.process_plane import ProcessPlane, WorkerPool, processes_unavailable
-from agent.source.ranged_plane import AiobotocorePlane
-from agent.source.streamer_plane import StreamerPlane, load_streamer, streamer_unavailable
-from agent.source.threads_plane import ThreadsPlane
-from agent.source.transfer import Tuning
+from agent.source.plane import DataPlane, plan_ranges
+from agent.source.plane_registry import DataPlanes
+from agent.source.tuning import Tuning, node_gbps, tune
 from agent.store.catalog import Store
 from agent.store.records import CachedFile, CachedModel
 
@@ -69,56 +64,12 @@ class Puller:
         self._flights: dict[str, Flight] = {}
         self._pulls: dict[str, tuple[DataPlane, Tuning, ScopedSource | None]] = {}
         self._tasks: asyncio.TaskGroup | None = None
-        self._ranged = AiobotocorePlane(source)
-        self._streamer: StreamerPlane | None = None
-        # Like the streamer, the threads plane speaks S3 itself (botocore's blocking client).
-        self._threads = ThreadsPlane(source.s3_settings) if source.s3_settings else None
         self._gbps = node_gbps(settings)
-        self._processes: ProcessPlane | None = None
-        self._processes_missing = processes_unavailable(source, source.s3_settings)
-        if self._processes_missing is None:
-            pool = WorkerPool(worker_processes(settings, gbps=self._gbps))
-            self._processes = ProcessPlane(settings, source, pool)  # type: ignore[arg-type]
-        # The streamer talks to S3 itself, so it only stands in for a source that is S3.
-        self._streamer_settings = source.s3_settings
-        self._streamer_missing = (
-            streamer_unavailable()
-            if self._streamer_settings is not None
-            else f"the source is {source.name}, not S3"
-        )
+        self._planes = DataPlanes(source, settings, gbps=self._gbps)
 
     async def __aenter__(self) -> Self:
-        if self._streamer_missing is None:
-            if self._wants_streamer(self._settings.data_plane):
-                # Import it now (it brings torch: seconds), not in the first pull.
-                self._streamer_missing = await asyncio.to_thread(load_streamer)
-            if self._streamer_missing is None and self._streamer_settings is not None:
-                self._streamer = StreamerPlane(self._streamer_settings, self._source, self._ranged)
-        if self._settings.data_plane == "streamer" and self._streamer is None:
-            raise ConfigError(
-                f"s3.data_plane is 'streamer' but {self._streamer_missing}. Install the "
-                "streamer extra (pip install 'prewarm-agent[streamer]') or set data_plane = 'auto'."
-            )
-        if self._settings.data_plane == "processes" and self._processes is None:
-            raise ConfigError(
-                f"s3.data_plane is 'processes' but {self._processes_missing}; "
-                "set data_plane = 'auto'."
-            )
-        if self._processes is not None and self.data_plane == "processes":
-            # Start the workers now (about 0.1 s), not in the first cold pull.
-            await self._processes.start()
-        if self._settings.data_plane == "threads" and self._threads is None:
-            raise ConfigError(
-                f"s3.data_plane is 'threads' but the source is {self._source.name}, not S3; "
-                "set data_plane = 'auto'."
-            )
-        if self._settings.data_plane == "auto" and self.data_plane != AUTO_DATA_PLANE:
-            log.info(
-                "data plane: %s (auto's %s is not available here: %s)",
-                self.data_plane,
-                AUTO_DATA_PLANE,
-                self._streamer_missing if AUTO_DATA_PLANE == "streamer" else self._source.name,
-            )
+        """Start the data planes (workers, clients) and the task group pulls run in."""
+        await self._planes.__aenter__()
         self._tasks = asyncio.TaskGroup()
         await self._tasks.__aenter__()
         return self
@@ -129,16 +80,14 @@ class Puller:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        """Cancel every pull, wait for them, close the data planes."""
         assert self._tasks is not None
         for flight in list(self._flights.values()):
             flight.cancel()
         try:
             await self._tasks.__aexit__(exc_type, exc, tb)
         finally:
-            if self._threads is not None:
-                self._threads.close()
-            if self._processes is not None:
-                await self._processes.aclose()
+            await self._planes.__aexit__(exc_type, exc, tb)
             # A flight cancelled before its task ever ran never settled itself.
             for flight in list(self._flights.values()):
                 self._abandon(flight)
@@ -146,16 +95,18 @@ class Puller:
     @property
     def data_plane(self) -> str:
         """The data plane a request that names none gets."""
-        return self._plane(self._settings.data_plane).name
+        return self._planes.default.name
 
     def plane(self, name: DataPlaneName) -> DataPlane:
         """The data plane a request naming ``name`` gets (InvalidRequest if there is none)."""
-        return self._plane(name)
+        return self._planes.choose(name)
 
     def flights(self) -> list[Flight]:
+        """The pulls in flight now."""
         return list(self._flights.values())
 
     def flight_for(self, key: str) -> Flight | None:
+        """The flight pulling ``key``, if one is."""
         return self._flights.get(key)
 
     def join(
@@ -177,7 +128,7 @@ class Puller:
             return flight, False
         assert self._tasks is not None, "Puller used outside its context"
         options = options or PullOptions()
-        plane = self._plane_for(options, scoped=source is not None)
+        plane = self._planes.choose(options.data_plane, scoped=source is not None)
         tuning = tune(
             self._settings, snapshot.total_bytes, options, plane=plane.name, gbps=self._gbps
         )
@@ -194,9 +145,7 @@ class Puller:
         )
         # Counted against the tier from now on, so concurrent placements see it.
         superseded = self._store.begin_staging(tier, snapshot.key, snapshot.total_bytes)
-        flight._task = self._tasks.create_task(
-            self._run(flight, superseded), name=f"pull-{snapshot.key}"
-        )
+        flight.start(self._tasks, self._run(flight, superseded))
         return flight, True
 
     async def _run(self, flight: Flight, superseded: list[Path]) -> None:
@@ -232,26 +181,27 @@ class Puller:
         self._pulls.pop(flight.key, None)
         # Deleted in a worker thread: the loop keeps serving while a big tree goes.
         await self._store.purge(self._store.end_staging(flight.key, keep=keep_staging))
-        flight._settle(model, error)
+        if model is not None:
+            flight.succeed(model)
+        else:
+            assert error is not None
+            flight.fail(error)
 
     def _abandon(self, flight: Flight) -> None:
         """Settle a cancelled flight at once, keeping its staging directory for resume."""
         self._flights.pop(flight.key, None)
         self._pulls.pop(flight.key, None)
         self._store.end_staging(flight.key, keep=True)
-        flight._settle(None, asyncio.CancelledError())
+        flight.abandon()
 
     async def _pull(self, flight: Flight) -> CachedModel:
         plane, tuning, scoped = self._pulls[flight.key]
         if scoped is None:
             return await self._pull_through(flight, plane, tuning, self._source)
         async with scoped as source:  # closed when this pull ends, however it ends
-            scoped_plane: DataPlane = (
-                plane.with_source(source)  # type: ignore[arg-type]
-                if isinstance(plane, ProcessPlane)
-                else AiobotocorePlane(source)
+            return await self._pull_through(
+                flight, self._planes.through(plane, source), tuning, source
             )
-            return await self._pull_through(flight, scoped_plane, tuning, source)
 
     async def _pull_through(
         self, flight: Flight, plane: DataPlane, tuning: Tuning, source: ObjectSource
@@ -326,57 +276,9 @@ class Puller:
             )
 
     def check(self, options: PullOptions, *, scoped: bool = False) -> None:
-        """Raise InvalidRequest if a pull with these options (and a source of its own) could
-        not start."""
-        self._plane_for(options, scoped=scoped)
-
-    def _plane_for(self, options: PullOptions, *, scoped: bool) -> DataPlane:
-        if not scoped:
-            return self._plane(options.data_plane or self._settings.data_plane)
-        takes_a_source = {self._ranged.name, ProcessPlane.name}
-        if options.data_plane not in (None, "auto", *takes_a_source):
-            raise InvalidRequest(
-                f"The {options.data_plane} data plane signs with the agent's own credentials, "
-                "so it cannot pull with the requester's; ask for the processes or aiobotocore "
-                "data plane, or auto."
-            )
-        plane = self._plane(options.data_plane or self._settings.data_plane)
-        # The configured plane gives way when it cannot take a source.
-        return plane if plane.name in takes_a_source else self._ranged
-
-    def _wants_streamer(self, choice: DataPlaneName) -> bool:
-        return choice == "streamer" or (choice == "auto" and AUTO_DATA_PLANE == "streamer")
-
-    def _plane(self, choice: DataPlaneName) -> DataPlane:
-        wanted = AUTO_DATA_PLANE if choice == "auto" else choice
-        if wanted == "processes":
-            if self._processes is not None:
-                return self._processes
-            if choice == "processes":
-                raise InvalidRequest(
-                    f"This agent has no processes data plane ({self._processes_missing}); "
-                    "ask for the threads or aiobotocore data plane, or auto."
-                )
-            wanted = "threads"  # auto: the next best
-        if wanted == "threads":
-            if self._threads is not None:
-                return self._threads
-            if choice == "threads":
-                raise InvalidRequest(
-                    f"The threads data plane reads from S3 and this agent's source is "
-                    f"{self._source.name}; ask for the aiobotocore data plane or auto."
-                )
-            return self._ranged  # auto: fall back cleanly
-        if not self._wants_streamer(choice):
-            return self._ranged
-        if self._streamer is not None:
-            return self._streamer
-        if choice == "streamer":
-            raise InvalidRequest(
-                f"This agent has no streamer data plane ({self._streamer_missing}); ask for "
-                "the aiobotocore data plane or auto."
-            )
-        return self._ranged  # auto: fall back cleanly
+        """InvalidRequest if a pull with these options (and a source of its own) could not
+        start."""
+        self._planes.choose(options.data_plane, scoped=scoped)
 
 
 def _model_for(flight: Flight, digests: dict[str, str], chunk_size: int) -> CachedModel:

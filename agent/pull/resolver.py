@@ -7,6 +7,7 @@ cached snapshot of the same URI and filters stands in for it, unchecked.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +21,7 @@ from agent.source.interface import ListedObject, ObjectSource
 from agent.store.catalog import Store
 from agent.store.records import CachedModel
 
-__all__ = ["Unchecked", "resolve", "resolve_or_fall_back"]
+__all__ = ["Resolver", "Unchecked", "resolve"]
 
 log = logging.getLogger(__name__)
 
@@ -34,41 +35,54 @@ class Unchecked:
     model: CachedModel
 
 
-async def resolve_or_fall_back(
-    source: ObjectSource,
-    store: Store,
-    uri: ModelUri,
-    include: tuple[str, ...],
-    exclude: tuple[str, ...],
-    *,
-    fallback: bool,
-    offline_after: float,
-    cached_only: bool,
-    limits: Sequence[SnapshotLimit] = (),
-) -> Snapshot | Unchecked:
-    """The snapshot S3 lists now, or the newest cached one when S3 is not asked or cannot answer.
+class Resolver:
+    """Resolves requests against one source, falling back to the cache as configured.
 
-    ``cached_only`` makes no S3 call: the newest cached snapshot, else NotFound.
-    ``limits`` cut the listing short (see ``resolve``).
     With ``fallback`` and a cached snapshot, a listing that fails is answered
-    from the cache: at once when no connection can be made (the source does not
-    retry that), after ``offline_after`` seconds when S3 is slow to answer.
+    from the cache: at once when no connection can be made (the source does
+    not retry that), after ``offline_after`` seconds when S3 is slow to answer.
     """
-    newest = store.newest_for(str(uri), include, exclude)
-    if cached_only:
-        if newest is None:
-            raise _not_cached(uri, include, exclude)
-        log.info("serving cached %s (%s) without asking S3 (cached_only)", uri, newest.key)
-        return Unchecked(newest)
-    if newest is None or not fallback:
-        return await resolve(source, uri, include, exclude, limits)
-    try:
-        async with asyncio.timeout(offline_after):
-            return await resolve(source, uri, include, exclude, limits)
-    except (SourceUnavailable, TimeoutError) as exc:
-        why = str(exc) or f"no answer to the listing within {offline_after:g} s"
-        log.warning("S3 unreachable (%s); serving cached %s (%s) unchecked", why, uri, newest.key)
-        return Unchecked(newest)
+
+    def __init__(
+        self, source: ObjectSource, store: Store, *, fallback: bool, offline_after: float
+    ) -> None:
+        self._source = source
+        self._store = store
+        self._fallback = fallback
+        self._offline_after = offline_after
+
+    async def find(
+        self,
+        uri: ModelUri,
+        include: tuple[str, ...],
+        exclude: tuple[str, ...],
+        *,
+        cached_only: bool,
+        limits: Sequence[SnapshotLimit] = (),
+    ) -> Snapshot | Unchecked:
+        """The snapshot S3 lists now, or the newest cached one when S3 is not asked or
+        cannot answer.
+
+        ``cached_only`` makes no S3 call: the newest cached snapshot, else NotFound.
+        ``limits`` cut the listing short (see ``resolve``).
+        """
+        newest = self._store.newest_for(str(uri), include, exclude)
+        if cached_only:
+            if newest is None:
+                raise _not_cached(uri, include, exclude)
+            log.info("serving cached %s (%s) without asking S3 (cached_only)", uri, newest.key)
+            return Unchecked(newest)
+        if newest is None or not self._fallback:
+            return await resolve(self._source, uri, include, exclude, limits=limits)
+        try:
+            async with asyncio.timeout(self._offline_after):
+                return await resolve(self._source, uri, include, exclude, limits=limits)
+        except (SourceUnavailable, TimeoutError) as exc:
+            why = str(exc) or f"no answer to the listing within {self._offline_after:g} s"
+            log.warning(
+                "S3 unreachable (%s); serving cached %s (%s) unchecked", why, uri, newest.key
+            )
+            return Unchecked(newest)
 
 
 async def resolve(
@@ -76,6 +90,7 @@ async def resolve(
     uri: ModelUri,
     include: tuple[str, ...],
     exclude: tuple[str, ...],
+    *,
     limits: Sequence[SnapshotLimit] = (),
 ) -> Snapshot:
     """List the prefix and pin down exactly which bytes make this snapshot.
@@ -111,9 +126,8 @@ async def resolve(
             f"No objects under {uri}. Check the prefix: it names a directory, "
             "e.g. s3://bucket/models/llama-3-8b/."
         )
-    return await loop.run_in_executor(
-        _SELECTING, _snapshot_of, uri, listed, selected, include, exclude
-    )
+    snapshot_of = functools.partial(_snapshot_of, include=include, exclude=exclude)
+    return await loop.run_in_executor(_SELECTING, snapshot_of, uri, listed, selected)
 
 
 def _objects_of(uri: ModelUri, page: Sequence[ListedObject]) -> list[SourceObject]:
@@ -135,6 +149,7 @@ def _snapshot_of(
     uri: ModelUri,
     listed: int,
     selected: list[SourceObject],
+    *,
     include: tuple[str, ...],
     exclude: tuple[str, ...],
 ) -> Snapshot:

@@ -44,13 +44,16 @@ class StagingFiles:
 
     @property
     def bypass_page_cache(self) -> bool:
+        """Whether planes write around the page cache: on the disk tier only."""
         return self.tier == "disk"
 
     @property
     def data_dir(self) -> Path:
+        """The directory the snapshot's files are written in."""
         return self.root / DATA_DIR
 
     def is_done(self, path: str, offset: int) -> bool:
+        """Whether the range at ``offset`` of ``path`` is journaled already."""
         return offset // self.chunk_size in self.digests.get(path, {})
 
     def write_at(
@@ -69,12 +72,15 @@ class StagingFiles:
             raise _no_space_or(exc, self.snapshot, self.root) from exc
 
     def descriptor(self, path: str) -> int:
+        """The open file of ``path``."""
         return self.fds[path]
 
     def write_failed(self, error: OSError) -> Exception:
+        """NoSpace for a full tier, else the error itself."""
         return _no_space_or(error, self.snapshot, self.root)
 
     def complete_range(self, path: str, offset: int, length: int, digest: bytes) -> None:
+        """Journal a whole range with its chunk digest."""
         self.digests.setdefault(path, {})[offset // self.chunk_size] = digest
         try:
             self.journal.record(path, offset, length, digest)
@@ -82,6 +88,7 @@ class StagingFiles:
             raise _no_space_or(exc, self.snapshot, self.root) from exc
 
     def file_digests(self) -> dict[str, str]:
+        """Each file's digest, made from its ranges' digests in order."""
         digests: dict[str, str] = {}
         for obj in self.snapshot.objects:
             chunks = self.digests.get(obj.relative_path, {})
@@ -98,6 +105,7 @@ class StagingFiles:
         return digests
 
     def close(self) -> None:
+        """Close every file (idempotent)."""
         for fd in self.fds.values():
             os.close(fd)
         self.fds = {}
@@ -117,13 +125,13 @@ def open_staging(root: Path, snapshot: Snapshot, chunk_size: int, tier: TierName
     resumed = _resume(root, header, secret)
     if resumed is not None:
         try:
-            return _open_files(root, snapshot, chunk_size, tier, resumed)
+            return _open_files(root, snapshot, chunk_size, tier, resumed=resumed)
         except _UntrustedEntry as exc:
             log.warning("not resuming %s: %s", root, exc)
     _clear(root)
     (root / DATA_DIR).mkdir(mode=0o755)
     journal = Journal.create(root, header, secret)
-    return _open_files(root, snapshot, chunk_size, tier, (journal, []))
+    return _open_files(root, snapshot, chunk_size, tier, resumed=(journal, []))
 
 
 class _UntrustedEntry(Exception):
@@ -149,6 +157,7 @@ def _open_files(
     snapshot: Snapshot,
     chunk_size: int,
     tier: TierName,
+    *,
     resumed: tuple[Journal, list[CompletedRange]],
 ) -> StagingFiles:
     journal, completed = resumed

@@ -1,9 +1,9 @@
 """Who may cache what: the source allowlist, requester-scoped checks and request limits.
 
-The edge binds a ``Requester`` (the tenant of the socket a request came in on,
-and the pod's own credentials if it sent them) to the request's context; the
-service's entry points call the functions here, which read it. A request with
-no requester bound (in-process callers, tests) is not restricted.
+The edge builds a ``Requester`` for each request (the tenant of the socket it
+came in on, and the pod's own credentials if it sent them) and puts it in the
+request; the service's entry points hand it to the functions here. A request
+with no requester (in-process callers, tests) is not restricted.
 
 Requester-scoped access: with the pod's credentials the agent lists the prefix
 (ListObjectsV2) and HEADs every file of the snapshot at the ETag the agent's
@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import fnmatch
 import logging
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -33,17 +32,13 @@ from agent.source.interface import ObjectSource
 
 __all__ = [
     "NODE_TENANT",
-    "LimitExceeded",
     "PullGate",
     "Requester",
     "RequesterKeys",
     "Tenant",
-    "bind_requester",
     "check_snapshot",
     "check_source",
     "check_unchecked",
-    "current_requester",
-    "requester_bound",
     "snapshot_limits",
     "start_pull",
     "tenants_from_settings",
@@ -107,6 +102,7 @@ class Tenant:
     compile_domain: str = ""
 
     def allows(self, uri: ModelUri) -> bool:
+        """Whether both the node's sources and this socket's own allow ``uri``."""
         return _matches(self.node_sources, uri) and _matches(self.sources, uri)
 
     def lease_ttl(self, requested: float | None, default: float) -> float | None:
@@ -146,8 +142,24 @@ class RequesterKeys:
 
 @dataclass(frozen=True, slots=True)
 class Requester:
+    """Who asks: the tenant of the socket a request came in on, and the pod's keys if sent."""
+
     tenant: Tenant
     keys: RequesterKeys | None = None
+
+    @property
+    def name(self) -> str:
+        """The socket (tenant) a lease is granted to, and whose pulls its Status shows."""
+        return self.tenant.name
+
+    @property
+    def sees_everything(self) -> bool:
+        """Whether this is the node's own socket, which sees every tenant's leases and pulls."""
+        return self.tenant.name == NODE_TENANT
+
+    def lease_ttl(self, requested: float | None, default: float) -> float | None:
+        """The TTL a lease asked for by this requester gets (its socket's cap)."""
+        return self.tenant.lease_ttl(requested, default)
 
 
 @runtime_checkable
@@ -157,11 +169,6 @@ class CredentialScopedSource(Protocol):
     def with_credentials(
         self, access_key_id: str, secret_access_key: str, session_token: str
     ) -> contextlib.AbstractAsyncContextManager[ObjectSource]: ...
-
-
-_REQUESTER: contextvars.ContextVar[Requester | None] = contextvars.ContextVar(
-    "prewarm_requester", default=None
-)
 
 
 def tenants_from_settings(settings: Settings) -> tuple[Tenant, dict[str, Tenant]]:
@@ -188,18 +195,11 @@ def tenants_from_settings(settings: Settings) -> tuple[Tenant, dict[str, Tenant]
     return node, sockets
 
 
-def bind_requester(requester: Requester) -> contextvars.Token[Requester | None]:
-    """Bind for the rest of this context (a request, or the daemon's own tasks)."""
-    return _REQUESTER.set(requester)
+def check_source(uri: ModelUri | str, requester: Requester | None) -> None:
+    """AccessDenied when ``requester``'s tenant may not cache ``uri``; no S3 call is made.
 
-
-def current_requester() -> Requester | None:
-    return _REQUESTER.get()
-
-
-def check_source(uri: ModelUri | str) -> None:
-    """AccessDenied when the current tenant may not cache ``uri``; no S3 call is made."""
-    requester = _REQUESTER.get()
+    ``uri`` is a string only for a URI from the config (the compile-cache prefix).
+    """
     if requester is None:
         return
     parsed = parse_uri(uri) if isinstance(uri, str) else uri
@@ -212,15 +212,13 @@ def check_source(uri: ModelUri | str) -> None:
         )
 
 
-def snapshot_limits() -> tuple[SnapshotLimit, ...]:
-    """The current tenant's limits per snapshot, which its listings are counted against."""
-    requester = _REQUESTER.get()
+def snapshot_limits(requester: Requester | None) -> tuple[SnapshotLimit, ...]:
+    """The requester's limits per snapshot, which its listings are counted against."""
     return () if requester is None else requester.tenant.snapshot_limits()
 
 
-def check_unchecked() -> None:
+def check_unchecked(requester: Requester | None) -> None:
     """Before a cached copy is served without S3 (offline): refused where access is checked."""
-    requester = _REQUESTER.get()
     if requester is not None and (requester.keys or requester.tenant.requester_scoped):
         raise SourceUnavailable(
             "S3 cannot be reached to check this pod's access, and a requester-scoped "
@@ -228,9 +226,10 @@ def check_unchecked() -> None:
         )
 
 
-async def check_snapshot(source: ObjectSource, snapshot: Snapshot) -> None:
+async def check_snapshot(
+    source: ObjectSource, snapshot: Snapshot, requester: Requester | None
+) -> None:
     """After the listing, before any answer: the requester's own access, then the limits."""
-    requester = _REQUESTER.get()
     if requester is None:
         return
     keys = requester.keys
@@ -244,9 +243,8 @@ async def check_snapshot(source: ObjectSource, snapshot: Snapshot) -> None:
     requester.tenant.check_snapshot(snapshot)
 
 
-def start_pull(key: str, in_flight: Collection[str]) -> None:
-    """Admit a new pull of ``key`` for the current tenant (LimitExceeded when full)."""
-    requester = _REQUESTER.get()
+def start_pull(key: str, in_flight: Collection[str], requester: Requester | None) -> None:
+    """Admit a new pull of ``key`` for ``requester``'s tenant (LimitExceeded when full)."""
     if requester is not None:
         requester.tenant.gate.admit(requester.tenant, key, in_flight)
 
@@ -295,13 +293,3 @@ def _pattern_matches(pattern: str, uri: str) -> bool:
 def _echo(value: object) -> str:
     text = str(value)
     return text if len(text) <= _ECHO_LIMIT else text[:_ECHO_LIMIT] + "..."
-
-
-@contextlib.contextmanager
-def requester_bound(requester: Requester) -> Iterator[None]:
-    """Bind ``requester`` for the block (in-process tests, the daemon's own callers)."""
-    token = _REQUESTER.set(requester)
-    try:
-        yield
-    finally:
-        _REQUESTER.reset(token)

@@ -6,21 +6,24 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Literal
 
 from agent._config import Settings
 from agent._exceptions import Conflict, NotFound
-from agent._snapshot import check_globs
+from agent._snapshot import Snapshot
 from agent._uri import parse_uri, refuse_whole_bucket
 from agent._version import __version__
-from agent._vocabulary import PullOptions, TierName
+from agent._vocabulary import TierName
 from agent.check.hashes import verify_files
 from agent.obs.logs import bind_request
 from agent.obs.metrics import EVICTIONS
-from agent.pull.flight import Flight, PullProgress
+from agent.pull.flight import Flight, PullProgress, PullTimings
 from agent.pull.puller import Puller, ScopedSource
-from agent.pull.resolver import Unchecked, resolve_or_fall_back
+from agent.pull.resolver import Resolver, Unchecked
 from agent.service import access
+from agent.service.access import Requester, RequesterKeys
+from agent.service.request import EnsureRequest
 from agent.service.results import (
     AgentStatus,
     EnsureResult,
@@ -36,14 +39,7 @@ from agent.store.eviction import Evictor
 from agent.store.leases import LeaseRecord, LeaseTable
 from agent.store.records import CachedModel, Usage
 
-__all__ = [
-    "AgentService",
-    "AgentStatus",
-    "EnsureResult",
-    "EvictResult",
-    "RequestTimings",
-    "Verification",
-]
+__all__ = ["AgentService"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +53,7 @@ class AgentService:
         puller: Puller,
         source: ObjectSource,
         leases: LeaseTable,
+        *,
         settings: Settings,
     ) -> None:
         self._store = store
@@ -65,6 +62,12 @@ class AgentService:
         self._leases = leases
         self._settings = settings
         self._evictor = Evictor(store, leases, settings.tiers)
+        self._resolver = Resolver(
+            source,
+            store,
+            fallback=settings.offline_fallback,
+            offline_after=settings.offline_after_seconds,
+        )
         self._started = time.monotonic()
         # Snapshot key -> the sockets that started or joined its pull: a tenant's
         # Status shows those pulls only. Keys no longer in flight are dropped.
@@ -72,185 +75,148 @@ class AgentService:
 
     @property
     def default_tier(self) -> TierName:
+        """The tier a pull goes to when its request names none."""
         return self._settings.default_tier
 
     @property
     def lease_socket_path(self) -> str:
+        """Where pods hold their leases open (handed out with every lease)."""
         return str(self._settings.lease_socket_path)
 
     async def start(self) -> None:
         """Bring the cache within its budgets after a restart (budgets may have shrunk)."""
         await self._evictor.enforce_watermarks()
 
-    async def ensure(
-        self,
-        raw_uri: str,
-        *,
-        tier: TierName | None,
-        include: Sequence[str] = (),
-        exclude: Sequence[str] = (),
-        client_name: str = "",
-        lease: bool = False,
-        lease_ttl: float | None = None,
-        pin: bool = False,
-        strict_tier: bool = False,
-        options: PullOptions | None = None,
-        cached_only: bool = False,
-        requester: str = "",
-    ) -> AsyncIterator[PullProgress | EnsureResult]:
+    async def ensure(self, request: EnsureRequest) -> AsyncIterator[PullProgress | EnsureResult]:
         """Progress events, then exactly one EnsureResult (or an exception).
 
-        ``cached_only`` answers from the cache without any S3 call: the newest
-        cached snapshot of the URI and filters, or NotFound. ``requester`` names
-        who asks (the API socket) when no tenant is bound: a lease belongs to
-        the asking socket, which alone may renew or release it, and counts
-        against its cap.
+        Three steps: check the request (before any S3 call, cached_only
+        included), resolve it and check the requester's access to the
+        snapshot, then answer it from the cache (a hit) or from a pull it
+        starts or joins (a miss).
         """
-        started = time.monotonic()
-        requester = _calling_socket(requester) or ""
-        uri = parse_uri(raw_uri)
-        refuse_whole_bucket(uri, self._settings.access.whole_buckets)
-        access.check_source(uri)  # before any S3 call, cached_only included
-        includes = check_globs(include, what="Include")
-        excludes = check_globs(exclude, what="Exclude")
-        scoped = _requester_source(self._source)
-        if options is not None:
-            self._puller.check(options, scoped=scoped is not None)
-        found = await resolve_or_fall_back(
-            self._source,
-            self._store,
-            uri,
-            includes,
-            excludes,
-            fallback=self._settings.offline_fallback,
-            offline_after=self._settings.offline_after_seconds,
-            cached_only=cached_only,
-            limits=access.snapshot_limits(),
+        clock = _Clock()
+        scoped = self._check(request)
+        found = await self._resolver.find(
+            request.uri,
+            request.include,
+            request.exclude,
+            cached_only=request.cached_only,
+            limits=access.snapshot_limits(request.requester),
         )
         if isinstance(found, Unchecked):
-            access.check_unchecked()
-            bind_request(key=found.model.key)
-            elapsed = time.monotonic() - started
-            yield await self._answer(
-                found.model,
-                hit=True,
-                offline=True,
-                timings=RequestTimings(resolve=elapsed, total=elapsed),
-                lease=lease,
-                lease_ttl=lease_ttl,
-                client_name=client_name,
-                pin=pin,
-                requester=requester,
-            )
+            yield await self._answer_unchecked(request, found.model, clock)
             return
-        snapshot = found
-        await access.check_snapshot(self._source, snapshot)  # the pod's own access, limits
-        resolved = time.monotonic()
-        bind_request(key=snapshot.key)
-        if lease:
-            self._leases.check_room(requester)  # before any pull, not after it
+        await access.check_snapshot(self._source, found, request.requester)
+        clock.resolved()
+        bind_request(key=found.key)
+        if request.lease is not None:
+            self._leases.check_room(request.grantee)  # before any pull, not after it
         # The claim keeps this snapshot from eviction from before a pull publishes it
         # until this request has its lease and its handle has been sent.
-        with self._leases.claim(snapshot.key):
-            cached = self._store.get(snapshot.key)
+        with self._leases.claim(found.key):
+            cached = self._store.get(found.key)
             if cached is not None:
-                yield await self._answer(
-                    cached,
-                    hit=True,
-                    offline=False,
-                    timings=RequestTimings(
-                        resolve=resolved - started, total=time.monotonic() - started
-                    ),
-                    lease=lease,
-                    lease_ttl=lease_ttl,
-                    client_name=client_name,
-                    pin=pin,
-                    requester=requester,
-                )
+                yield await self._answer(request, cached, _Lookup("hit", clock.hit_timings()))
                 return
-            stale: list[Path] = []
+            async for event in self._pull(request, found, clock, scoped=scoped):
+                yield event
+
+    def _check(self, request: EnsureRequest) -> bool:
+        """Refuse what no S3 call is needed to refuse; whether a pull would be scoped.
+
+        A scoped pull goes through the requester's own credentials.
+        """
+        refuse_whole_bucket(request.uri, self._settings.access.whole_buckets)
+        access.check_source(request.uri, request.requester)
+        scoped = _scoped_keys(self._source, request.requester) is not None
+        if request.options is not None:
+            self._puller.check(request.options, scoped=scoped)
+        return scoped
+
+    async def _answer_unchecked(
+        self, request: EnsureRequest, model: CachedModel, clock: _Clock
+    ) -> EnsureResult:
+        """Answer from a cached snapshot that S3 was not asked about (offline)."""
+        access.check_unchecked(request.requester)
+        bind_request(key=model.key)
+        clock.resolved()
+        return await self._answer(request, model, _Lookup("offline", clock.hit_timings()))
+
+    async def _pull(
+        self, request: EnsureRequest, snapshot: Snapshot, clock: _Clock, *, scoped: bool
+    ) -> AsyncIterator[PullProgress | EnsureResult]:
+        """Start or join the snapshot's pull, relay its progress, answer with its model."""
+        flight, started_it = await self._join(request, snapshot, scoped=scoped)
+        self._note_pull_asked(snapshot.key, request.grantee)
+        log.info(
+            "%s pull of %s (%s) on %s for %s",
+            "starting" if started_it else "joining",
+            request.uri,
+            snapshot.key,
+            flight.tier,
+            request.client_name or "anonymous",
+            extra={"uri": str(request.uri), "key": snapshot.key, "client": request.client_name},
+        )
+        joined = time.monotonic()
+        async for progress in flight.watch():
+            yield progress
+        model = await flight.result()
+        if started_it:
             async with self._evictor.lock:
-                flight = self._puller.flight_for(snapshot.key)
-                started_it = flight is None
-                if flight is None:
-                    access.start_pull(snapshot.key, [f.key for f in self._puller.flights()])
-                    placed = await self._evictor.make_room(
-                        snapshot, tier or self.default_tier, strict=strict_tier
-                    )
-                    stale = self._store.discard_leftovers_of(str(snapshot.uri), keep=snapshot.key)
-                    # The requester's own credentials pull what it starts; one who joins a
-                    # pull in progress has passed its own check (list + HEAD) above.
-                    flight, _ = self._puller.join(snapshot, placed, options, source=scoped)
-            await self._store.purge(stale)  # outside the lock: deleting can take a while
-            self._note_pull_asked(snapshot.key, requester)
-            log.info(
-                "%s pull of %s (%s) on %s for %s",
-                "starting" if started_it else "joining",
-                uri,
-                snapshot.key,
-                flight.tier,
-                client_name or "anonymous",
-                extra={"uri": str(uri), "key": snapshot.key, "client": client_name},
+                await self._evictor.enforce_watermarks([model.tier])
+        waited = 0.0 if started_it else max(0.0, (time.monotonic() - joined) - pull_seconds(flight))
+        timings = clock.miss_timings(flight.timings, waited)
+        yield await self._answer(request, model, _Lookup("miss", timings, flight.resumed_bytes))
+
+    async def _join(
+        self, request: EnsureRequest, snapshot: Snapshot, *, scoped: bool
+    ) -> tuple[Flight, bool]:
+        """The snapshot's flight, started here (room made, leftovers dropped) if none runs.
+
+        True when this request started it.
+        """
+        async with self._evictor.lock:
+            flight = self._puller.flight_for(snapshot.key)
+            if flight is not None:
+                return flight, False
+            in_flight = [f.key for f in self._puller.flights()]
+            access.start_pull(snapshot.key, in_flight, request.requester)
+            placed = await self._evictor.make_room(
+                snapshot, request.tier or self.default_tier, strict=request.strict_tier
             )
-            joined = time.monotonic()
-            async for progress in flight.watch():
-                yield progress
-            model = await flight.result()
-            if started_it:
-                async with self._evictor.lock:
-                    await self._evictor.enforce_watermarks([model.tier])
-            done = time.monotonic()
-            pulled = flight.timings
-            waited = 0.0 if started_it else max(0.0, (done - joined) - pull_seconds(flight))
-            yield await self._answer(
-                model,
-                hit=False,
-                offline=False,
-                timings=RequestTimings(
-                    resolve=resolved - started,
-                    wait=waited,
-                    download=pulled.download,
-                    verify=pulled.verify,
-                    publish=pulled.publish,
-                    total=done - started,
-                ),
-                lease=lease,
-                lease_ttl=lease_ttl,
-                client_name=client_name,
-                pin=pin,
-                requester=requester,
-                resumed_bytes=flight.resumed_bytes,
-            )
+            stale = self._store.discard_leftovers_of(str(snapshot.uri), keep=snapshot.key)
+            # The requester's own credentials pull what it starts; one who joins a
+            # pull in progress has passed its own check (list + HEAD) above.
+            source = _scoped_source(self._source, request.requester) if scoped else None
+            flight, _ = self._puller.join(snapshot, placed, request.options, source=source)
+        await self._store.purge(stale)  # outside the lock: deleting can take a while
+        return flight, True
 
     async def _answer(
-        self,
-        model: CachedModel,
-        *,
-        hit: bool,
-        offline: bool,
-        timings: RequestTimings,
-        lease: bool,
-        lease_ttl: float | None,
-        client_name: str,
-        pin: bool,
-        requester: str = "",
-        resumed_bytes: int = 0,
+        self, request: EnsureRequest, model: CachedModel, lookup: _Lookup
     ) -> EnsureResult:
+        """Hand ``model`` out: lease it, pin it, count the lookup."""
         if self._store.get(model.key) is None:
             # Only a forced or verify eviction gets here: never hand out a path that is gone.
             raise Conflict(
                 f"{model.uri} ({model.key}) was evicted before it could be handed out; ask again."
             )
         granted = None
-        if lease:
-            ttl = _capped_ttl(lease_ttl, self._leases.default_ttl)
-            granted = self._leases.grant(model.key, client_name, ttl, grantee=requester)
-        if pin:
+        if request.lease is not None:
+            ttl = _capped_ttl(request.lease.ttl, self._leases.default_ttl, request.requester)
+            granted = self._leases.grant(
+                model.key, request.client_name, ttl, grantee=request.grantee
+            )
+        if request.pin:
             await self._store.set_pinned(model.key, True)
+        hit = lookup.kind != "miss"
         if hit:
             await self._store.record_use(model.key, hit=True)
-        observe_lookup(timings, "offline" if offline else "hit" if hit else "miss")
-        return EnsureResult(model, hit, offline, timings, granted, resumed_bytes)
+        observe_lookup(lookup.timings, lookup.kind)
+        return EnsureResult(
+            model, hit, lookup.kind == "offline", lookup.timings, granted, lookup.resumed_bytes
+        )
 
     # -- inspection -----------------------------------------------------------------------
 
@@ -259,21 +225,22 @@ class AgentService:
         return self._store.find(ref)[-1]
 
     def list_models(self) -> list[CachedModel]:
+        """Every cached snapshot."""
         return self._store.models()
 
     def usage(self, key: str) -> Usage:
+        """How a snapshot has been used (hits, last use, pin); zeros for one never used."""
         return self._store.usage(key) or Usage(last_used=0.0)
 
-    def leases_for(self, key: str) -> list[LeaseRecord]:
-        """The leases on ``key`` the calling socket may see: all on the node's, else its own."""
+    def leases_for(self, key: str, requester: Requester | None = None) -> list[LeaseRecord]:
+        """The leases on ``key`` the requester may see: all on the node's socket, else its own."""
         leases = self._leases.for_key(key)
-        caller = _calling_socket(None)
-        if caller is None or caller == access.NODE_TENANT:
+        if requester is None or requester.sees_everything:
             return leases
-        return [lease for lease in leases if lease.grantee == caller]
+        return [lease for lease in leases if lease.grantee == requester.name]
 
-    def status(self) -> AgentStatus:
-        """The agent's state as the calling socket may see it.
+    def status(self, requester: Requester | None = None) -> AgentStatus:
+        """The agent's state as the requester's socket may see it.
 
         A tenant's socket sees only the pulls it started or joined and its own
         leases; the tiers' sizes and counts are node-wide figures that name no
@@ -284,11 +251,11 @@ class AgentService:
         for model in self._store.models():
             if model.key in leased:
                 per_tier[model.tier] = per_tier.get(model.tier, 0) + 1
-        caller = _calling_socket(None)
-        everything = caller is None or caller == access.NODE_TENANT
+        # None: the node's socket or an in-process caller, who see everything.
+        caller = None if requester is None or requester.sees_everything else requester.name
         pulls = self._puller.flights()
         self._forget_ended_pulls(pulls)
-        if not everything:
+        if caller is not None:
             pulls = [f for f in pulls if caller in self._pulls_asked.get(f.key, ())]
         return AgentStatus(
             version=__version__,
@@ -296,7 +263,7 @@ class AgentService:
             leased_per_tier=per_tier,
             pulls=tuple(pulls),
             model_count=len(self._store.models()),
-            lease_count=self._leases.count(None if everything else caller),
+            lease_count=self._leases.count(caller),
             uptime_seconds=time.monotonic() - self._started,
             data_plane=self._puller.data_plane,
             default_tier=self.default_tier,
@@ -314,6 +281,7 @@ class AgentService:
     # -- management -----------------------------------------------------------------------
 
     async def evict(self, ref: str, *, force: bool = False) -> EvictResult:
+        """Evict every snapshot ``ref`` names; Conflict while one is being pulled."""
         in_flight = self._flights_matching(ref)
         if in_flight:
             raise Conflict(
@@ -330,20 +298,25 @@ class AgentService:
         return EvictResult(tuple(evicted), sum(m.total_bytes for m in evicted))
 
     async def collect_garbage(self, tier: TierName | None = None) -> EvictResult:
+        """Evict what is neither leased, pinned nor recently used, on one tier or both."""
         async with self._evictor.lock:
             evicted = await self._evictor.collect_garbage([tier] if tier else ["shm", "disk"])
         return EvictResult(tuple(evicted), sum(m.total_bytes for m in evicted))
 
     async def pin(self, ref: str, pinned: bool) -> CachedModel:
+        """Pin (or unpin) the newest snapshot ``ref`` names."""
         return await self._store.set_pinned(self.get(ref).key, pinned)
 
-    def renew_lease(self, lease_id: str, ttl: float | None) -> LeaseRecord:
-        """AccessDenied unless the calling socket is the one its lease was granted on."""
-        capped = _capped_ttl(ttl, self._leases.default_ttl)
-        return self._leases.renew(lease_id, capped, grantee=_calling_socket(None))
+    def renew_lease(
+        self, lease_id: str, ttl: float | None, requester: Requester | None = None
+    ) -> LeaseRecord:
+        """AccessDenied unless the requester's socket is the one its lease was granted on."""
+        capped = _capped_ttl(ttl, self._leases.default_ttl, requester)
+        return self._leases.renew(lease_id, capped, grantee=_grantee(requester))
 
-    def release_lease(self, lease_id: str) -> None:
-        self._leases.release(lease_id, grantee=_calling_socket(None))
+    def release_lease(self, lease_id: str, requester: Requester | None = None) -> None:
+        """End a lease; AccessDenied unless the requester's socket is the one it was granted on."""
+        self._leases.release(lease_id, grantee=_grantee(requester))
 
     async def verify(self, ref: str, *, every: bool, report_only: bool) -> list[Verification]:
         """Re-hash cached files; a snapshot that changed is evicted unless report_only."""
@@ -378,31 +351,76 @@ class AgentService:
 
     def _flights_matching(self, ref: str) -> list[Flight]:
         if "://" in ref:
-            uri = str(parse_uri(ref))
-            return [f for f in self._puller.flights() if str(f.snapshot.uri) == uri]
+            uri = parse_uri(ref)
+            return [f for f in self._puller.flights() if f.snapshot.uri == uri]
         key = ref.lower()
         return [f for f in self._puller.flights() if key and f.key.startswith(key)]
 
 
-def _calling_socket(unbound: str | None) -> str | None:
-    """The tenant (socket) the current request came in on; ``unbound`` when none is bound."""
-    bound = access.current_requester()
-    return bound.tenant.name if bound is not None else unbound
+@dataclass(slots=True)
+class _Clock:
+    """When a request started and when its snapshot was resolved: its answer's timings."""
+
+    started: float = field(default_factory=time.monotonic)
+    resolved_at: float = 0.0
+
+    def resolved(self) -> None:
+        self.resolved_at = time.monotonic()
+
+    def hit_timings(self) -> RequestTimings:
+        return RequestTimings(
+            resolve=self.resolved_at - self.started, total=time.monotonic() - self.started
+        )
+
+    def miss_timings(self, pulled: PullTimings, waited: float) -> RequestTimings:
+        return RequestTimings(
+            resolve=self.resolved_at - self.started,
+            wait=waited,
+            download=pulled.download,
+            verify=pulled.verify,
+            publish=pulled.publish,
+            total=time.monotonic() - self.started,
+        )
 
 
-def _capped_ttl(requested: float | None, default: float) -> float | None:
-    """The lease TTL the calling socket may have: a tenant's is capped (max_lease_seconds)."""
-    bound = access.current_requester()
-    return requested if bound is None else bound.tenant.lease_ttl(requested, default)
+@dataclass(frozen=True, slots=True)
+class _Lookup:
+    """How a request was answered: from the cache (hit, offline) or by a pull (miss)."""
+
+    kind: Literal["hit", "miss", "offline"]
+    timings: RequestTimings
+    resumed_bytes: int = 0
 
 
-def _requester_source(source: ObjectSource) -> ScopedSource | None:
+def _grantee(requester: Requester | None) -> str | None:
+    """Whose leases a requester may renew or release: its socket's; None checks nothing."""
+    return None if requester is None else requester.name
+
+
+def _capped_ttl(
+    requested: float | None, default: float, requester: Requester | None
+) -> float | None:
+    """The lease TTL the requester may have: a tenant's is capped (max_lease_seconds)."""
+    return requested if requester is None else requester.lease_ttl(requested, default)
+
+
+def _scoped_keys(source: ObjectSource, requester: Requester | None) -> RequesterKeys | None:
+    """The keys a pull this request starts signs with: the requester's, if it sent any.
+
+    None for no keys, or for a source check_snapshot already refused them for.
+    """
+    keys = requester.keys if requester is not None else None
+    if keys is None or not isinstance(source, access.CredentialScopedSource):
+        return None
+    return keys
+
+
+def _scoped_source(source: ObjectSource, requester: Requester | None) -> ScopedSource | None:
     """The source a pull this request starts goes through: the requester's keys, if it sent any.
 
     Not opened here: the puller opens it when the pull starts and closes it when it ends.
     """
-    bound = access.current_requester()
-    keys = bound.keys if bound is not None else None
+    keys = _scoped_keys(source, requester)
     if keys is None or not isinstance(source, access.CredentialScopedSource):
-        return None  # no keys, or a source check_snapshot already refused them for
+        return None
     return source.with_credentials(keys.access_key_id, keys.secret_access_key, keys.session_token)

@@ -24,6 +24,8 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class RequestTimings:
+    """Seconds a request spent resolving, waiting on another's pull, and in its pull's phases."""
+
     resolve: float = 0.0
     wait: float = 0.0
     download: float = 0.0
@@ -34,6 +36,8 @@ class RequestTimings:
 
 @dataclass(frozen=True, slots=True)
 class EnsureResult:
+    """The answer to EnsureModel: the snapshot handed out, how, and its lease if one was asked."""
+
     model: CachedModel
     hit: bool
     resolved_offline: bool
@@ -44,12 +48,16 @@ class EnsureResult:
 
 @dataclass(frozen=True, slots=True)
 class EvictResult:
+    """What an eviction removed and the bytes it freed."""
+
     evicted: tuple[CachedModel, ...]
     bytes_freed: int
 
 
 @dataclass(frozen=True, slots=True)
 class Verification:
+    """One snapshot re-hashed: what differs, whether it was evicted, how long it took."""
+
     model: CachedModel
     problems: tuple[FileProblem, ...]
     evicted: bool
@@ -58,6 +66,8 @@ class Verification:
 
 @dataclass(frozen=True, slots=True)
 class AgentStatus:
+    """The agent's state as a socket may see it (see AgentService.status)."""
+
     version: str
     tiers: tuple[TierUsage, ...]
     leased_per_tier: dict[TierName, int]

@@ -31,6 +31,8 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class ListedObject:
+    """One object of a listing page: its key, size, ETag and checksum algorithm."""
+
     key: str
     size: int
     etag: str
@@ -64,6 +66,8 @@ class ObjectTooLarge(IntegrityError):
 
 
 class RangeReader(Protocol):
+    """The body of one ranged GET, read in pieces."""
+
     async def read(self, amount: int) -> bytes:
         """Up to ``amount`` bytes; b"" once the range is exhausted."""
         ...

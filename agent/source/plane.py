@@ -15,9 +15,10 @@ sink, both by shape.
 Four implementations: ``ProcessPlane`` (process_plane: presigned ranged GETs
 sent by worker processes, each with its own interpreter lock), ``ThreadsPlane``
 (threads_plane: ranged GETs in the daemon's threads, each body read into a
-worker's buffer and written at its offset), ``AiobotocorePlane`` (ranged_plane:
+worker's buffer and written at its offset), ``AiobotocorePlane`` (aiobotocore_plane:
 ranged GETs in the event loop) and ``StreamerPlane`` (streamer_plane: the Run:ai
-Model Streamer's C++ client in a thread). See docs/data-planes.md.
+Model Streamer's C++ client in a thread), held by name in agent.source.plane_registry,
+which also decides what ``auto`` means. See docs/data-planes.md.
 """
 
 from __future__ import annotations
@@ -25,15 +26,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from agent._exceptions import PrewarmError
 from agent._snapshot import Snapshot, SourceObject
 from agent.check.hashes import ChunkHasher
-from agent.source.transfer import Tuning
+from agent.source.tuning import Tuning
 
 __all__ = [
-    "AUTO_DATA_PLANE",
     "ByteRange",
     "DataPlane",
     "ProgressSink",
@@ -46,9 +46,6 @@ __all__ = [
 
 T = TypeVar("T")
 
-# What data_plane = "auto" means, chosen by measurement (docs/data-planes.md).
-AUTO_DATA_PLANE: Literal["processes", "threads", "streamer", "aiobotocore"] = "processes"
-
 
 @dataclass(frozen=True, slots=True)
 class ByteRange:
@@ -60,6 +57,7 @@ class ByteRange:
 
     @property
     def where(self) -> str:
+        """The range, as messages name it: path and byte span."""
         return f"{self.obj.relative_path} bytes {self.start}-{self.start + self.length - 1}"
 
 
@@ -73,10 +71,12 @@ class RangeCursor:
 
     @property
     def offset(self) -> int:
+        """The file offset the next byte of this range goes to."""
         return self.range.start + self.written
 
     @property
     def missing(self) -> int:
+        """Bytes of this range not written yet."""
         return self.range.length - self.written
 
 
@@ -84,10 +84,14 @@ class ProgressSink(Protocol):
     """Where a plane reports the bytes it wrote: the pull's progress (``Flight``)."""
 
     @property
-    def snapshot(self) -> Snapshot: ...
+    def snapshot(self) -> Snapshot:
+        """The snapshot being pulled."""
+        ...
 
     @property
-    def key(self) -> str: ...
+    def key(self) -> str:
+        """The snapshot's key."""
+        ...
 
     def add_bytes(self, obj: SourceObject, count: int) -> None:
         """``count`` bytes of ``obj`` arrived from the source and were written."""
@@ -98,7 +102,9 @@ class RangeSink(Protocol):
     """The files a plane writes into and journals ranges of (``StagingFiles``)."""
 
     @property
-    def chunk_size(self) -> int: ...
+    def chunk_size(self) -> int:
+        """Bytes per journal range."""
+        ...
 
     @property
     def bypass_page_cache(self) -> bool:
@@ -130,6 +136,8 @@ class RangeSink(Protocol):
 
 
 class DataPlane(Protocol):
+    """Moves a pull's bulk bytes: see the module docstring for what it must do."""
+
     name: str
 
     async def download(

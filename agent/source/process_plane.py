@@ -52,7 +52,7 @@ from agent.source.s3_errors import (
     silent_error,
     unreachable_error,
 )
-from agent.source.transfer import Tuning
+from agent.source.tuning import Tuning
 
 __all__ = ["Presigner", "ProcessPlane", "WorkerPool", "processes_unavailable"]
 
@@ -71,11 +71,13 @@ _job_ids = itertools.count(1)
 class Presigner(Protocol):
     """What the plane needs of a source: a presigned GET, and how to verify S3's TLS."""
 
-    async def presign_get(
-        self, bucket: str, key: str, *, etag: str, expires_seconds: int
-    ) -> str: ...
+    async def presign_get(self, bucket: str, key: str, *, etag: str, expires_seconds: int) -> str:
+        """A GET URL for ``key`` at ``etag``, valid ``expires_seconds``."""
+        ...
 
-    def transport(self) -> dict[str, object]: ...
+    def transport(self) -> dict[str, object]:
+        """How workers must verify S3's certificate to match the source."""
+        ...
 
 
 def processes_unavailable(source: object, settings: S3Settings | None) -> str | None:
@@ -126,9 +128,11 @@ class WorkerPool:
 
     @property
     def workers(self) -> list[Worker]:
+        """The workers alive now."""
         return [w for w in self._workers if w.alive]
 
     def pids(self) -> list[int]:
+        """Process ids of the workers alive now."""
         return [w.process.pid for w in self.workers]
 
     async def start(self, tls: dict[str, object]) -> None:
@@ -165,9 +169,11 @@ class WorkerPool:
         log.debug("range worker %d started (pid %d)", index, process.pid)
 
     def least_busy(self) -> Worker:
+        """The worker with the fewest jobs in hand."""
         return min(self.workers, key=lambda w: len(w.jobs))
 
     async def submit(self, worker: Worker, job: GetJob, fd: int, run: _PullRun) -> None:
+        """Send ``job`` (and the file's descriptor) to ``worker``; ``run`` hears its answers."""
         self._handlers[job.id] = run
         worker.jobs.add(job.id)
         try:
@@ -329,6 +335,7 @@ class ProcessPlane:
 
     @property
     def pool(self) -> WorkerPool:
+        """The worker processes this plane sends its GETs through."""
         return self._pool
 
     def with_source(self, source: Presigner) -> ProcessPlane:
@@ -341,6 +348,7 @@ class ProcessPlane:
             await self._pool.start(self._source.transport())
 
     async def aclose(self) -> None:
+        """Stop the worker processes."""
         await self._pool.aclose()
 
     async def download(
@@ -350,6 +358,7 @@ class ProcessPlane:
         ranges: Sequence[ByteRange],
         tuning: Tuning,
     ) -> None:
+        """Presign and hand out every range to the workers; journal each as it is answered."""
         if not ranges:
             return
         await self.start()
@@ -366,6 +375,7 @@ class ProcessPlane:
                 raise
 
     def job_for(self, run: _PullRun, byte_range: ByteRange, url: str) -> GetJob:
+        """The job a worker runs for ``byte_range`` of ``run``, GETting ``url``."""
         tuning = run.tuning
         return GetJob(
             id=next(_job_ids),
@@ -385,6 +395,7 @@ class ProcessPlane:
         )
 
     async def presign(self, bucket: str, obj: SourceObject) -> str:
+        """A presigned GET URL for ``obj`` at its ETag."""
         return await self._source.presign_get(
             bucket, obj.key, etag=obj.etag, expires_seconds=PRESIGN_SECONDS
         )

@@ -85,10 +85,12 @@ class GetJob:
 
     @property
     def where(self) -> str:
+        """The job's byte span, as messages name it."""
         return f"bytes {self.start}-{self.start + self.length - 1}"
 
 
 def encode(message: dict[str, Any]) -> bytes:
+    """One control message as bytes (JSON); ValueError over MAX_MESSAGE."""
     data = json.dumps(message, separators=(",", ":")).encode()
     if len(data) > MAX_MESSAGE:
         raise ValueError(f"a range-worker message of {len(data)} bytes is over {MAX_MESSAGE}")
@@ -96,6 +98,7 @@ def encode(message: dict[str, Any]) -> bytes:
 
 
 def decode(data: bytes) -> dict[str, Any]:
+    """One control message from bytes; TypeError unless it is a JSON object."""
     message = json.loads(data)
     if not isinstance(message, dict):
         raise TypeError("a range-worker message is not an object")
@@ -449,7 +452,7 @@ class RangeWorker:
                 sock,
                 body,
                 run.buffer,
-                wanted,
+                wanted=wanted,
                 write=lambda p: run.write(p, self._progress),
             )
         except _BROKEN_OFF as exc:
@@ -590,8 +593,8 @@ def _read_body(
     sock: socket.socket,
     body: Body,
     buffer: memoryview,
-    wanted: int,
     *,
+    wanted: int,
     write: Callable[[memoryview], None],
 ) -> int:
     """Read ``wanted`` body bytes in buffer-sized pieces, handing each full one to ``write``.
@@ -649,6 +652,7 @@ def _tls_context(settings: dict[str, Any]) -> ssl.SSLContext:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a range worker on the control socket the daemon passed; the exit status."""
     parser = argparse.ArgumentParser(prog="python -m agent.source.range_worker")
     parser.add_argument("--control-fd", type=int, required=True)
     args = parser.parse_args(argv)

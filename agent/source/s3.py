@@ -42,7 +42,7 @@ from agent.source.s3_errors import (
     silent_error,
     translate_s3_error,
 )
-from agent.source.transfer import connection_pool_size
+from agent.source.tuning import connection_pool_size
 
 __all__ = ["S3Source", "SourceSilent", "SourceUnreachable"]
 
@@ -67,6 +67,7 @@ class S3Source:
         self._transport: dict[str, object] | None = None
 
     async def __aenter__(self) -> Self:
+        """Build the pooled aiobotocore client (and the one-try client for first pages)."""
         settings = self._settings
         config = AioConfig(
             max_pool_connections=connection_pool_size(settings),
@@ -103,10 +104,12 @@ class S3Source:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        """Close the clients."""
         await self._stack.aclose()
 
     @property
     def s3_settings(self) -> S3Settings:
+        """The [s3] settings this source was built with."""
         return self._settings
 
     def with_credentials(
@@ -120,6 +123,7 @@ class S3Source:
 
     @property
     def endpoint(self) -> str:
+        """The S3 endpoint the client talks to."""
         return str(self._client.meta.endpoint_url) if self._client else "(not started)"
 
     async def list_objects(self, uri: ModelUri) -> list[ListedObject]:
@@ -140,7 +144,9 @@ class S3Source:
         token = ""
         while True:
             if token:
-                page = await self._list_page(self._client, uri, doing, token, self._deadline())
+                page = await self._list_page(
+                    self._client, uri, doing, token, deadline=self._deadline()
+                )
             else:
                 page = await self._first_list_page(uri, doing)
             yield [
@@ -160,14 +166,16 @@ class S3Source:
         since = asyncio.get_running_loop().time()
         deadline = self._deadline()
         try:
-            return await self._list_page(self._one_try_client, uri, doing, "", deadline)
+            return await self._list_page(self._one_try_client, uri, doing, "", deadline=deadline)
         except SourceUnreachable:
             raise
         except SourceUnavailable as exc:
             attempts = total_attempts(self._settings)
             cause = exc.__cause__ or exc
             log_second_try(self.endpoint, "ListObjectsV2", cause, max_attempts=attempts)
-            return await self._list_page(self._client, uri, doing, "", deadline, since=since)
+            return await self._list_page(
+                self._client, uri, doing, "", deadline=deadline, since=since
+            )
 
     async def _list_page(
         self,
@@ -175,8 +183,8 @@ class S3Source:
         uri: ModelUri,
         doing: str,
         token: str,
-        deadline: float,
         *,
+        deadline: float,
         since: float | None = None,
     ) -> dict[str, Any]:
         more = {"ContinuationToken": token} if token else {}
@@ -190,6 +198,7 @@ class S3Source:
     async def open_range(
         self, bucket: str, key: str, *, etag: str, start: int, length: int
     ) -> AsyncIterator[RangeReader]:
+        """The body of a ranged GET at ``etag``; errors mapped onto the error tree."""
         where = f"s3://{bucket}/{key} bytes {start}-{start + length - 1}"
         async with self._answer(f"reading {where}", bucket=bucket):
             response = await self._client.get_object(
@@ -236,6 +245,10 @@ class S3Source:
     async def head_object(
         self, bucket: str, key: str, *, etag: str | None = None
     ) -> ObjectHead | None:
+        """The object's size, ETag and checksum; None when it does not exist.
+
+        With ``etag``: SourceChanged when the object is gone or was replaced.
+        """
         condition = {"IfMatch": etag} if etag else {}
         try:
             async with self._answer(
@@ -259,6 +272,7 @@ class S3Source:
         )
 
     async def get_object(self, bucket: str, key: str, *, max_bytes: int) -> StoredObject | None:
+        """A small object's bytes (at most ``max_bytes``); None when it does not exist."""
         doing = f"reading s3://{bucket}/{key}"
         try:
             async with self._answer(doing, bucket=bucket, passed=_missing):
@@ -286,6 +300,7 @@ class S3Source:
         if_match: str | None = None,
         if_absent: bool = False,
     ) -> str:
+        """Put a small object, conditionally if asked; its new ETag."""
         condition = {"IfMatch": if_match} if if_match else {}
         if if_absent:
             condition["IfNoneMatch"] = "*"
@@ -305,6 +320,7 @@ class S3Source:
         return str(response.get("ETag", ""))
 
     async def delete_object(self, bucket: str, key: str) -> None:
+        """Delete an object."""
         async with self._answer(f"deleting s3://{bucket}/{key}", bucket=bucket):
             await self._client.delete_object(Bucket=bucket, Key=key)
 
@@ -316,6 +332,7 @@ class S3Source:
         *,
         content_type: str = "application/octet-stream",
     ) -> str:
+        """Upload an object from parts (multipart, aborted on failure); its ETag."""
         doing = f"uploading s3://{bucket}/{key} in parts"
         try:
             created = await self._client.create_multipart_upload(

@@ -106,6 +106,16 @@ def translate_s3_error(
     long the request waited, said when S3 kept silent. Anything not recognised
     is returned as is.
     """
+    translated = _answered(exc, doing, endpoint=endpoint, bucket=bucket)
+    if translated is None:
+        translated = _transport_failure(
+            exc, doing, endpoint=endpoint, broken_off=broken_off, waited=waited
+        )
+    return exc if translated is None else translated
+
+
+def _answered(exc: BaseException, doing: str, *, endpoint: str, bucket: str) -> PrewarmError | None:
+    """What an error S3 answered with (or the client's own credential check) means."""
     if isinstance(exc, boto.ClientError):
         error = exc.response.get("Error", {})
         status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
@@ -117,6 +127,18 @@ def translate_s3_error(
             f"No usable AWS credentials for {doing}. Give the agent a role or set "
             "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)."
         )
+    return None
+
+
+def _transport_failure(
+    exc: BaseException,
+    doing: str,
+    *,
+    endpoint: str,
+    broken_off: tuple[type[BaseException], ...],
+    waited: float | None,
+) -> PrewarmError | None:
+    """What a failure to reach S3, or a transfer that broke off, means; None if neither."""
     if _is_unreachable(exc):
         return unreachable_error(doing, endpoint=endpoint, cause=str(exc))
     if isinstance(exc, boto.ReadTimeoutError):
@@ -130,7 +152,7 @@ def translate_s3_error(
         return broken_off_error(doing, cause=str(exc))
     if isinstance(exc, boto.BotoCoreError):
         return SourceUnavailable(f"S3 client error while {doing}: {exc}.")
-    return exc
+    return None
 
 
 def answer_error(

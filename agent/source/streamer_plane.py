@@ -54,7 +54,7 @@ from agent.check.hashes import ChunkHasher
 from agent.source.interface import ObjectSource
 from agent.source.pacing import backoff_delay
 from agent.source.plane import ByteRange, DataPlane, ProgressSink, RangeSink, write_in_thread
-from agent.source.transfer import Tuning, streamer_environment
+from agent.source.tuning import Tuning, streamer_environment
 
 __all__ = ["StreamerPlane", "load_streamer", "streamer_unavailable"]
 
@@ -179,12 +179,14 @@ class StreamerPlane:
         ranges: Sequence[ByteRange],
         tuning: Tuning,
     ) -> None:
+        """Stream every range through the Run:ai streamer; restart it while it makes
+        progress, else fetch what is left with the fallback plane."""
         pending = list(ranges)
         streamed: dict[str, SourceObject] = {}
         restarts = 0
         while pending:
             try:
-                await self._stream(flight, staging, pending, tuning, streamed)
+                await self._stream(flight, staging, pending, tuning, streamed=streamed)
                 break
             except _StreamFailed as exc:
                 left = [r for r in pending if not staging.is_done(r.obj.relative_path, r.start)]
@@ -218,6 +220,7 @@ class StreamerPlane:
         staging: RangeSink,
         ranges: list[ByteRange],
         tuning: Tuning,
+        *,
         streamed: dict[str, SourceObject],
     ) -> None:
         handoff = _Handoff(asyncio.get_running_loop())

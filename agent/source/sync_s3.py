@@ -25,7 +25,7 @@ from agent._config import S3Settings
 from agent.source.deadlines import bound_requests, total_attempts
 from agent.source.retry_log import log_retries
 from agent.source.s3_errors import translate_s3_error
-from agent.source.transfer import connection_pool_size
+from agent.source.tuning import connection_pool_size
 
 __all__ = ["THREADS_USER_AGENT", "body_reader", "body_socket", "make_sync_client", "translate"]
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from agent.source.pacing import Body, slow_body_reason
 from agent.source.plane import ByteRange, ProgressSink, RangeSink
-from agent.source.transfer import Tuning
+from agent.source.tuning import Tuning
 
 __all__ = ["PullState", "Stopped", "watch_speed"]
 
@@ -56,6 +56,7 @@ class PullState:
         self.failure: BaseException | None = None  # loop only
 
     def next_range(self) -> ByteRange | None:
+        """The next range to fetch; None once the pull stopped or the plan is done."""
         with self._lock:
             return None if self.stopped.is_set() else next(self._ranges, None)
 
@@ -68,12 +69,14 @@ class PullState:
             self._bodies.add(body)
 
     def release(self, body: Body) -> None:
+        """A worker is done with ``body``."""
         with self._lock:
             self._bodies.discard(body)
             self._holders -= 1
             self._idle.notify_all()
 
     def bodies(self) -> list[Body]:
+        """The bodies being read now."""
         with self._lock:
             return list(self._bodies)
 

@@ -37,10 +37,10 @@ from agent._exceptions import PrewarmError, SourceUnavailable
 from agent.check.hashes import ChunkHasher
 from agent.source.interface import RangeReadError
 from agent.source.pacing import Body, backoff_delay, read_step
-from agent.source.plane import AUTO_DATA_PLANE, ByteRange, ProgressSink, RangeCursor, RangeSink
+from agent.source.plane import ByteRange, ProgressSink, RangeCursor, RangeSink
 from agent.source.sync_s3 import body_reader, body_socket, make_sync_client, translate
 from agent.source.thread_pull import PullState, Stopped, watch_speed
-from agent.source.transfer import Tuning
+from agent.source.tuning import Tuning
 
 __all__ = ["ThreadsPlane"]
 
@@ -57,15 +57,14 @@ class ThreadsPlane:
         self._client: Any = None
         self._client_lock = threading.Lock()
         self._closed = False
-        if settings.data_plane == "threads" or (
-            settings.data_plane == "auto" and AUTO_DATA_PLANE == "threads"
-        ):
-            # Building botocore's client loads the S3 service model (about 70 ms of
-            # CPU, measured): as the agent's default plane, pay that at start-up, off
-            # the loop, rather than in the first cold pull.
-            threading.Thread(
-                target=self._prepare, name="prewarm-threads-client", daemon=True
-            ).start()
+
+    def prepare(self) -> None:
+        """Build the S3 client now, in a thread of its own, rather than in the first pull.
+
+        Building botocore's client loads the S3 service model (about 70 ms of CPU,
+        measured): the agent's default plane pays that at start-up, off the loop.
+        """
+        threading.Thread(target=self._prepare, name="prewarm-threads-client", daemon=True).start()
 
     def _prepare(self) -> None:
         try:
@@ -96,6 +95,7 @@ class ThreadsPlane:
         ranges: Sequence[ByteRange],
         tuning: Tuning,
     ) -> None:
+        """Fetch every range on worker threads; the loop journals and reports."""
         if not ranges:
             return
         client = await asyncio.to_thread(self._s3)

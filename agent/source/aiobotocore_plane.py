@@ -30,7 +30,7 @@ from agent.source.plane import (
     root_cause,
     write_in_thread,
 )
-from agent.source.transfer import Tuning
+from agent.source.tuning import Tuning
 
 __all__ = ["AiobotocorePlane"]
 
@@ -54,6 +54,7 @@ class AiobotocorePlane:
         ranges: Sequence[ByteRange],
         tuning: Tuning,
     ) -> None:
+        """Write and journal every range with ``concurrency`` workers; raise the first failure."""
         shared = iter(ranges)
         try:
             async with asyncio.TaskGroup() as workers:
@@ -83,7 +84,7 @@ class AiobotocorePlane:
                 async with self._source.open_range(
                     bucket, obj.key, etag=obj.etag, start=cursor.offset, length=cursor.missing
                 ) as reader:
-                    await self._copy(flight, staging, reader, cursor, tuning)
+                    await self._copy(reader, _Writes(flight, staging, cursor), tuning)
                 if cursor.missing:
                     raise RangeReadError(
                         f"s3://{bucket}/{obj.key} ended {cursor.missing} bytes short of the "
@@ -102,63 +103,85 @@ class AiobotocorePlane:
             obj.relative_path, byte_range.start, byte_range.length, cursor.hasher.digest()
         )
 
-    async def _copy(
-        self,
-        flight: ProgressSink,
-        staging: RangeSink,
-        reader: RangeReader,
-        cursor: RangeCursor,
-        tuning: Tuning,
-    ) -> None:
+    async def _copy(self, reader: RangeReader, written: _Writes, tuning: Tuning) -> None:
         """Copy a response body into the file, gathering ``io_block`` bytes per write.
 
         Raises RangeReadError when fewer than ``low_speed_limit`` bytes/s arrive
         over a ``request_timeout`` window (a stalled body included), so a slow
         connection is replaced instead of waited on.
         """
-        block = tuning.io_block
-        path = cursor.range.obj.relative_path
-        pending: list[bytes] = []
-        pending_bytes = 0
-        loop = asyncio.get_running_loop()
-        window = tuning.request_timeout
-        needed = max(1, int(tuning.low_speed_limit * window))
-        window_end = loop.time() + window
-        window_bytes = 0
-
-        async def flush() -> None:
-            nonlocal pending, pending_bytes
-            if pending:
-                await write_in_thread(staging.write_at, path, pending, cursor.offset, cursor.hasher)
-                cursor.written += pending_bytes
-                flight.add_bytes(cursor.range.obj, pending_bytes)
-                pending, pending_bytes = [], 0
-
+        window = _SpeedWindow(tuning, written.cursor.range.obj.key)
         try:
             while True:
                 data: bytes | None = None
                 try:
-                    async with asyncio.timeout_at(window_end):
-                        data = await reader.read(block - pending_bytes)
+                    async with asyncio.timeout_at(window.end):
+                        data = await reader.read(tuning.io_block - written.pending_bytes)
                 except TimeoutError:
                     pass  # judged below with the rest of the window
                 if data is not None:
                     if not data:
                         break
-                    pending.append(data)
-                    pending_bytes += len(data)
-                    window_bytes += len(data)
-                    if pending_bytes >= block or len(pending) >= _MAX_IOVECS:
-                        await flush()
-                if loop.time() >= window_end:
-                    if window_bytes < needed:
-                        raise RangeReadError(
-                            f"{cursor.range.obj.key} sent {window_bytes} bytes in {window:.1f} s, "
-                            f"under the low-speed limit of {tuning.low_speed_limit} bytes/s."
-                        )
-                    window_end, window_bytes = loop.time() + window, 0
+                    window.bytes += len(data)
+                    await written.add(data, tuning.io_block)
+                window.check()
         except SourceUnavailable:
             # What arrived before the break is good; keep it so the retry asks for less.
-            await flush()
+            await written.flush()
             raise
-        await flush()
+        await written.flush()
+
+
+class _Writes:
+    """Body bytes gathered for one positional write at a range's cursor, then written."""
+
+    def __init__(self, flight: ProgressSink, staging: RangeSink, cursor: RangeCursor) -> None:
+        self._flight = flight
+        self._staging = staging
+        self.cursor = cursor
+        self._pending: list[bytes] = []
+        self.pending_bytes = 0
+
+    async def add(self, data: bytes, block: int) -> None:
+        """Gather ``data``; write what is gathered once it fills ``block`` bytes."""
+        self._pending.append(data)
+        self.pending_bytes += len(data)
+        if self.pending_bytes >= block or len(self._pending) >= _MAX_IOVECS:
+            await self.flush()
+
+    async def flush(self) -> None:
+        """Write what is gathered at the cursor (in a worker thread) and report it."""
+        if not self._pending:
+            return
+        cursor = self.cursor
+        path = cursor.range.obj.relative_path
+        await write_in_thread(
+            self._staging.write_at, path, self._pending, cursor.offset, cursor.hasher
+        )
+        cursor.written += self.pending_bytes
+        self._flight.add_bytes(cursor.range.obj, self.pending_bytes)
+        self._pending, self.pending_bytes = [], 0
+
+
+class _SpeedWindow:
+    """The low-speed check: ``low_speed_limit`` bytes/s over each ``request_timeout``."""
+
+    def __init__(self, tuning: Tuning, key: str) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._length = tuning.request_timeout
+        self._limit = tuning.low_speed_limit
+        self._needed = max(1, int(tuning.low_speed_limit * self._length))
+        self._key = key
+        self.end = self._loop.time() + self._length
+        self.bytes = 0
+
+    def check(self) -> None:
+        """RangeReadError when a window ended under the limit; else start the next one."""
+        if self._loop.time() < self.end:
+            return
+        if self.bytes < self._needed:
+            raise RangeReadError(
+                f"{self._key} sent {self.bytes} bytes in {self._length:.1f} s, "
+                f"under the low-speed limit of {self._limit} bytes/s."
+            )
+        self.end, self.bytes = self._loop.time() + self._length, 0

@@ -2,7 +2,7 @@
 
 Usage: python scripts/gen_proto.py [OUT_DIR]
 
-OUT_DIR defaults to agent/_proto. tests/test_generated_code.py runs this into a
+OUT_DIR defaults to agent/_proto. tests/edge/test_generated_code.py runs this into a
 temporary directory and fails if the result differs from what is checked in.
 """
 

@@ -2,7 +2,7 @@
 
 ``uri``/``ref``/``id`` "fail:CODE" aborts with CODE; "s3://b/nohandle/" ends
 EnsureModel without a handle. The behaviour under test is the client's
-(tests/test_cli.py runs the real agent).
+(tests/cli/test_cli.py runs the real agent).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``Client`` and ``AsyncClient``: one connection to the node's agent, one method per RPC.
 
 Both classes are written out, method by method, in the same order and with
-the same docstrings (``tests/test_client_methods.py`` holds them to it): each
+the same docstrings (``tests/client/test_client_methods.py`` holds them to it): each
 method builds its request in ``_messages`` (checked before any connection),
 calls the stub, and turns the answer into ``_models`` values, with grpc
 errors raised as prewarm's (``_exceptions``). ``Client`` blocks;

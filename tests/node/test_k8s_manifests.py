@@ -31,7 +31,7 @@ from agent.client import Client
 from agent.prefetch.schema import read_manifest
 from agent.service import access
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "packaging" / "k8s"
 POLICY = REPO / "packaging" / "iam" / "prewarm-node-policy.json"
 UNIT = REPO / "systemd" / "prewarmd.service"

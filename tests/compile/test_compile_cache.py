@@ -7,7 +7,7 @@ one cold compile on a first node, published when its launch reports ready,
 then new nodes that restore it and report a hit (same shapes) or a partial
 miss (a new shape).
 
-The compile runs in child processes (tests/compile_probe.py) with the env vars
+The compile runs in child processes (tests/compile/compile_probe.py) with the env vars
 from the agent's handle, the inductor backend on the CPU, and TMPDIR inside the
 test's own directory, so nothing is left behind outside it. Precompiled headers
 are turned off in the children: inductor would otherwise rebuild a 150 MB

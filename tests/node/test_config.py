@@ -13,7 +13,7 @@ from agent_helpers import ProcessFactory
 from agent._config import ConfigError, Settings, load_settings, render_toml
 from agent._config_env import NOT_SETTINGS, settings_env_names
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

@@ -37,7 +37,7 @@ from agent.testing import (
     upload_model,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 UNIT = REPO / "systemd" / "prewarmd.service"
 TMPFILES = REPO / "systemd" / "prewarm.tmpfiles"
 SYSUSERS = REPO / "systemd" / "prewarm.sysusers"

@@ -16,7 +16,7 @@ from agent_helpers import AgentFactory
 from agent.client import AsyncClient, CompileKeyParts, CompileLockGrant
 
 PARTS = CompileKeyParts(torch_version="2.13.0", model_key="lock-test")
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 WAIT = 30.0
 
 

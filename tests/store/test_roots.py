@@ -77,7 +77,7 @@ async def test_the_agent_creates_its_roots_traverse_only_with_a_private_journal_
     tmp_path: Path,
 ) -> None:
     """Fresh roots and snapshots/ are 0711, the rest of the layout 0700, all the agent's; the
-    journal key is 0600 (tests/test_disk_access.py tries them as another user)."""
+    journal key is 0600 (tests/store/test_disk_access.py tries them as another user)."""
     old_umask = os.umask(0)  # the modes must not depend on the caller's umask
     try:
         await open_store(tmp_path)

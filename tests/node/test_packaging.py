@@ -23,7 +23,7 @@ import yaml
 from agent._config import Settings, load_settings
 from agent.testing import AgentProcess, InProcessAgent, S3Server, SampleModel
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGING = REPO / "packaging"
 AGENT_TOML = PACKAGING / "agent.toml"
 GID = 2929  # systemd/prewarm.sysusers, packaging/Containerfile, the pod specs

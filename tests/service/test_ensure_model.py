@@ -235,7 +235,7 @@ def test_client_killed_mid_pull_does_not_break_the_pull_for_others(
         [sys.executable, "-c", script, str(agent.socket_path), model.uri],
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
     )
     assert doomed.stdout is not None
     first_progress = doomed.stdout.readline()  # blocks until bytes are moving

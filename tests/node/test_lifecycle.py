@@ -136,7 +136,7 @@ def test_a_held_lease_names_its_holder_process(
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
     )
     assert holder.stdin is not None
     assert holder.stdout is not None

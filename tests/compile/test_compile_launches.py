@@ -1,6 +1,6 @@
 """Publish after ready, end to end: the real ``prewarm exec``, the real daemon, the real S3 server.
 
-The launched command is tests/exec_ready_child.py, which writes an artifact
+The launched command is tests/compile/exec_ready_child.py, which writes an artifact
 into its compile cache as an engine would, and either crashes or serves a
 real health endpoint that turns ready when the test says so. The verdict and
 merge logic are tested in process (test_compile_verdicts.py); the Mega-Cache

@@ -4,7 +4,7 @@ Inductor links a kernel straight to its final path (``gcc -o <hash>.so``), so
 an upload that runs while the linker works (the key was quiet for
 ``quiet_seconds``, or ``prewarm compile push``) can pack the ``.so`` empty or
 cut short. Seen with real torch.compile on the loaded 2-core test VM
-(tests/test_compile_cache.py with the quiet-time upload): the manifest listed
+(tests/compile/test_compile_cache.py with the quiet-time upload): the manifest listed
 ``inductor/3b/c3bn....main.so`` with 0 bytes while the node held 62,560. The
 merge compared paths only, so the finished file was never sent and every node
 that restored the key got the empty one. Now an upload sends every file whose

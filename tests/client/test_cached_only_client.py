@@ -1,7 +1,7 @@
 """cached_only from the caller's side: the clients, `prewarm pull` and `prewarm exec` send it.
 
 The server is tests.scripted_agent, which keeps every EnsureModel request it
-receives; what the agent does with the field is in tests/test_offline_hits.py.
+receives; what the agent does with the field is in tests/service/test_offline_hits.py.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 A pod that makes many directories in its compile cache uses up inotify watches (one per
 directory). At the limit, the watcher used to stop watching new directories silently, and
-a victim's artifacts were never uploaded. Run in a child process in a user namespace of its
-own (``tests/compile_watch_child.py``), whose watch limit is lowered for that namespace only.
+a victim's artifacts were never uploaded. Run in a child process in a user namespace of
+its own (``tests/compile/compile_watch_child.py``), whose watch limit is lowered for that
+namespace only.
 """
 
 from __future__ import annotations

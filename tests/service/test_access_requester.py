@@ -64,7 +64,7 @@ def iam_world(
         tenant_socket = root / "pods.sock"
         # moto checks IAM only on signed headers, not on presigned URLs (it answers 500),
         # so these pulls run on the aiobotocore plane; the processes plane's presigning
-        # with the requester's keys is pinned in tests/test_processes_plane.py.
+        # with the requester's keys is pinned in tests/source/test_processes_plane.py.
         config = (
             '[s3]\ndata_plane = "aiobotocore"\n'
             f'[[access.sockets]]\nname = "pods"\npath = "{tenant_socket}"\n'

@@ -21,7 +21,7 @@ from agent.client import Client, wait_for_agent
 from agent.testing import S3Server, SampleModel
 from agent.testing._process import purge_tree
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 
 

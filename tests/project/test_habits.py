@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # Keep a Changelog 1.1.0: the groups a release may have, in this order.
 CHANGE_GROUPS = ("Added", "Changed", "Deprecated", "Removed", "Fixed", "Security")

@@ -22,7 +22,7 @@ import pytest
 from agent import __version__
 from agent.testing import AgentProcess, S3Server, SampleModel
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 AGENT_TOML = REPO / "packaging" / "agent.toml"
 HOST_DIRS = {"/run/prewarm", "/dev/shm/prewarm", "/var/lib/prewarm"}
 GID = 2929  # systemd/prewarm.sysusers

@@ -33,6 +33,7 @@ NOT_SETTINGS = frozenset(
         "PREWARM_CACHED_ONLY",  # prewarm pull/exec --cached-only
         "PREWARM_AS_REQUESTER",  # prewarm pull/exec --as-requester
         "PREWARM_WAIT_FOR_AGENT",  # prewarm exec/health --wait-for-agent
+        "PREWARM_KEY_IGNORE",  # prewarm exec --key-ignore
         "PREWARM_TEST_CRASH_AT",  # tests only: where the daemon kills itself
     }
 )

@@ -10,6 +10,7 @@ namespace only.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 CHILD = Path(__file__).with_name("compile_watch_child.py")
+REPO = str(Path(__file__).resolve().parents[2])
 WATCH_LIMIT = 150
 
 
@@ -32,6 +34,8 @@ def _run_at_the_watch_limit(root: Path) -> dict[str, object]:
         timeout=120,
         check=False,
         cwd=CHILD.parent,
+        # The child imports the shared helpers in tests/, as pytest's pythonpath does.
+        env=os.environ | {"PYTHONPATH": os.pathsep.join([str(CHILD.parents[1]), REPO])},
     )
     if done.returncode != 0 and "unshare failed" in done.stderr:
         pytest.skip(f"cannot make a user namespace here: {done.stderr.strip()}")

@@ -95,10 +95,16 @@ async def test_a_listing_that_gets_no_answer_fails_within_the_bound_naming_the_e
     assert f"S3 at {silent_proxy.endpoint_url} accepted the connection" in message
     assert _waited(message) <= BOUND + 0.2
     assert "first_byte_timeout_seconds" in message
-    retries = [r for r in caught_records(caplog) if "retrying ListObjectsV2" in r]
+    retries = [r for r in caught_records(caplog) if _is_listing_retry(r)]
     assert retries, caplog.text
     assert all(silent_proxy.endpoint_url in line for line in retries)
     assert "ReadTimeoutError" in retries[0]
+
+
+def _is_listing_retry(line: str) -> bool:
+    return "retrying ListObjectsV2" in line or (
+        "ListObjectsV2 failed on its first try" in line and "trying again" in line
+    )
 
 
 async def test_a_head_and_a_get_that_get_no_answer_fail_within_the_bound(
@@ -138,7 +144,9 @@ def test_a_cold_pull_from_a_silent_s3_fails_within_the_bound_and_says_what_to_ch
     assert f"S3 at {silent_proxy.endpoint_url} accepted the connection" in done.stderr
     assert _waited(done.stderr) <= BOUND + 0.2
     assert "first_byte_timeout_seconds" in done.stderr
-    retries = [line for line in log.splitlines() if "retrying ListObjectsV2" in line]
+    # The first retry is logged as "failed on its first try ... trying again", later ones
+    # as "retrying": on a loaded machine the bound can pass before a second attempt.
+    retries = [line for line in log.splitlines() if _is_listing_retry(line)]
     assert retries, log
     assert silent_proxy.endpoint_url in retries[0]
 

@@ -10,13 +10,17 @@ libraries.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
+import threading
 
 __all__ = [
     "BACKOFF_BASE_SECONDS",
     "BACKOFF_CAP_SECONDS",
     "Body",
+    "Stopped",
+    "WriteGate",
     "backoff_delay",
     "is_transient_answer",
     "read_step",
@@ -84,3 +88,66 @@ def slow_body_reason(body: Body, now: float, *, window: float, limit: int) -> st
         )
     body.mark_time, body.mark_bytes = now, body.received
     return None
+
+
+class Stopped(Exception):
+    """The pull stopped (cancelled, or failed elsewhere): the reader leaves without writing."""
+
+
+class WriteGate:
+    """Who may still write into one pull's files, and the bodies they are reading.
+
+    ``stop`` shuts the gate and cuts every body being read; ``wait_idle`` then
+    returns once no reader is inside, so nothing writes after the pull gave up.
+    Shared by the threads plane and the processes plane's workers.
+    """
+
+    def __init__(self) -> None:
+        self.stopped = threading.Event()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._bodies: set[Body] = set()
+        self._writers = 0
+
+    def enter(self, body: Body) -> None:
+        """Enter the section that writes into the pull's files, or raise Stopped."""
+        with self._lock:
+            if self.stopped.is_set():
+                raise Stopped
+            self._writers += 1
+            self._bodies.add(body)
+
+    def leave(self, body: Body) -> None:
+        """A reader is done with ``body`` and out of the writing section."""
+        with self._lock:
+            self._bodies.discard(body)
+            self._writers -= 1
+            self._idle.notify_all()
+
+    def bodies(self) -> list[Body]:
+        """The bodies being read now."""
+        with self._lock:
+            return list(self._bodies)
+
+    def cut(self, body: Body, reason: str) -> None:
+        """Make a blocked read of ``body`` return at once; it then fails with ``reason``."""
+        with self._lock:
+            if body not in self._bodies or body.cut_reason is not None:
+                return
+            body.cut_reason = reason
+            if body.sock is not None:
+                # The base class's shutdown: an SSLSocket's own would tear down its TLS
+                # state under the reading thread.
+                with contextlib.suppress(OSError):
+                    socket.socket.shutdown(body.sock, socket.SHUT_RDWR)
+
+    def stop(self, reason: str) -> None:
+        """No new writer; cut every body being read."""
+        self.stopped.set()
+        for body in self.bodies():
+            self.cut(body, reason)
+
+    def wait_idle(self) -> None:
+        """Block until no reader is in the writing section (called after ``stop``)."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._writers == 0)

@@ -44,7 +44,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from agent.check.hashes import ChunkHasher
-from agent.source.pacing import Body, backoff_delay, is_transient_answer, slow_body_reason
+from agent.source.pacing import (
+    Body,
+    Stopped,
+    WriteGate,
+    backoff_delay,
+    is_transient_answer,
+    slow_body_reason,
+)
 
 __all__ = ["USER_AGENT", "GetJob", "decode", "encode", "main"]
 
@@ -109,10 +116,6 @@ def job_message(job: GetJob) -> dict[str, Any]:
     return {"get": asdict(job)}
 
 
-class Stopped(Exception):
-    """The job's pull was stopped: leave without writing or reporting anything more."""
-
-
 class Transient(Exception):
     """Worth another attempt: the answer was transient or the body broke off."""
 
@@ -127,56 +130,6 @@ class Final(Exception):
     def __init__(self, report: dict[str, Any]) -> None:
         super().__init__(report.get("message") or report.get("code") or "failure")
         self.report = report
-
-
-class PullGate:
-    """One pull's state in this worker: stopped or not, and who may write into its files."""
-
-    def __init__(self) -> None:
-        self.stopped = threading.Event()
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._bodies: set[Body] = set()
-        self._writers = 0
-
-    def enter(self, body: Body) -> None:
-        """Enter the section that writes into the pull's files, or raise Stopped."""
-        with self._lock:
-            if self.stopped.is_set():
-                raise Stopped
-            self._writers += 1
-            self._bodies.add(body)
-
-    def leave(self, body: Body) -> None:
-        with self._lock:
-            self._bodies.discard(body)
-            self._writers -= 1
-            self._idle.notify_all()
-
-    def bodies(self) -> list[Body]:
-        with self._lock:
-            return list(self._bodies)
-
-    def cut(self, body: Body, reason: str) -> None:
-        """Make a blocked read of ``body`` return at once; it then fails with ``reason``."""
-        with self._lock:
-            if body not in self._bodies or body.cut_reason is not None:
-                return
-            body.cut_reason = reason
-            if body.sock is not None:
-                # The base class's shutdown: an SSLSocket's own would tear down its TLS
-                # state under the reading thread.
-                with contextlib.suppress(OSError):
-                    socket.socket.shutdown(body.sock, socket.SHUT_RDWR)
-
-    def stop(self) -> None:
-        self.stopped.set()
-        for body in self.bodies():
-            self.cut(body, "the pull stopped")
-
-    def wait_idle(self) -> None:
-        with self._idle:
-            self._idle.wait_for(lambda: self._writers == 0)
 
 
 Connections = dict[tuple[str, str, int], http.client.HTTPConnection]
@@ -229,7 +182,7 @@ class JobRun:
     job: GetJob
     fd: int
     buffer: memoryview
-    gate: PullGate
+    gate: WriteGate
     connections: Connections
     # The same file opened with O_DIRECT (the disk tier), or None: the page cache then.
     direct_fd: int | None = None
@@ -295,8 +248,8 @@ class RangeWorker:
         self._jobs: list[tuple[GetJob, int]] = []
         self._jobs_ready = threading.Condition()
         self._idle_threads = 0
-        self._pulls: dict[int, PullGate] = {}
-        self._windows: dict[Body, tuple[float, int, PullGate]] = {}
+        self._pulls: dict[int, WriteGate] = {}
+        self._windows: dict[Body, tuple[float, int, WriteGate]] = {}
         self._windows_lock = threading.Lock()
         self._tls = ssl.create_default_context()
         self._watchdog: threading.Thread | None = None
@@ -333,7 +286,7 @@ class RangeWorker:
             raise ValueError(f"unknown range-worker message {sorted(message)}")
 
     def _queue(self, job: GetJob, fd: int) -> None:
-        gate = self._pulls.setdefault(job.pull, PullGate())
+        gate = self._pulls.setdefault(job.pull, WriteGate())
         if gate.stopped.is_set():
             os.close(fd)
             return
@@ -346,8 +299,8 @@ class RangeWorker:
 
     def _stop(self, pull: int) -> None:
         """Cut the pull's bodies, drop its queued jobs, and say so once nothing writes."""
-        gate = self._pulls.setdefault(pull, PullGate())
-        gate.stop()
+        gate = self._pulls.setdefault(pull, WriteGate())
+        gate.stop("the pull stopped")
         with self._jobs_ready:
             dropped = [fd for job, fd in self._jobs if job.pull == pull]
             self._jobs = [(job, fd) for job, fd in self._jobs if job.pull != pull]
@@ -396,7 +349,7 @@ class RangeWorker:
 
     def _run(self, job: GetJob, fd: int, buffer: memoryview, connections: Connections) -> None:
         """Write one range, resuming after the last good byte on retry; report how it ended."""
-        gate = self._pulls.setdefault(job.pull, PullGate())
+        gate = self._pulls.setdefault(job.pull, WriteGate())
         direct_fd = open_direct(fd) if job.direct else None
         run = JobRun(job, fd, buffer, gate, connections, direct_fd)
         try:
@@ -563,7 +516,7 @@ class RangeWorker:
 
     # -- the low-speed watchdog ------------------------------------------------------------
 
-    def _watch(self, body: Body, job: GetJob, gate: PullGate) -> None:
+    def _watch(self, body: Body, job: GetJob, gate: WriteGate) -> None:
         with self._windows_lock:
             self._windows[body] = (job.window, job.low_speed_limit, gate)
             if self._watchdog is None:

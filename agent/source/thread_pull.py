@@ -11,24 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from agent.source.pacing import Body, slow_body_reason
+from agent.source.pacing import WriteGate, slow_body_reason
 from agent.source.plane import ByteRange, ProgressSink, RangeSink
 from agent.source.tuning import Tuning
 
-__all__ = ["PullState", "Stopped", "watch_speed"]
+__all__ = ["PullState", "watch_speed"]
 
 
-class Stopped(Exception):
-    """The pull stopped (cancelled or failed elsewhere): this worker leaves quietly."""
-
-
-class PullState:
+class PullState(WriteGate):
     """State shared by one pull's workers, its watchdog and its event loop."""
 
     def __init__(
@@ -46,12 +40,8 @@ class PullState:
         self.flight = flight
         self.staging = staging
         self.endpoint = str(client.meta.endpoint_url)
+        super().__init__()
         self._ranges = iter(ranges)
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._holders = 0
-        self._bodies: set[Body] = set()
-        self.stopped = threading.Event()
         self.closed = False  # read and written on the loop only
         self.failure: BaseException | None = None  # loop only
 
@@ -59,49 +49,6 @@ class PullState:
         """The next range to fetch; None once the pull stopped or the plan is done."""
         with self._lock:
             return None if self.stopped.is_set() else next(self._ranges, None)
-
-    def hold(self, body: Body) -> None:
-        """Enter the section that may write into the staging files, or raise Stopped."""
-        with self._lock:
-            if self.stopped.is_set():
-                raise Stopped
-            self._holders += 1
-            self._bodies.add(body)
-
-    def release(self, body: Body) -> None:
-        """A worker is done with ``body``."""
-        with self._lock:
-            self._bodies.discard(body)
-            self._holders -= 1
-            self._idle.notify_all()
-
-    def bodies(self) -> list[Body]:
-        """The bodies being read now."""
-        with self._lock:
-            return list(self._bodies)
-
-    def cut(self, body: Body, reason: str) -> None:
-        """Make a blocked read of ``body`` return at once (it then fails with ``reason``)."""
-        with self._lock:
-            if body not in self._bodies or body.cut_reason is not None:
-                return
-            body.cut_reason = reason
-            if body.sock is not None:
-                # The base class's shutdown: an SSLSocket's own would drop its TLS
-                # state under the reading thread.
-                with contextlib.suppress(OSError):
-                    socket.socket.shutdown(body.sock, socket.SHUT_RDWR)
-
-    def stop(self, reason: str) -> None:
-        """No new range, no new write; cut every body being read."""
-        self.stopped.set()
-        for body in self.bodies():
-            self.cut(body, reason)
-
-    def wait_idle(self) -> None:
-        """Block until no worker is in the section that writes (called after ``stop``)."""
-        with self._idle:
-            self._idle.wait_for(lambda: self._holders == 0)
 
     def on_loop(self, function: Callable[..., None], *args: Any) -> None:
         """Run ``function`` on the event loop unless the pull has ended by then."""

@@ -36,10 +36,10 @@ from agent._config import S3Settings
 from agent._exceptions import PrewarmError, SourceUnavailable
 from agent.check.hashes import ChunkHasher
 from agent.source.interface import RangeReadError
-from agent.source.pacing import Body, backoff_delay, read_step
+from agent.source.pacing import Body, Stopped, backoff_delay, read_step
 from agent.source.plane import ByteRange, ProgressSink, RangeCursor, RangeSink
 from agent.source.sync_s3 import body_reader, body_socket, make_sync_client, translate
-from agent.source.thread_pull import PullState, Stopped, watch_speed
+from agent.source.thread_pull import PullState, watch_speed
 from agent.source.tuning import Tuning
 
 __all__ = ["ThreadsPlane"]
@@ -200,11 +200,11 @@ def _get(pull: PullState, cursor: RangeCursor, buffer: memoryview) -> None:
                 "expected the whole range."
             )
         tracked = Body(body_socket(body), time.monotonic())
-        pull.hold(tracked)
+        pull.enter(tracked)
         try:
             got = _read_body(pull, tracked, body, cursor, where=where, buffer=buffer)
         finally:
-            pull.release(tracked)
+            pull.leave(tracked)
         if tracked.cut_reason is not None:
             if pull.stopped.is_set():
                 raise Stopped

@@ -19,7 +19,7 @@ from types import MappingProxyType
 from typing import Any
 
 import pytest
-from agent_helpers import AgentFactory, ProcessFactory, RunningAgent
+from agent_helpers import AgentFactory, ProcessFactory, RunningAgent, small_tmpfs
 
 from agent.testing import (
     AgentProcess,
@@ -191,3 +191,10 @@ def _close_all(agents: Sequence[RunningAgent]) -> None:
             errors.append(exc)
     if errors:
         raise errors[0]
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 2 MiB tmpfs (needs root to mount)."""
+    with small_tmpfs(tmp_path / "tiny", "2m") as mount_point:
+        yield mount_point

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from agent_helpers import small_tmpfs
 
 from agent import NoSpace, SourceChanged, SourceUnavailable
 from agent._config import S3Settings, Settings
@@ -148,13 +146,6 @@ async def test_a_watcher_leaving_does_not_cancel_the_pull(
     assert (second.model.path / "a.bin").read_bytes() == source.objects["models"]["m/a.bin"]
     # One pull: a.bin was read once, in ranges, however the two requests overlapped.
     assert sum(r.delivered for r in source.reads if r.key == "m/a.bin") == 3 * MiB + 17
-
-
-@pytest.fixture
-def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A 2 MiB tmpfs (needs root to mount)."""
-    with small_tmpfs(tmp_path / "tiny", "2m") as mount_point:
-        yield mount_point
 
 
 async def test_disk_full_mid_pull_is_no_space_and_leaves_other_models_intact(

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 from test_data_planes import assert_identical, published, running_agent, sent_by, shards
-from test_puller import tiny_tmpfs  # noqa: F401  (a fixture, used by name)
 
 from agent import NoSpace, SourceChanged
 from agent._config import S3Settings
@@ -129,7 +128,7 @@ async def test_an_object_replaced_mid_pull_fails_with_source_changed(
 
 
 async def test_a_full_tier_is_no_space_and_leaves_no_staging(
-    tiny_tmpfs: Path,  # noqa: F811  (the fixture imported above)
+    tiny_tmpfs: Path,
     tmp_path: Path,
     s3_server: S3Server,
     small_model: SampleModel,

@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
 from test_data_planes import assert_identical, published, running_agent, shards
-from test_puller import tiny_tmpfs  # noqa: F401  (a fixture, used by name)
 
 from agent import AccessDenied, NoSpace, SourceChanged
 from agent._config import S3Settings
@@ -68,7 +67,7 @@ async def test_threads_plane_fills_either_tier_byte_for_byte(
 
 
 async def test_a_full_tier_is_no_space_and_leaves_no_staging(
-    tiny_tmpfs: Path,  # noqa: F811  (the fixture imported above)
+    tiny_tmpfs: Path,
     tmp_path: Path,
     s3_server: S3Server,
     small_model: SampleModel,

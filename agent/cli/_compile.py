@@ -1,4 +1,4 @@
-"""``prewarm compile ls|show|why|evict|push|pull``: the node's torch.compile caches."""
+"""``prewarm compile ls|show|why|evict|push|pull|compact``: the node's torch.compile caches."""
 
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ from agent.client import (
     Client,
     CompileCacheHandle,
     CompileCacheInfo,
+    CompileCompaction,
+    CompileExplanation,
     CompileVerdict,
     InvalidRequest,
     NotFound,
 )
-from agent.compile.why import Nearest, nearest_key
 
 from . import _render as render
 from ._errors import agent_errors as _agent_errors
@@ -165,34 +166,39 @@ def show(key: KeyArgument, socket: SocketOption = None, json_out: JsonOption = F
 
 @compile_app.command()
 def why(key: KeyArgument, socket: SocketOption = None, json_out: JsonOption = False) -> None:
-    """Why a key missed: the nearest other cached key of the same model, and what differs."""
+    """Why a key missed: the nearest other key of the same model (on this node or in S3),
+    and what differs."""
     with _agent_errors(), Client(socket) as client:
-        info = _find(client, key)
-        others = [(c.key, c.parts) for c in client.list_compile_caches() if c.domain == info.domain]
-    nearest = nearest_key(info.parts, others, own_key=info.key)
+        why = client.explain_compile_cache(key)
     if json_out:
-        sys.stdout.write(render.to_json(_why_document(info, nearest)) + "\n")
-    elif nearest is None:
-        _stdout().print(
-            f"{info.key[:_KEY_WIDTH]}: no other compile cache of model "
-            f"{info.parts.model_key or '-'} ({info.parts.engine}) on this node",
-            soft_wrap=True,
-        )
+        sys.stdout.write(render.to_json(_why_document(why)) + "\n")
+        return
+    nearest = why.nearest
+    if nearest is None:
+        lines = [f"{why.key[:_KEY_WIDTH]}: no other compile cache of its model and engine"]
     else:
-        lines = [
-            f"{info.key[:_KEY_WIDTH]}: nearest cached key {nearest.key[:_KEY_WIDTH]}, differs in"
-        ]
-        lines += [f"  {change.describe()}" for change in nearest.changes]
-        _stdout().print("\n".join(lines), soft_wrap=True)
+        where = "cached key" if nearest.location == "node" else "key in S3"
+        lines = [f"{why.key[:_KEY_WIDTH]}: nearest {where} {nearest.key[:_KEY_WIDTH]}, differs in"]
+        lines += [f"  {c.part} {c.cached or '-'} -> {c.wanted or '-'}" for c in nearest.changes]
+    if why.s3_note:
+        lines.append(f"note: {why.s3_note}")
+    _stdout().print("\n".join(lines), soft_wrap=True, markup=False)
 
 
-def _why_document(info: CompileCacheInfo, nearest: Nearest | None) -> dict[str, object]:
+def _why_document(why: CompileExplanation) -> dict[str, object]:
+    nearest = why.nearest
     changes = (
         []
         if nearest is None
-        else [{"part": c.name, "cached": c.cached, "wanted": c.wanted} for c in nearest.changes]
+        else [{"part": c.part, "cached": c.cached, "wanted": c.wanted} for c in nearest.changes]
     )
-    return {"key": info.key, "nearest": nearest.key if nearest else None, "changes": changes}
+    return {
+        "key": why.key,
+        "nearest": nearest.key if nearest else None,
+        "location": nearest.location if nearest else None,
+        "changes": changes,
+        "s3_note": why.s3_note,
+    }
 
 
 @compile_app.command()
@@ -236,6 +242,34 @@ def pull(
         sys.stdout.write(render.to_json(handle) + "\n")
     else:
         _stdout().print(_handle_line(handle), soft_wrap=True)
+
+
+@compile_app.command()
+def compact(
+    key: Annotated[
+        str, typer.Argument(help="A key on this node (8+ hex digits), or a full key of 32.")
+    ],
+    socket: SocketOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Make a key's archives in S3 one archive now, so a restore reads one object."""
+    with _agent_errors(), Client(socket) as client:
+        result = client.compact_compile_cache(key)
+    if json_out:
+        sys.stdout.write(render.to_json(result) + "\n")
+    else:
+        _stdout().print(_compaction_line(result), soft_wrap=True, markup=False)
+
+
+def _compaction_line(result: CompileCompaction) -> str:
+    deleted = result.retired_deleted
+    retired = f"; deleted {deleted} retired archives" if deleted else ""
+    if result.compacted:
+        return (
+            f"compacted {result.archives_before} archives into one "
+            f"({render.human_bytes(result.archive_bytes)}) at {result.uri}{retired}"
+        )
+    return f"not compacted: {result.skipped_reason}{retired}"
 
 
 def _verdict_line(verdict: CompileVerdict | None) -> str:

@@ -72,6 +72,7 @@ from agent.client import (
     AgentUnavailable,
     Client,
     CompileCacheHandle,
+    CompileNearest,
     InvalidRequest,
     ModelHandle,
     PrewarmError,
@@ -83,7 +84,6 @@ from agent.client._compile import key_fields_from_text
 from agent.client._messages import key_parts as key_parts_from
 from agent.compile.engine_world import engine_world_fields, interpreter_of, probe_interpreter
 from agent.compile.keys import CompileKeyParts
-from agent.compile.why import Nearest, nearest_key
 
 from . import _render as render
 from ._engine_flags import detect_engine, engine_key_fields, merged_key_fields
@@ -418,7 +418,7 @@ def _compile_cache(
     if cache.restore_note:
         how = f"new: {cache.restore_note}"
         nearest = _nearest(client, cache)
-        how += f"; {nearest.describe()}" if nearest else ""
+        how += f"; {nearest.summary}" if nearest else ""
     sys.stderr.write(f"prewarm: compile cache {cache.key[:12]} ({how}) -> {cache.path}\n")
     return cache
 
@@ -465,13 +465,12 @@ def _user() -> str:
         return f"uid_{os.getuid()}"
 
 
-def _nearest(client: Client, cache: CompileCacheHandle) -> Nearest | None:
-    """The cached key of the same model nearest to ``cache``'s, on this node."""
+def _nearest(client: Client, cache: CompileCacheHandle) -> CompileNearest | None:
+    """The key of the same model nearest to ``cache``'s, on this node or in S3."""
     try:
-        cached = client.list_compile_caches()
+        return client.explain_compile_cache(cache.key).nearest
     except PrewarmError:
         return None
-    return nearest_key(cache.parts, ((c.key, c.parts) for c in cached), own_key=cache.key)
 
 
 def _report_ready(client: Client, cache: CompileCacheHandle, launch: _Launch) -> None:
@@ -486,10 +485,7 @@ def _report_ready(client: Client, cache: CompileCacheHandle, launch: _Launch) ->
         published = f"uploaded {render.human_bytes(upload.bytes)} to {upload.uri}"
     else:
         published = f"not uploaded: {upload.skipped_reason}"
-    why = ""
-    if ready.verdict.verdict != "hit":
-        nearest = _nearest(client, cache)
-        why = f"; {nearest.describe()}" if nearest else ""
+    why = f"; {ready.nearest.summary}" if ready.nearest else ""
     sys.stderr.write(
         f"prewarm: compile cache {cache.key[:12]}: {ready.verdict.describe()}{why}; {published}\n"
     )

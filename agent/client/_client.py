@@ -38,7 +38,9 @@ from ._models import (
     CompileCacheHandle,
     CompileCacheInfo,
     CompileCachePush,
+    CompileCompaction,
     CompileEvictResult,
+    CompileExplanation,
     CompileKeyParts,
     CompileLockGrant,
     CompileReady,
@@ -330,6 +332,21 @@ class Client(_BaseClient, contextlib.AbstractContextManager["Client"]):
             answer = self._stub.CompileReady(request, timeout=self._timeout)
         return messages.compile_ready_from_proto(answer)
 
+    def explain_compile_cache(self, key: str) -> CompileExplanation:
+        """Why a key on this node misses: the nearest other key of its model, on the node
+        or in S3, and the parts that differ."""
+        request = pb.ExplainCompileCacheRequest(key=key)
+        with self._errors():
+            answer = self._stub.ExplainCompileCache(request, timeout=self._timeout)
+        return messages.compile_explanation_from_proto(answer)
+
+    def compact_compile_cache(self, key: str) -> CompileCompaction:
+        """Make a key's archives in S3 one archive now (restores then read one object)."""
+        request = pb.CompactCompileCacheRequest(key=key)
+        with self._errors():
+            answer = self._stub.CompactCompileCache(request, timeout=self._timeout)
+        return messages.compile_compaction_from_proto(answer)
+
     @contextlib.contextmanager
     def compile_lock(
         self,
@@ -604,6 +621,21 @@ class AsyncClient(_BaseClient, contextlib.AbstractAsyncContextManager["AsyncClie
         with self._errors():
             answer = await self._stub().CompileReady(request, timeout=self._timeout)
         return messages.compile_ready_from_proto(answer)
+
+    async def explain_compile_cache(self, key: str) -> CompileExplanation:
+        """Why a key on this node misses: the nearest other key of its model, on the node
+        or in S3, and the parts that differ."""
+        request = pb.ExplainCompileCacheRequest(key=key)
+        with self._errors():
+            answer = await self._stub().ExplainCompileCache(request, timeout=self._timeout)
+        return messages.compile_explanation_from_proto(answer)
+
+    async def compact_compile_cache(self, key: str) -> CompileCompaction:
+        """Make a key's archives in S3 one archive now (restores then read one object)."""
+        request = pb.CompactCompileCacheRequest(key=key)
+        with self._errors():
+            answer = await self._stub().CompactCompileCache(request, timeout=self._timeout)
+        return messages.compile_compaction_from_proto(answer)
 
     @contextlib.asynccontextmanager
     async def compile_lock(

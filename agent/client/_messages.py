@@ -39,8 +39,12 @@ from ._models import (
     CompileCacheHandle,
     CompileCacheInfo,
     CompileCachePush,
+    CompileCompaction,
     CompileEvictResult,
+    CompileExplanation,
+    CompileKeyChange,
     CompileLockGrant,
+    CompileNearest,
     CompileReady,
     CompileVerdict,
     EnsureOptions,
@@ -69,7 +73,9 @@ __all__ = [
     "compile_cache_from_proto",
     "compile_cache_request",
     "compile_caches_from_proto",
+    "compile_compaction_from_proto",
     "compile_evict_from_proto",
+    "compile_explanation_from_proto",
     "compile_lock_request",
     "compile_push_from_proto",
     "compile_ready_from_proto",
@@ -575,9 +581,33 @@ def _verdict_from_proto(msg: pb.CompileVerdict) -> CompileVerdict:
 
 
 def compile_ready_from_proto(msg: pb.CompileReadyResponse) -> CompileReady:
-    """A launch's verdict and the upload that followed it."""
+    """A launch's verdict, the upload that followed it, and on a miss the nearest key."""
     verdict = _verdict_from_proto(msg.verdict)
-    return CompileReady(msg.key, verdict, compile_push_from_proto(msg.upload))
+    nearest = _nearest_from_proto(msg.nearest) if msg.HasField("nearest") else None
+    return CompileReady(msg.key, verdict, compile_push_from_proto(msg.upload), nearest)
+
+
+def _nearest_from_proto(msg: pb.CompileNearest) -> CompileNearest:
+    changes = tuple(CompileKeyChange(c.part, c.cached, c.wanted) for c in msg.changes)
+    return CompileNearest(msg.key, msg.location, changes, msg.summary)
+
+
+def compile_explanation_from_proto(msg: pb.ExplainCompileCacheResponse) -> CompileExplanation:
+    """Why a key misses, as ExplainCompileCache answered."""
+    nearest = _nearest_from_proto(msg.nearest) if msg.HasField("nearest") else None
+    return CompileExplanation(msg.key, nearest, msg.s3_note)
+
+
+def compile_compaction_from_proto(msg: pb.CompactCompileCacheResponse) -> CompileCompaction:
+    """What CompactCompileCache did."""
+    return CompileCompaction(
+        compacted=msg.compacted,
+        uri=msg.uri,
+        archives_before=msg.archives_before,
+        retired_deleted=msg.retired_deleted,
+        skipped_reason=msg.skipped_reason,
+        archive_bytes=msg.archive_bytes,
+    )
 
 
 def compile_caches_from_proto(msg: pb.ListCompileCachesResponse) -> list[CompileCacheInfo]:

@@ -26,6 +26,10 @@ client (here)               daemon                              why they differ
 ``AgentStatus``,            ``service.results.AgentStatus``,    the daemon's holds live objects
 ``TierStatus``,             ``store.TierUsage``, ``Flight``     (flights, usage); the client a
 ``PullStatus``                                                  snapshot of their numbers
+``CompileNearest``,         ``compile.why.Nearest``,            the daemon formats the
+``CompileKeyChange``        ``compile.why.PartChange``          summary (one wording for logs,
+                                                                CLI and pods); a pod reads it
+``CompileCompaction``       ``compile.transfer.CompactOutcome`` same fields; read-only here
 ``FileProblem``             ``check.hashes.FileProblem``        the check's ``check`` is a
                                                                 ``Literal``; here a plain
                                                                 ``str``, so a newer agent's
@@ -55,9 +59,13 @@ __all__ = [
     "CompileCacheHandle",
     "CompileCacheInfo",
     "CompileCachePush",
+    "CompileCompaction",
     "CompileEvictResult",
+    "CompileExplanation",
+    "CompileKeyChange",
     "CompileKeyParts",
     "CompileLockGrant",
+    "CompileNearest",
     "CompileReady",
     "CompileVerdict",
     "DataPlaneName",
@@ -369,12 +377,58 @@ class CompileCachePush:
 
 
 @dataclass(frozen=True, slots=True)
+class CompileKeyChange:
+    """One key part that differs: its value in the nearest key, and in the key that missed."""
+
+    part: str
+    cached: str
+    wanted: str
+
+
+@dataclass(frozen=True, slots=True)
+class CompileNearest:
+    """The key of the same model and engine closest to one that missed."""
+
+    key: str
+    # "node" (cached on this node) or "s3" (uploaded by another node only).
+    location: str
+    changes: tuple[CompileKeyChange, ...]
+    # One clause for a verdict line, as the agent logs it.
+    summary: str
+
+
+@dataclass(frozen=True, slots=True)
+class CompileExplanation:
+    """Why a key misses: the nearest other key of its model (None when there is none)."""
+
+    key: str
+    nearest: CompileNearest | None
+    # Why S3 was not searched, or could not be ("" when it was).
+    s3_note: str
+
+
+@dataclass(frozen=True, slots=True)
+class CompileCompaction:
+    """What compacting a key's archives in S3 did: compacted, or why not."""
+
+    compacted: bool
+    uri: str
+    archives_before: int
+    # Archives an earlier compaction replaced, deleted now that no restore can read them.
+    retired_deleted: int
+    skipped_reason: str
+    # Bytes of the one archive left (0 when nothing was compacted).
+    archive_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class CompileReady:
-    """A launch's verdict and the upload that followed it."""
+    """A launch's verdict, the upload that followed it, and on a miss the nearest key."""
 
     key: str
     verdict: CompileVerdict
     upload: CompileCachePush
+    nearest: CompileNearest | None = None
 
 
 @dataclass(frozen=True, slots=True)

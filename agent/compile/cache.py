@@ -54,10 +54,16 @@ from agent.compile.index import CacheIndex, CacheRecord, CompileCacheInfo, has_a
 from agent.compile.keys import KEY_LENGTH, CompileKeyParts, compile_key, engine_env, normalise_parts
 from agent.compile.lock import CompileLocks, LockEvent
 from agent.compile.remote import RemoteCompileCaches
-from agent.compile.transfer import CompileCacheTransfer, Fetched, PushOutcome, parts_of
+from agent.compile.transfer import (
+    CompactOutcome,
+    CompileCacheTransfer,
+    Fetched,
+    PushOutcome,
+    parts_of,
+)
 from agent.compile.verdict import HIT, Verdict, judge
 from agent.compile.watch import SettleWatcher
-from agent.compile.why import Nearest, nearest_key
+from agent.compile.why import Nearest, closer, nearest_key
 from agent.obs.metrics import (
     COMPILE_CACHE_PHASE_SECONDS,
     COMPILE_KEYS_REFUSED,
@@ -71,9 +77,11 @@ from agent.store.catalog import Store
 __all__ = [
     "NODE_SCOPE",
     "CacheRef",
+    "CompactOutcome",
     "CompileCacheInfo",
     "CompileCaches",
     "EnsuredCompileCache",
+    "Explanation",
     "LaunchReady",
     "PushOutcome",
     "Scope",
@@ -106,6 +114,9 @@ def _metric_part(name: str) -> str:
 
 
 _MIN_KEY_PREFIX = 8
+# How long a miss waits for S3 to list the model's other keys before it is
+# explained with this node's keys alone.
+_WHY_S3_SECONDS = 5.0
 _HEX = frozenset("0123456789abcdef")
 _KEY = re.compile(r"[0-9a-f]{32}")
 
@@ -122,13 +133,23 @@ class EnsuredCompileCache:
 
 
 @dataclass(frozen=True, slots=True)
+class Explanation:
+    """Why a key misses: the nearest other key of its model (on the node or in S3), if any."""
+
+    key: str
+    nearest: Nearest | None
+    # Why S3 was not searched, or could not be ("" when it was).
+    s3_note: str
+
+
+@dataclass(frozen=True, slots=True)
 class LaunchReady:
     """A launch's verdict, and what publishing its artifacts came to (None: not tried)."""
 
     key: str
     verdict: Verdict
     push: PushOutcome | None
-    # On a miss or partial miss: the nearest other key of the model on the node.
+    # On a miss or partial miss: the nearest other key of the model, on the node or in S3.
     nearest: Nearest | None = None
 
 
@@ -405,7 +426,11 @@ class CompileCaches:
     async def ready(
         self, ref: str, client_name: str = "", scope: Scope = NODE_SCOPE
     ) -> LaunchReady:
-        """A launch on ``ref``'s key is ready: judge what it compiled, then publish it."""
+        """A launch on ``ref``'s key is ready: judge what it compiled, then publish it.
+
+        A miss or partial miss also names the nearest other key of the model
+        (on the node or in S3), in the answer, the log line and the metric.
+        """
         found = self.find(ref, scope)
         domain, key = self._domains[found.domain], found.key
         async with domain.key_locks[key]:
@@ -416,31 +441,80 @@ class CompileCaches:
             verdict = judge(record.baseline, now, client=client_name)
             record.baseline, record.last_verdict = now, verdict
             await domain.index.save(key, record, strict=False)
-            engine, said = record.parts.engine, verdict.describe()
-            COMPILE_LAUNCHES.labels(engine, verdict.verdict.replace(" ", "_")).inc()
-            nearest = None if verdict.verdict == HIT else self._why_missed(domain, key, record)
-            said += f"; {nearest.describe()}" if nearest else ""
-            who = client_name or "anonymous"
-            log.info(
-                "compile cache %s (%s) for %s: %s", found, engine, who, said, extra={"key": key}
-            )
-            push: PushOutcome | None = None
-            if domain.transfer is not None and self._settings.upload:
-                await domain.index.measure(key, record)
-                try:
-                    push = await domain.transfer.upload(key, record)
-                except PrewarmError as exc:
-                    push = PushOutcome(False, domain.transfer.uri_of(key), "", 0, str(exc))
+            push = await self._publish_ready(domain, key, record)
+        # Outside the key's lock: listing S3 may be slow, and the verdict is kept already.
+        why = None if verdict.verdict == HIT else await self._explain(domain, key, record.parts)
+        nearest = why.nearest if why else None
+        self._report_verdict(
+            found, record.parts.engine, verdict, nearest=nearest, client=client_name
+        )
         return LaunchReady(key, verdict, push, nearest)
 
+    async def _publish_ready(
+        self, domain: _Domain, key: str, record: CacheRecord
+    ) -> PushOutcome | None:
+        """Upload a key a launch reported ready (the key's lock held); None when uploads are off."""
+        if domain.transfer is None or not self._settings.upload:
+            return None
+        await domain.index.measure(key, record)
+        try:
+            return await domain.transfer.upload(key, record)
+        except PrewarmError as exc:
+            return PushOutcome(False, domain.transfer.uri_of(key), "", 0, str(exc))
+
     @staticmethod
-    def _why_missed(domain: _Domain, key: str, missed: CacheRecord) -> Nearest | None:
-        """The nearest other key of the model in ``domain``; each differing part is counted."""
-        cached = ((other, record.parts) for other, record in domain.index.items())
-        nearest = nearest_key(missed.parts, cached, own_key=key)
+    def _report_verdict(
+        ref: CacheRef, engine: str, verdict: Verdict, *, nearest: Nearest | None, client: str
+    ) -> None:
+        """The verdict's log line and metrics; each part that differs from the nearest counts."""
+        COMPILE_LAUNCHES.labels(engine, verdict.verdict.replace(" ", "_")).inc()
         for change in nearest.changes if nearest else ():
-            COMPILE_MISS_PARTS.labels(missed.parts.engine, _metric_part(change.name)).inc()
-        return nearest
+            COMPILE_MISS_PARTS.labels(engine, _metric_part(change.name)).inc()
+        said = verdict.describe() + (f"; {nearest.describe()}" if nearest else "")
+        who = client or "anonymous"
+        log.info("compile cache %s (%s) for %s: %s", ref, engine, who, said, extra={"key": ref.key})
+
+    async def explain(self, ref: str, scope: Scope = NODE_SCOPE) -> Explanation:
+        """Why ``ref``'s key (on this node) misses: the nearest other key of its model."""
+        found = self.find(ref, scope)
+        domain = self._domains[found.domain]
+        record = domain.index.get(found.key)
+        if record is None:
+            raise NotFound(f"Compile cache {found.key} is not on this node.")
+        return await self._explain(domain, found.key, record.parts)
+
+    async def _explain(self, domain: _Domain, key: str, parts: CompileKeyParts) -> Explanation:
+        """The nearest key of ``parts``' model in ``domain``: the node's first, then S3's."""
+        cached = ((other, record.parts) for other, record in domain.index.items())
+        on_node = nearest_key(parts, cached, own_key=key)
+        in_s3, note = await self._nearest_in_s3(domain, key, parts)
+        return Explanation(key, closer(on_node, in_s3), note)
+
+    async def _nearest_in_s3(
+        self, domain: _Domain, key: str, parts: CompileKeyParts
+    ) -> tuple[Nearest | None, str]:
+        """The nearest key of the model that only S3 holds, and why S3 was not searched."""
+        only_node = "only this node's keys were compared"
+        if domain.transfer is None:
+            return None, f"compile_cache.uri is not set: {only_node}"
+        try:
+            async with asyncio.timeout(_WHY_S3_SECONDS):
+                listed = await domain.transfer.keys_like(parts)
+        except TimeoutError:
+            return None, f"S3 did not answer within {_WHY_S3_SECONDS:g} s: {only_node}"
+        except PrewarmError as exc:
+            return None, f"S3 could not be searched ({exc}): {only_node}"
+        uploaded = ((other, p) for other, p in listed if other not in domain.index)
+        return nearest_key(parts, uploaded, own_key=key, location="s3"), ""
+
+    async def compact(self, ref: str, scope: Scope = NODE_SCOPE) -> CompactOutcome:
+        """Make a key's archives in S3 one archive now (a key on this node, or a full key)."""
+        found = self._key_or_full(ref, scope)
+        domain = self._domains[found.domain]
+        if domain.transfer is None:
+            raise Conflict("compile_cache.uri is not set; there is nothing in S3 to compact.")
+        async with domain.key_locks[found.key]:
+            return await domain.transfer.compact(found.key)
 
     async def push(self, ref: str, scope: Scope = NODE_SCOPE) -> PushOutcome:
         """Pack and upload a key now (skipped when S3 already has the same content)."""

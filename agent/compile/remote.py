@@ -5,6 +5,7 @@ Layout under ``compile_cache.uri`` (``s3://bucket/prefix``)::
     <prefix>/<key>/manifest.json                   every archive of the key (agent.compile.manifest)
     <prefix>/<key>/artifacts/<digest32>.tar.zst    immutable, named by the digest of its files
     <prefix>/<key>/pointer.json, archives/...      written by older agents; still read
+    <prefix>/by-model/<model id>/<key>.json        the key's parts (agent.compile.model_index)
 
 An upload never replaces what another node uploaded. The uploader reads the
 manifest and its ETag, packs only the files the manifest does not list yet
@@ -43,6 +44,7 @@ from agent.compile.manifest import (
     parse_legacy_pointer,
     parse_manifest,
 )
+from agent.compile.model_index import RemoteKeyIndex
 from agent.source.interface import ObjectSource, ObjectTooLarge
 
 __all__ = ["ArchiveGone", "DeltaPacker", "RemoteCompileCaches", "UploadOutcome", "archive_entry"]
@@ -94,6 +96,8 @@ class RemoteCompileCaches:
         self._uri = uri
         self._multipart_threshold = multipart_threshold
         self._part_size = part_size
+        # The keys of each model uploaded under this prefix, for why-miss.
+        self.keys = RemoteKeyIndex(source, uri)
 
     def uri_of(self, key: str) -> str:
         """The S3 URI of ``key``'s prefix."""

@@ -108,6 +108,9 @@ class CompactOutcome:
     archives_before: int
     retired_deleted: int
     skipped_reason: str
+    uri: str = ""
+    # Bytes of the one archive left (0 when nothing was compacted).
+    archive_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +146,10 @@ class CompileCacheTransfer:
     def uri_of(self, key: str) -> str:
         """The S3 URI of ``key``'s prefix."""
         return self._remote.uri_of(key)
+
+    async def keys_like(self, parts: CompileKeyParts) -> list[tuple[str, CompileKeyParts]]:
+        """The keys S3 holds of ``parts``' model and engine (agent.compile.model_index)."""
+        return await self._remote.keys.keys_like(parts)
 
     async def restore_for_pod(self, key: str) -> PodRestore:
         """Fetch a key for a pod: any failure becomes a note and an empty directory."""
@@ -271,8 +278,24 @@ class CompileCacheTransfer:
         if outcome.uploaded:
             COMPILE_CACHE_PHASE_SECONDS.labels("upload").observe(time.monotonic() - started)
         if outcome.manifest is not None:
+            await self._index_key(key, record)
             await self._tidy(key, outcome.manifest)
         return PushOutcome(outcome.uploaded, outcome.uri, current.digest, sent, outcome.reason)
+
+    async def _index_key(self, key: str, record: CacheRecord) -> None:
+        """List the key under its model in S3, so other nodes' misses can name it.
+
+        Only a hint for why-miss: a failure is logged and never fails the upload.
+        """
+        try:
+            await self._remote.keys.add(key, record.parts)
+        except PrewarmError as exc:
+            log.warning(
+                "compile cache %s: could not list it under its model in S3: %s",
+                key,
+                exc,
+                extra={"key": key},
+            )
 
     async def _tidy(self, key: str, manifest: Manifest) -> None:
         """After an upload: compact a key past ``compact_after`` archives, delete old retirees.
@@ -294,13 +317,21 @@ class CompileCacheTransfer:
         The union is restored into scratch space here, packed, checked to hold
         exactly what the manifest says, and switched in with a conditional
         manifest write; archives retired more than ``retired_grace`` ago are
-        deleted. Nothing a restoring node reads is deleted under it.
+        deleted. Nothing a restoring node reads is deleted under it. A key
+        with nothing to compact still has its due retirees deleted.
         """
+        manifest = await self._remote.read_manifest(key)
+        reason = _not_compactable(manifest)
+        if manifest is None or reason:
+            deleted = await self._sweep_now(key) if manifest is not None else 0
+            count = len(manifest.archives) if manifest is not None else 0
+            return CompactOutcome(False, count, deleted, reason, self.uri_of(key))
         fetched = await self.fetch(key)
-        if fetched is None or not fetched.manifest.compactable:
+        reason = _not_compactable(fetched.manifest if fetched else None)
+        if fetched is None or reason:  # changed since it was read
             await self._discard(fetched)
             count = len(fetched.manifest.archives) if fetched else 0
-            return CompactOutcome(False, count, 0, "nothing to compact")
+            return CompactOutcome(False, count, 0, reason, self.uri_of(key))
         manifest, archive = fetched.manifest, self._index.scratch(key, ".tar.zst")
         try:
             packed = await asyncio.to_thread(pack, fetched.staging, archive)
@@ -315,18 +346,21 @@ class CompileCacheTransfer:
         finally:
             await asyncio.shield(asyncio.to_thread(archive.unlink, missing_ok=True))
             await self._discard(fetched)
+        count = len(manifest.archives)
         if not switched:
-            return CompactOutcome(False, len(manifest.archives), 0, "the manifest changed")
+            return CompactOutcome(
+                False, count, 0, "another node changed the manifest meanwhile", self.uri_of(key)
+            )
         deleted = await self._sweep_now(key)
         log.info(
             "compacted compile cache %s: %d archives -> 1 (%d bytes); deleted %d retired",
             key,
-            len(manifest.archives),
+            count,
             packed.archive_bytes,
             deleted,
             extra={"key": key},
         )
-        return CompactOutcome(True, len(manifest.archives), deleted, "")
+        return CompactOutcome(True, count, deleted, "", self.uri_of(key), packed.archive_bytes)
 
     async def _sweep_now(self, key: str) -> int:
         """Delete the key's archives retired long enough ago, as the manifest says now."""
@@ -338,6 +372,20 @@ class CompileCacheTransfer:
     async def _discard(self, fetched: Fetched | None) -> None:
         if fetched is not None:
             await self._index.discard(fetched.staging)
+
+
+def _not_compactable(manifest: Manifest | None) -> str:
+    """Why ``manifest``'s archives cannot become one ("" when they can)."""
+    if manifest is None or not manifest.archives:
+        return "nothing was uploaded for this key"
+    if len(manifest.archives) == 1:
+        return "it has one archive already"
+    if not manifest.compactable:
+        return (
+            "an archive uploaded by an older agent lists no files, so the union cannot be "
+            "checked; it stays as it is"
+        )
+    return ""
 
 
 def _check_unchanged(wanted: tuple[FileFacts, ...], packed: PackResult) -> None:

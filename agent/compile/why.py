@@ -15,10 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
+from typing import Literal
 
 from agent.compile.keys import CompileKeyParts, normalise_parts
 
-__all__ = ["Nearest", "PartChange", "nearest_key", "part_changes"]
+__all__ = ["KeyLocation", "Nearest", "PartChange", "closer", "nearest_key", "part_changes"]
+
+# Where the nearest key was found: cached on this node, or only uploaded to S3
+# (by another node of the same compile domain).
+KeyLocation = Literal["node", "s3"]
 
 _SHOWN_CHANGES = 6
 _KEY_SHOWN = 12
@@ -43,13 +48,15 @@ class Nearest:
 
     key: str
     changes: tuple[PartChange, ...]
+    location: KeyLocation = "node"
 
     def describe(self) -> str:
-        """One clause for a verdict line: the nearest key and its first differing parts."""
+        """One clause for a verdict line: the nearest key, where it is, its first differences."""
         shown = ", ".join(change.describe() for change in self.changes[:_SHOWN_CHANGES])
         more = len(self.changes) - _SHOWN_CHANGES
         tail = f" and {more} more" if more > 0 else ""
-        return f"nearest cached key {self.key[:_KEY_SHOWN]} differs in {shown}{tail}"
+        where = "cached key" if self.location == "node" else "key in S3"
+        return f"nearest {where} {self.key[:_KEY_SHOWN]} differs in {shown}{tail}"
 
 
 def _flat(parts: CompileKeyParts) -> dict[str, str]:
@@ -70,7 +77,11 @@ def part_changes(cached: CompileKeyParts, wanted: CompileKeyParts) -> tuple[Part
 
 
 def nearest_key(
-    wanted: CompileKeyParts, cached: Iterable[tuple[str, CompileKeyParts]], *, own_key: str = ""
+    wanted: CompileKeyParts,
+    cached: Iterable[tuple[str, CompileKeyParts]],
+    *,
+    own_key: str = "",
+    location: KeyLocation = "node",
 ) -> Nearest | None:
     """The key of the same model (and engine) with the fewest differing parts; None if none.
 
@@ -87,5 +98,12 @@ def nearest_key(
             continue
         changes = part_changes(other, target)
         if changes and (best is None or len(changes) < len(best.changes)):
-            best = Nearest(key, changes)
+            best = Nearest(key, changes, location)
     return best
+
+
+def closer(first: Nearest | None, second: Nearest | None) -> Nearest | None:
+    """The one with fewer differing parts; a tie goes to ``first`` (the node's, say)."""
+    if first is None or (second is not None and len(second.changes) < len(first.changes)):
+        return second
+    return first

@@ -19,6 +19,7 @@ from agent._proto.prewarm.v1 import prewarm_pb2 as pb
 from agent._wire import parts_from_proto, parts_to_proto, timestamp_to_proto
 from agent.compile.cache import (
     NODE_SCOPE,
+    CompactOutcome,
     CompileCacheInfo,
     CompileCaches,
     EnsuredCompileCache,
@@ -26,6 +27,7 @@ from agent.compile.cache import (
     Scope,
 )
 from agent.compile.verdict import Verdict
+from agent.compile.why import Nearest
 from agent.edge.status import abort
 from agent.service.access import NODE_TENANT, Tenant
 
@@ -89,6 +91,29 @@ def _push(outcome: PushOutcome) -> pb.PushCompileCacheResponse:
     )
 
 
+def _nearest(nearest: Nearest) -> pb.CompileNearest:
+    return pb.CompileNearest(
+        key=nearest.key,
+        location=nearest.location,
+        changes=[
+            pb.CompileKeyChange(part=c.name, cached=c.cached, wanted=c.wanted)
+            for c in nearest.changes
+        ],
+        summary=nearest.describe(),
+    )
+
+
+def _compaction(outcome: CompactOutcome) -> pb.CompactCompileCacheResponse:
+    return pb.CompactCompileCacheResponse(
+        compacted=outcome.compacted,
+        uri=outcome.uri,
+        archives_before=outcome.archives_before,
+        retired_deleted=outcome.retired_deleted,
+        skipped_reason=outcome.skipped_reason,
+        archive_bytes=outcome.archive_bytes,
+    )
+
+
 def _handle(ensured: EnsuredCompileCache) -> pb.CompileCacheHandle:
     info = ensured.info
     return pb.CompileCacheHandle(
@@ -105,7 +130,8 @@ def _handle(ensured: EnsuredCompileCache) -> pb.CompileCacheHandle:
 
 
 class CompileCacheApi:
-    """EnsureCompileCache, List/Evict/Push/PullCompileCache, CompileLock and CompileReady."""
+    """EnsureCompileCache, List/Evict/Push/Pull/Explain/CompactCompileCache, CompileLock and
+    CompileReady."""
 
     _compile_caches: CompileCaches | None
     _tenant: Tenant | None
@@ -146,6 +172,8 @@ class CompileCacheApi:
         except PrewarmError as exc:
             await abort(context, exc)
         response = pb.CompileReadyResponse(key=ready.key, verdict=_verdict(ready.verdict))
+        if ready.nearest is not None:
+            response.nearest.CopyFrom(_nearest(ready.nearest))
         if ready.push is not None:
             response.upload.CopyFrom(_push(ready.push))
         else:
@@ -207,6 +235,37 @@ class CompileCacheApi:
         except PrewarmError as exc:
             await abort(context, exc)
         return _handle(ensured)
+
+    async def ExplainCompileCache(
+        self,
+        request: pb.ExplainCompileCacheRequest,
+        context: grpc.aio.ServicerContext[
+            pb.ExplainCompileCacheRequest, pb.ExplainCompileCacheResponse
+        ],
+    ) -> pb.ExplainCompileCacheResponse:
+        """The nearest other key of a cache's model in the caller's scope, and what differs."""
+        try:
+            why = await self._caches().explain(request.key, compile_scope(self._tenant))
+        except PrewarmError as exc:
+            await abort(context, exc)
+        response = pb.ExplainCompileCacheResponse(key=why.key, s3_note=why.s3_note)
+        if why.nearest is not None:
+            response.nearest.CopyFrom(_nearest(why.nearest))
+        return response
+
+    async def CompactCompileCache(
+        self,
+        request: pb.CompactCompileCacheRequest,
+        context: grpc.aio.ServicerContext[
+            pb.CompactCompileCacheRequest, pb.CompactCompileCacheResponse
+        ],
+    ) -> pb.CompactCompileCacheResponse:
+        """Make a key's archives in S3 (of the caller's scope) one archive."""
+        try:
+            outcome = await self._caches().compact(request.key, compile_scope(self._tenant))
+        except PrewarmError as exc:
+            await abort(context, exc)
+        return _compaction(outcome)
 
     async def CompileLock(
         self,

@@ -51,7 +51,14 @@ NODE_ONLY_METHODS = frozenset(
 )
 # RPCs that read or write the compile-cache prefix in S3.
 _COMPILE_S3_METHODS = frozenset(
-    {"EnsureCompileCache", "PushCompileCache", "PullCompileCache", "CompileReady"}
+    {
+        "EnsureCompileCache",
+        "PushCompileCache",
+        "PullCompileCache",
+        "CompileReady",
+        "ExplainCompileCache",
+        "CompactCompileCache",
+    }
 )
 # Bigger than any real key (AKIA/ASIA ids are 20 characters, secrets 40, STS
 # session tokens a few KiB), small enough that no request can carry a flood.

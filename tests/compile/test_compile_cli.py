@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from agent_helpers import AgentFactory
@@ -146,7 +147,43 @@ def test_why_names_the_nearest_key_of_the_model_and_the_parts_that_differ(
         f"{new.key[:12]}: nearest cached key {old.key[:12]}, differs in",
         "  engine_version 2.12.0 -> 2.13.0",
         "  torch_version 2.12.0 -> 2.13.0",
+        "note: compile_cache.uri is not set: only this node's keys were compared",
     ]
     document = json.loads(_ok(prewarm("why", new.key, "--json", socket=agent.socket_path)))
-    assert document["nearest"] == old.key
+    assert (document["nearest"], document["location"]) == (old.key, "node")
     assert {"part": "torch_version", "cached": "2.12.0", "wanted": "2.13.0"} in document["changes"]
+
+
+@pytest.mark.slow  # two agents and four CLI runs
+def test_why_finds_a_key_another_node_uploaded_and_compact_makes_its_archives_one(
+    start_agent: AgentFactory, bucket: str, s3_client: Any
+) -> None:
+    """On node 2, `compile why` names node 1's key from S3 (not on node 2) with the part that
+    differs; `compile compact` on node 2 makes node 1's three archives of that key one."""
+    config = f'[compile_cache]\nuri = "s3://{bucket}/cc"\nquiet_seconds = 3600\n'
+    first = start_agent(config)
+    with Client(first.socket_path) as client:
+        old = client.compile_cache(torch_version="2.12.0", model_key="m")
+        for number in range(3):
+            (old.path / "inductor" / f"kernel-{number}.so").write_bytes(os.urandom(2000))
+            assert client.push_compile_cache(old.key).uploaded
+    first.close()
+    second = start_agent(config)
+    with Client(second.socket_path) as client:
+        new = client.compile_cache(torch_version="2.13.0", model_key="m", skip_restore=True)
+    said = _ok(prewarm("why", new.key[:10], socket=second.socket_path))
+    assert said.splitlines() == [
+        f"{new.key[:12]}: nearest key in S3 {old.key[:12]}, differs in",
+        "  engine_version 2.12.0 -> 2.13.0",
+        "  torch_version 2.12.0 -> 2.13.0",
+    ]
+
+    compacted = _ok(prewarm("compact", old.key, socket=second.socket_path))
+    assert re.fullmatch(
+        rf"compacted 3 archives into one \([\d.]+ (B|KiB)\) at s3://{bucket}/cc/node/{old.key}/\n",
+        compacted,
+    ), compacted
+    manifest = s3_client.get_object(Bucket=bucket, Key=f"cc/node/{old.key}/manifest.json")
+    assert len(json.loads(manifest["Body"].read())["archives"]) == 1
+    again = json.loads(_ok(prewarm("compact", old.key, "--json", socket=second.socket_path)))
+    assert (again["compacted"], again["skipped_reason"]) == (False, "it has one archive already")

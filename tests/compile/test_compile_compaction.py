@@ -18,9 +18,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from store_helpers import open_store
 
 from agent._config import CompileCacheSettings, Settings, TierSettings
+from agent._exceptions import Conflict
 from agent._uri import parse_uri
 from agent.compile.cache import CompileCaches
 from agent.compile.keys import CompileKeyParts, compile_key
@@ -121,3 +123,40 @@ async def test_retired_archives_are_deleted_only_once_their_grace_is_over(
     assert (swept.retired, len(swept.archives)) == ((), 1)
     restored, _, _ = await _restore(tmp_path / "b", source)
     assert len(restored) == COMPACT_AFTER_ARCHIVES + 1
+
+
+async def test_compact_on_request_makes_a_few_archives_one_and_says_why_it_would_not(
+    tmp_path: Path,
+) -> None:
+    """`compact` below the automatic limit leaves one archive a restore reads in one GET; a
+    second compact, a key never uploaded and a node without S3 each say why nothing changed."""
+    source = MemorySource(objects={BUCKET: {}})
+    written: dict[str, bytes] = {}
+    async with node(tmp_path / "a", source) as first:
+        path = (await first.ensure(PARTS)).info.path
+        for number in range(3):
+            written[f"kernel-{number}.so"] = os.urandom(5000)
+            (path / "inductor" / f"kernel-{number}.so").write_bytes(written[f"kernel-{number}.so"])
+            assert (await first.push(KEY)).uploaded
+        assert len(_manifest(source)["archives"]) == 3
+
+        done = await first.compact(KEY[:10])
+        assert (done.compacted, done.archives_before, done.skipped_reason) == (True, 3, "")
+        assert done.uri == f"s3://{BUCKET}/cc/node/{KEY}/"
+        assert done.archive_bytes == _manifest(source)["archives"][0]["archive_bytes"]
+        again = await first.compact(KEY)
+        assert (again.compacted, again.skipped_reason) == (False, "it has one archive already")
+        never = await first.compact("f" * 32)
+        assert (never.compacted, never.skipped_reason) == (
+            False,
+            "nothing was uploaded for this key",
+        )
+    restored, reads, _ = await _restore(tmp_path / "b", source)
+    assert (restored, reads) == (written, 1)
+
+    store = await open_store(tmp_path / "local")
+    settings = Settings(tiers=TierSettings(disk_root=tmp_path / "local" / "disk"))
+    async with CompileCaches(settings, store, source) as local_only:
+        await local_only.ensure(PARTS)
+        with pytest.raises(Conflict, match=r"compile_cache\.uri is not set"):
+            await local_only.compact(KEY)

@@ -93,20 +93,34 @@ def test_tenants_asking_for_the_same_key_get_their_own_directory_and_s3_prefix(
 def test_a_tenant_sees_and_touches_none_of_another_tenants_compile_caches(
     start_agent: AgentFactory, bucket: str, short_dir: Path
 ) -> None:
-    """On A's socket, B's key is not listed, counted or found: CompileReady, PullCompileCache and
-    PushCompileCache on it are NOT_FOUND and B's files stay; A holding the compile lock for the
-    same parts does not make B wait."""
+    """On A's socket, B's key is not listed, counted or found: CompileReady, PullCompileCache,
+    PushCompileCache, ExplainCompileCache and CompactCompileCache on it are NOT_FOUND (a bare
+    full key compacts only A's own prefix) and B's files stay; A holding the compile lock for
+    the same parts does not make B wait."""
     agent = start_agent(_config(bucket, short_dir))
     with Client(short_dir / "team-a.sock") as a, Client(short_dir / "team-b.sock") as b:
         theirs = b.compile_cache(PARTS)
         kernel = _kernel(theirs.path)
+        assert b.push_compile_cache(theirs.key).uploaded
         assert a.list_compile_caches() == []
         assert a.status().compile_cache_count == 0
-        for call in (a.compile_ready, a.pull_compile_cache, a.push_compile_cache):
-            with pytest.raises(NotFound):
-                call(theirs.key)
+        for call in (
+            a.compile_ready,
+            a.pull_compile_cache,
+            a.push_compile_cache,
+            a.explain_compile_cache,
+            a.compact_compile_cache,
+        ):
             with pytest.raises(NotFound):
                 call(f"team-b/{theirs.key}")
+            if call != a.compact_compile_cache:
+                with pytest.raises(NotFound):
+                    call(theirs.key)
+        own = a.compact_compile_cache(theirs.key)
+        assert (own.uri, own.skipped_reason) == (
+            f"s3://{bucket}/cc/team-a/{theirs.key}/",
+            "nothing was uploaded for this key",
+        )
         assert kernel.read_bytes() == b"kernel"
         with a.compile_lock(PARTS, client_name="pod-a") as held:
             assert held.exclusive

@@ -1150,6 +1150,7 @@ class CompileReadyResponse(_message.Message):
     KEY_FIELD_NUMBER: _builtins.int
     VERDICT_FIELD_NUMBER: _builtins.int
     UPLOAD_FIELD_NUMBER: _builtins.int
+    NEAREST_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     @_builtins.property
     def verdict(self) -> Global___CompileVerdict: ...
@@ -1157,20 +1158,193 @@ class CompileReadyResponse(_message.Message):
     def upload(self) -> Global___PushCompileCacheResponse:
         """The upload that followed (uploaded false and a reason when skipped)."""
 
+    @_builtins.property
+    def nearest(self) -> Global___CompileNearest:
+        """On a miss or partial miss: the nearest other key of the model (unset when none)."""
+
     def __init__(
         self,
         *,
         key: _builtins.str = ...,
         verdict: Global___CompileVerdict | None = ...,
         upload: Global___PushCompileCacheResponse | None = ...,
+        nearest: Global___CompileNearest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["upload", b"upload", "verdict", b"verdict"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["nearest", b"nearest", "upload", b"upload", "verdict", b"verdict"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "upload", b"upload", "verdict", b"verdict"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "nearest", b"nearest", "upload", b"upload", "verdict", b"verdict"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CompileReadyResponse: _TypeAlias = CompileReadyResponse  # noqa: Y015
+
+@_typing.final
+class CompileKeyChange(_message.Message):
+    """One key part that differs between a cached key and the one wanted."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PART_FIELD_NUMBER: _builtins.int
+    CACHED_FIELD_NUMBER: _builtins.int
+    WANTED_FIELD_NUMBER: _builtins.int
+    part: _builtins.str
+    """"torch_version", "extras.flag.max_num_batched_tokens"..."""
+    cached: _builtins.str
+    """its value in the nearest key ("" when unset there)"""
+    wanted: _builtins.str
+    """its value in the key that missed ("" when unset)"""
+    def __init__(
+        self,
+        *,
+        part: _builtins.str = ...,
+        cached: _builtins.str = ...,
+        wanted: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached", b"cached", "part", b"part", "wanted", b"wanted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompileKeyChange: _TypeAlias = CompileKeyChange  # noqa: Y015
+
+@_typing.final
+class CompileNearest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    LOCATION_FIELD_NUMBER: _builtins.int
+    CHANGES_FIELD_NUMBER: _builtins.int
+    SUMMARY_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    location: _builtins.str
+    """"node" (cached on this node) or "s3" (uploaded by another node, not here)."""
+    summary: _builtins.str
+    """One clause for a verdict line: "nearest cached key 9a41c07e3d12 differs in ..."."""
+    @_builtins.property
+    def changes(self) -> _containers.RepeatedCompositeFieldContainer[Global___CompileKeyChange]: ...
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        location: _builtins.str = ...,
+        changes: _abc.Iterable[Global___CompileKeyChange] | None = ...,
+        summary: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "key", b"key", "location", b"location", "summary", b"summary"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompileNearest: _TypeAlias = CompileNearest  # noqa: Y015
+
+@_typing.final
+class ExplainCompileCacheRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """A key or a unique key prefix (8+ hex digits) of a compile cache on this node."""
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExplainCompileCacheRequest: _TypeAlias = ExplainCompileCacheRequest  # noqa: Y015
+
+@_typing.final
+class ExplainCompileCacheResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    NEAREST_FIELD_NUMBER: _builtins.int
+    S3_NOTE_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    s3_note: _builtins.str
+    """Why S3 was not searched, or could not be ("" when it was)."""
+    @_builtins.property
+    def nearest(self) -> Global___CompileNearest:
+        """Unset when no other key of the same model and engine is known."""
+
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        nearest: Global___CompileNearest | None = ...,
+        s3_note: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["nearest", b"nearest"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "nearest", b"nearest", "s3_note", b"s3_note"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExplainCompileCacheResponse: _TypeAlias = ExplainCompileCacheResponse  # noqa: Y015
+
+@_typing.final
+class CompactCompileCacheRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """A key or a unique key prefix on this node, or a full key (32 hex digits)."""
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompactCompileCacheRequest: _TypeAlias = CompactCompileCacheRequest  # noqa: Y015
+
+@_typing.final
+class CompactCompileCacheResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMPACTED_FIELD_NUMBER: _builtins.int
+    URI_FIELD_NUMBER: _builtins.int
+    ARCHIVES_BEFORE_FIELD_NUMBER: _builtins.int
+    RETIRED_DELETED_FIELD_NUMBER: _builtins.int
+    SKIPPED_REASON_FIELD_NUMBER: _builtins.int
+    ARCHIVE_BYTES_FIELD_NUMBER: _builtins.int
+    compacted: _builtins.bool
+    uri: _builtins.str
+    archives_before: _builtins.int
+    """Archives the manifest listed before (1 after a compaction)."""
+    retired_deleted: _builtins.int
+    """Archives replaced by an earlier compaction, deleted now that their grace is over."""
+    skipped_reason: _builtins.str
+    """Why nothing was compacted (one archive already, nothing uploaded...)."""
+    archive_bytes: _builtins.int
+    """Bytes of the one archive left (0 when nothing was compacted)."""
+    def __init__(
+        self,
+        *,
+        compacted: _builtins.bool = ...,
+        uri: _builtins.str = ...,
+        archives_before: _builtins.int = ...,
+        retired_deleted: _builtins.int = ...,
+        skipped_reason: _builtins.str = ...,
+        archive_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["archive_bytes", b"archive_bytes", "archives_before", b"archives_before", "compacted", b"compacted", "retired_deleted", b"retired_deleted", "skipped_reason", b"skipped_reason", "uri", b"uri"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompactCompileCacheResponse: _TypeAlias = CompactCompileCacheResponse  # noqa: Y015
 
 @_typing.final
 class ListCompileCachesRequest(_message.Message):

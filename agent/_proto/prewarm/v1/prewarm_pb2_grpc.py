@@ -119,6 +119,16 @@ class PrewarmStub:
                 request_serializer=prewarm_dot_v1_dot_prewarm__pb2.CompileReadyRequest.SerializeToString,
                 response_deserializer=prewarm_dot_v1_dot_prewarm__pb2.CompileReadyResponse.FromString,
                 _registered_method=True)
+        self.ExplainCompileCache = channel.unary_unary(
+                '/prewarm.v1.Prewarm/ExplainCompileCache',
+                request_serializer=prewarm_dot_v1_dot_prewarm__pb2.ExplainCompileCacheRequest.SerializeToString,
+                response_deserializer=prewarm_dot_v1_dot_prewarm__pb2.ExplainCompileCacheResponse.FromString,
+                _registered_method=True)
+        self.CompactCompileCache = channel.unary_unary(
+                '/prewarm.v1.Prewarm/CompactCompileCache',
+                request_serializer=prewarm_dot_v1_dot_prewarm__pb2.CompactCompileCacheRequest.SerializeToString,
+                response_deserializer=prewarm_dot_v1_dot_prewarm__pb2.CompactCompileCacheResponse.FromString,
+                _registered_method=True)
 
 
 class PrewarmServicer:
@@ -251,6 +261,23 @@ class PrewarmServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExplainCompileCache(self, request, context):
+        """Why a key on this node misses: the nearest other key of the same model and
+        engine in the caller's compile domain (on this node, or uploaded to S3 by
+        another node) and the key parts that differ.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CompactCompileCache(self, request, context):
+        """Make a key's archives in S3 one archive now (a restore then reads one object).
+        The archives replaced are deleted only once no restore can still be reading them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrewarmServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -338,6 +365,16 @@ def add_PrewarmServicer_to_server(servicer, server):
                     servicer.CompileReady,
                     request_deserializer=prewarm_dot_v1_dot_prewarm__pb2.CompileReadyRequest.FromString,
                     response_serializer=prewarm_dot_v1_dot_prewarm__pb2.CompileReadyResponse.SerializeToString,
+            ),
+            'ExplainCompileCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExplainCompileCache,
+                    request_deserializer=prewarm_dot_v1_dot_prewarm__pb2.ExplainCompileCacheRequest.FromString,
+                    response_serializer=prewarm_dot_v1_dot_prewarm__pb2.ExplainCompileCacheResponse.SerializeToString,
+            ),
+            'CompactCompileCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.CompactCompileCache,
+                    request_deserializer=prewarm_dot_v1_dot_prewarm__pb2.CompactCompileCacheRequest.FromString,
+                    response_serializer=prewarm_dot_v1_dot_prewarm__pb2.CompactCompileCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -799,6 +836,60 @@ class Prewarm:
             '/prewarm.v1.Prewarm/CompileReady',
             prewarm_dot_v1_dot_prewarm__pb2.CompileReadyRequest.SerializeToString,
             prewarm_dot_v1_dot_prewarm__pb2.CompileReadyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExplainCompileCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prewarm.v1.Prewarm/ExplainCompileCache',
+            prewarm_dot_v1_dot_prewarm__pb2.ExplainCompileCacheRequest.SerializeToString,
+            prewarm_dot_v1_dot_prewarm__pb2.ExplainCompileCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CompactCompileCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prewarm.v1.Prewarm/CompactCompileCache',
+            prewarm_dot_v1_dot_prewarm__pb2.CompactCompileCacheRequest.SerializeToString,
+            prewarm_dot_v1_dot_prewarm__pb2.CompactCompileCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

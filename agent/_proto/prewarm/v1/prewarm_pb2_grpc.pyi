@@ -83,6 +83,15 @@ class PrewarmStub:
     miss: what it compiled since the restore or the last ready launch), then the
     key's artifacts are uploaded (merged into S3), before the answer.
     """
+    ExplainCompileCache: _grpc.UnaryUnaryMultiCallable[_prewarm_pb2.ExplainCompileCacheRequest, _prewarm_pb2.ExplainCompileCacheResponse]
+    """Why a key on this node misses: the nearest other key of the same model and
+    engine in the caller's compile domain (on this node, or uploaded to S3 by
+    another node) and the key parts that differ.
+    """
+    CompactCompileCache: _grpc.UnaryUnaryMultiCallable[_prewarm_pb2.CompactCompileCacheRequest, _prewarm_pb2.CompactCompileCacheResponse]
+    """Make a key's archives in S3 one archive now (a restore then reads one object).
+    The archives replaced are deleted only once no restore can still be reading them.
+    """
 
 @_typing.type_check_only
 class PrewarmAsyncStub(PrewarmStub):
@@ -133,6 +142,15 @@ class PrewarmAsyncStub(PrewarmStub):
     """The engine that uses a key is ready: the launch's verdict (hit, partial miss,
     miss: what it compiled since the restore or the last ready launch), then the
     key's artifacts are uploaded (merged into S3), before the answer.
+    """
+    ExplainCompileCache: _aio.UnaryUnaryMultiCallable[_prewarm_pb2.ExplainCompileCacheRequest, _prewarm_pb2.ExplainCompileCacheResponse]  # type: ignore[assignment]
+    """Why a key on this node misses: the nearest other key of the same model and
+    engine in the caller's compile domain (on this node, or uploaded to S3 by
+    another node) and the key parts that differ.
+    """
+    CompactCompileCache: _aio.UnaryUnaryMultiCallable[_prewarm_pb2.CompactCompileCacheRequest, _prewarm_pb2.CompactCompileCacheResponse]  # type: ignore[assignment]
+    """Make a key's archives in S3 one archive now (a restore then reads one object).
+    The archives replaced are deleted only once no restore can still be reading them.
     """
 
 class PrewarmServicer(metaclass=_abc_1.ABCMeta):
@@ -283,6 +301,27 @@ class PrewarmServicer(metaclass=_abc_1.ABCMeta):
         """The engine that uses a key is ready: the launch's verdict (hit, partial miss,
         miss: what it compiled since the restore or the last ready launch), then the
         key's artifacts are uploaded (merged into S3), before the answer.
+        """
+
+    @_abc_1.abstractmethod
+    def ExplainCompileCache(
+        self,
+        request: _prewarm_pb2.ExplainCompileCacheRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_prewarm_pb2.ExplainCompileCacheResponse, _abc.Awaitable[_prewarm_pb2.ExplainCompileCacheResponse]]:
+        """Why a key on this node misses: the nearest other key of the same model and
+        engine in the caller's compile domain (on this node, or uploaded to S3 by
+        another node) and the key parts that differ.
+        """
+
+    @_abc_1.abstractmethod
+    def CompactCompileCache(
+        self,
+        request: _prewarm_pb2.CompactCompileCacheRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_prewarm_pb2.CompactCompileCacheResponse, _abc.Awaitable[_prewarm_pb2.CompactCompileCacheResponse]]:
+        """Make a key's archives in S3 one archive now (a restore then reads one object).
+        The archives replaced are deleted only once no restore can still be reading them.
         """
 
 def add_PrewarmServicer_to_server(servicer: PrewarmServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,130 @@
+"""Which keys of a model S3 holds: one small entry per uploaded key, grouped by model.
+
+A miss names the nearest key of the same model (agent.compile.why). The keys
+on this node are in its index; keys another node uploaded are only in S3,
+and their parts sit inside manifests that list every file (megabytes each).
+So every upload also writes, once per key, a small entry under its model::
+
+    <prefix>/by-model/<model id>/<key>.json   {"format": 1, "key": ..., "parts": {...}}
+
+where the model id is a digest of the engine and ``model_key`` (the parts a
+nearest key must share). Finding the keys of a model is one listing of that
+prefix and one small GET per key, capped. An entry is a hint, never trusted:
+one that is too big, unreadable, or whose parts do not hash to the key it is
+named after is skipped (and logged), so a planted entry can at worst be
+ignored. Keys uploaded by agents before this index existed get their entry at
+their next upload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import re
+
+from agent._exceptions import Conflict, IntegrityError, InvalidRequest
+from agent._uri import ModelUri
+from agent.compile.keys import (
+    CompileKeyParts,
+    compile_key,
+    normalise_parts,
+    parts_from_dict,
+    parts_to_dict,
+)
+from agent.source.interface import ObjectSource
+
+__all__ = ["ENTRY_MAX_BYTES", "MAX_KEYS_READ", "RemoteKeyIndex", "model_id"]
+
+log = logging.getLogger(__name__)
+
+INDEX_DIRECTORY = "by-model"
+ENTRY_FORMAT = 1
+# Key parts are capped at 64 extras of 256 bytes each on the API: far below this.
+ENTRY_MAX_BYTES = 64 * 1024
+# Keys of one model read per lookup (one GET each): a model with more keys than this
+# in S3 is compared with the first this many of them, in key order.
+MAX_KEYS_READ = 64
+_CONCURRENT_READS = 8
+_ENTRY_NAME = re.compile(r"([0-9a-f]{32})\.json")
+
+
+def model_id(parts: CompileKeyParts) -> str:
+    """The digest that groups a model's keys: its engine and model key, normalised."""
+    canonical = normalise_parts(parts)
+    named = f"{canonical.engine}\0{canonical.model_key}".encode()
+    return hashlib.sha256(named).hexdigest()[:32]
+
+
+class RemoteKeyIndex:
+    """The ``by-model`` entries under one compile domain's prefix in S3."""
+
+    def __init__(self, source: ObjectSource, uri: ModelUri) -> None:
+        self._source = source
+        self._uri = uri
+
+    def _directory(self, parts: CompileKeyParts) -> str:
+        return f"{self._uri.prefix}{INDEX_DIRECTORY}/{model_id(parts)}/"
+
+    async def add(self, key: str, parts: CompileKeyParts) -> None:
+        """Write ``key``'s entry unless one is there (entries never change: keys are hashes)."""
+        canonical = normalise_parts(parts)
+        body = json.dumps(
+            {"format": ENTRY_FORMAT, "key": key, "parts": parts_to_dict(canonical)},
+            sort_keys=True,
+        ).encode()
+        with contextlib.suppress(Conflict):  # already there: the same bytes
+            await self._source.put_object(
+                self._uri.bucket,
+                f"{self._directory(canonical)}{key}.json",
+                body,
+                content_type="application/json",
+                if_absent=True,
+            )
+
+    async def keys_like(self, parts: CompileKeyParts) -> list[tuple[str, CompileKeyParts]]:
+        """The keys S3 holds of ``parts``' model and engine, with their parts (at most
+        ``MAX_KEYS_READ``; entries that cannot be trusted are left out)."""
+        directory = self._directory(parts)
+        listing = ModelUri(self._uri.bucket, directory)
+        names: list[str] = []
+        pages = self._source.list_pages(listing)
+        async with contextlib.aclosing(pages):
+            async for page in pages:
+                names += [item.key for item in page if item.size <= ENTRY_MAX_BYTES]
+                if len(names) >= MAX_KEYS_READ:
+                    break
+        keys = [m[1] for n in names if (m := _ENTRY_NAME.fullmatch(n.removeprefix(directory)))]
+        gate = asyncio.Semaphore(_CONCURRENT_READS)
+
+        async def read(key: str) -> tuple[str, CompileKeyParts] | None:
+            async with gate:
+                return await self._entry(f"{directory}{key}.json", key)
+
+        found = await asyncio.gather(*(read(key) for key in sorted(keys)[:MAX_KEYS_READ]))
+        return [entry for entry in found if entry is not None]
+
+    async def _entry(self, name: str, key: str) -> tuple[str, CompileKeyParts] | None:
+        """One entry's parts, or None (logged) when it is gone or cannot be trusted."""
+        try:
+            stored = await self._source.get_object(
+                self._uri.bucket, name, max_bytes=ENTRY_MAX_BYTES
+            )
+            if stored is None:
+                return None
+            document = json.loads(stored.data)
+            if not isinstance(document, dict) or document.get("format") != ENTRY_FORMAT:
+                raise InvalidRequest("not an index entry of a format this agent reads")
+            if not isinstance(document.get("parts"), dict):
+                raise InvalidRequest("it holds no key parts")
+            parts = normalise_parts(parts_from_dict(document["parts"]))
+            if compile_key(parts) != key:
+                raise InvalidRequest("its parts hash to another key")
+        except (IntegrityError, InvalidRequest, AttributeError, TypeError, ValueError) as exc:
+            log.warning(
+                "skipped compile-cache index entry s3://%s/%s: %s", self._uri.bucket, name, exc
+            )
+            return None
+        return key, parts

@@ -1,0 +1,163 @@
+"""Why a key missed, when the nearest key was uploaded by another node and is not on this one.
+
+Every upload lists its key under its model in S3 (agent.compile.model_index);
+a miss on another node compares with those keys too. In process, two nodes'
+compile caches sharing MemorySource as S3.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncGenerator, AsyncIterator
+from pathlib import Path
+
+from store_helpers import open_store
+
+from agent._config import CompileCacheSettings, Settings, TierSettings
+from agent._uri import ModelUri
+from agent.compile.cache import COMPILE_MISS_PARTS, CompileCaches
+from agent.compile.keys import CompileKeyParts, compile_key, parts_to_dict
+from agent.compile.model_index import ENTRY_MAX_BYTES, model_id
+from agent.source.interface import ListedObject
+from agent.source.s3_errors import SourceUnreachable
+from agent.testing import MemorySource
+
+BUCKET = "caches"
+UPLOADED = CompileKeyParts(
+    engine="vllm",
+    engine_version="0.16.0",
+    torch_version="2.10.0",
+    model_key="minilm",
+    extras={"flag.max_num_batched_tokens": "8192"},
+)
+# The same model and engine with one flag changed: one part differs.
+WANTED = CompileKeyParts(
+    engine="vllm",
+    engine_version="0.16.0",
+    torch_version="2.10.0",
+    model_key="minilm",
+    extras={"flag.max_num_batched_tokens": "16384"},
+)
+INDEX = f"cc/node/by-model/{model_id(UPLOADED)}/"
+
+
+@contextlib.asynccontextmanager
+async def node(root: Path, source: MemorySource) -> AsyncIterator[CompileCaches]:
+    """One node's compile caches under ``root``, sharing ``source``'s bucket."""
+    store = await open_store(root)
+    settings = Settings(
+        tiers=TierSettings(shm_root=root / "shm", disk_root=root / "disk"),
+        compile_cache=CompileCacheSettings(uri=f"s3://{BUCKET}/cc", quiet_seconds=3600),
+    )
+    async with CompileCaches(settings, store, source) as caches:
+        yield caches
+
+
+async def _upload(root: Path, source: MemorySource, parts: CompileKeyParts) -> str:
+    """Another node compiles ``parts``' key and uploads it; its key."""
+    async with node(root, source) as other:
+        path = (await other.ensure(parts)).info.path
+        (path / "inductor" / "kernel.so").write_bytes(b"\x7fELF kernel")
+        assert (await other.push(compile_key(parts))).uploaded
+    return compile_key(parts)
+
+
+async def test_a_key_uploaded_by_another_node_is_named_with_the_part_that_differs(
+    tmp_path: Path,
+) -> None:
+    """A new key on node 2 is explained by node 1's upload: its key, "s3", the changed flag."""
+    source = MemorySource(objects={BUCKET: {}})
+    uploaded = await _upload(tmp_path / "one", source, UPLOADED)
+    assert f"{INDEX}{uploaded}.json" in source.objects[BUCKET]
+
+    async with node(tmp_path / "two", source) as second:
+        wanted = await second.ensure(WANTED)
+        why = await second.explain(wanted.info.key)
+    assert why.s3_note == ""
+    assert why.nearest is not None
+    assert (why.nearest.key, why.nearest.location) == (uploaded, "s3")
+    assert [c.describe() for c in why.nearest.changes] == [
+        "extras.flag.max_num_batched_tokens 8192 -> 16384"
+    ]
+    assert why.nearest.describe().startswith(f"nearest key in S3 {uploaded[:12]} differs in ")
+
+
+async def test_a_miss_reported_ready_names_the_s3_key_and_counts_the_part(
+    tmp_path: Path,
+) -> None:
+    """CompileReady on a miss carries the nearest key in S3, and the metric counts its part."""
+    source = MemorySource(objects={BUCKET: {}})
+    uploaded = await _upload(tmp_path / "one", source, UPLOADED)
+    counted = COMPILE_MISS_PARTS.labels("vllm", "extras.flag.max_num_batched_tokens")
+    before = counted._value.get()
+    async with node(tmp_path / "two", source) as second:
+        path = (await second.ensure(WANTED)).info.path
+        (path / "vllm" / "graph.py").write_text("compiled")
+        ready = await second.ready(compile_key(WANTED))
+    assert ready.verdict.verdict == "miss"
+    assert ready.nearest is not None
+    assert (ready.nearest.key, ready.nearest.location) == (uploaded, "s3")
+    assert counted._value.get() == before + 1
+
+
+async def test_a_key_on_the_node_wins_a_tie_with_one_only_in_s3(tmp_path: Path) -> None:
+    """Two keys equally near, one cached here and one only in S3: the node's is named."""
+    source = MemorySource(objects={BUCKET: {}})
+    await _upload(tmp_path / "one", source, UPLOADED)
+    local = CompileKeyParts(
+        engine="vllm",
+        engine_version="0.16.0",
+        torch_version="2.10.0",
+        model_key="minilm",
+        extras={"flag.max_num_batched_tokens": "4096"},
+    )
+    async with node(tmp_path / "two", source) as second:
+        await second.ensure(local)
+        wanted = await second.ensure(WANTED)
+        why = await second.explain(wanted.info.key)
+    assert why.nearest is not None
+    assert (why.nearest.key, why.nearest.location) == (compile_key(local), "node")
+
+
+async def test_planted_index_entries_are_skipped_and_the_real_one_is_named(
+    tmp_path: Path,
+) -> None:
+    """Entries whose parts hash to another key, that are too big or not JSON, or that claim
+    the very key that missed are never named; the honest entry still is."""
+    source = MemorySource(objects={BUCKET: {}})
+    uploaded = await _upload(tmp_path / "one", source, UPLOADED)
+    near_lie = CompileKeyParts(**{**parts_to_dict(WANTED), "torch_version": "9.9"})
+    lie = json.dumps({"format": 1, "key": "0" * 32, "parts": parts_to_dict(near_lie)})
+    source.put(BUCKET, f"{INDEX}{'0' * 32}.json", lie.encode())  # hashes to another key
+    source.put(BUCKET, f"{INDEX}{'1' * 32}.json", b"{" + b" " * ENTRY_MAX_BYTES)
+    source.put(BUCKET, f"{INDEX}{'2' * 32}.json", b"not json")
+    source.put(BUCKET, f"{INDEX}../../escape.json", b"{}")
+    async with node(tmp_path / "two", source) as second:
+        wanted = await second.ensure(WANTED)
+        why = await second.explain(wanted.info.key)
+    assert why.nearest is not None
+    assert why.nearest.key == uploaded
+
+
+class _UnreachableListing(MemorySource):
+    """S3 that refuses connections when listed (as a down endpoint does)."""
+
+    async def list_pages(self, uri: ModelUri) -> AsyncGenerator[list[ListedObject], None]:
+        """Refuse at once, as S3Source does when the endpoint refuses the connection."""
+        raise SourceUnreachable(f"cannot reach the endpoint to list {uri}")
+        yield []  # pragma: no cover (makes this an async generator)
+
+
+async def test_s3_that_cannot_be_listed_leaves_the_nodes_keys_and_a_note(tmp_path: Path) -> None:
+    """With S3 unreachable the answer still names the node's nearest key, and says S3 was not
+    searched and why."""
+    source = _UnreachableListing(objects={BUCKET: {}})
+    async with node(tmp_path / "two", source) as second:
+        await second.ensure(UPLOADED, skip_restore=True)
+        wanted = await second.ensure(WANTED, skip_restore=True)
+        why = await second.explain(wanted.info.key)
+    assert why.nearest is not None
+    assert (why.nearest.key, why.nearest.location) == (compile_key(UPLOADED), "node")
+    assert why.s3_note.startswith("S3 could not be searched (cannot reach the endpoint")
+    assert why.s3_note.endswith("only this node's keys were compared")

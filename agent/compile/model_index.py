@@ -14,6 +14,11 @@ one that is too big, unreadable, or whose parts do not hash to the key it is
 named after is skipped (and logged), so a planted entry can at worst be
 ignored. Keys uploaded by agents before this index existed get their entry at
 their next upload.
+
+A lookup is at most one listing and ``MAX_KEYS_READ`` GETs, so lookups run one
+at a time per domain and a model's answer is kept for ``ANSWER_TTL_SECONDS``:
+a pod asking why, again and again, costs S3 nothing more. (A key this node
+uploads is cached here, and so compared as the node's.)
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ import hashlib
 import json
 import logging
 import re
+import time
+from collections import OrderedDict
 
-from agent._exceptions import Conflict, IntegrityError, InvalidRequest
+from agent._exceptions import Conflict, IntegrityError, InvalidRequest, quoted
 from agent._uri import ModelUri
 from agent.compile.keys import (
     CompileKeyParts,
@@ -48,6 +55,10 @@ ENTRY_MAX_BYTES = 64 * 1024
 # in S3 is compared with the first this many of them, in key order.
 MAX_KEYS_READ = 64
 _CONCURRENT_READS = 8
+# How long a model's keys, as listed, answer again without asking S3; and how many
+# models' answers are kept.
+ANSWER_TTL_SECONDS = 30.0
+_ANSWERS_KEPT = 256
 _ENTRY_NAME = re.compile(r"([0-9a-f]{32})\.json")
 
 
@@ -64,6 +75,11 @@ class RemoteKeyIndex:
     def __init__(self, source: ObjectSource, uri: ModelUri) -> None:
         self._source = source
         self._uri = uri
+        self._lookup = asyncio.Lock()
+        # model id -> (when listed, the keys found), oldest first.
+        self._answers: OrderedDict[str, tuple[float, list[tuple[str, CompileKeyParts]]]] = (
+            OrderedDict()
+        )
 
     def _directory(self, parts: CompileKeyParts) -> str:
         return f"{self._uri.prefix}{INDEX_DIRECTORY}/{model_id(parts)}/"
@@ -87,10 +103,23 @@ class RemoteKeyIndex:
     async def keys_like(self, parts: CompileKeyParts) -> list[tuple[str, CompileKeyParts]]:
         """The keys S3 holds of ``parts``' model and engine, with their parts (at most
         ``MAX_KEYS_READ``; entries that cannot be trusted are left out)."""
+        model = model_id(parts)
+        async with self._lookup:
+            kept = self._answers.get(model)
+            if kept is not None and time.monotonic() - kept[0] < ANSWER_TTL_SECONDS:
+                return list(kept[1])
+            found = await self._read_model(parts)
+            self._answers[model] = (time.monotonic(), found)
+            self._answers.move_to_end(model)
+            while len(self._answers) > _ANSWERS_KEPT:
+                self._answers.popitem(last=False)
+        return list(found)
+
+    async def _read_model(self, parts: CompileKeyParts) -> list[tuple[str, CompileKeyParts]]:
+        """One listing of the model's entries and a GET of each (capped), read now."""
         directory = self._directory(parts)
-        listing = ModelUri(self._uri.bucket, directory)
         names: list[str] = []
-        pages = self._source.list_pages(listing)
+        pages = self._source.list_pages(ModelUri(self._uri.bucket, directory))
         async with contextlib.aclosing(pages):
             async for page in pages:
                 names += [item.key for item in page if item.size <= ENTRY_MAX_BYTES]
@@ -124,7 +153,10 @@ class RemoteKeyIndex:
                 raise InvalidRequest("its parts hash to another key")
         except (IntegrityError, InvalidRequest, AttributeError, TypeError, ValueError) as exc:
             log.warning(
-                "skipped compile-cache index entry s3://%s/%s: %s", self._uri.bucket, name, exc
+                "skipped compile-cache index entry s3://%s/%s: %s",
+                self._uri.bucket,
+                name,
+                quoted(str(exc)),
             )
             return None
         return key, parts

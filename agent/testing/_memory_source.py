@@ -61,6 +61,8 @@ class MemorySource:
     replace_on_read: dict[str, bytes] = field(default_factory=dict)
     # Each multipart upload: the key and its part sizes, in order.
     multipart_uploads: list[tuple[str, list[int]]] = field(default_factory=list)
+    # The key of every object read whole (get_object), in order.
+    whole_reads: list[str] = field(default_factory=list)
     # Objects per listing page (S3 sends up to 1,000), and the pages sent so far.
     page_size: int = 1000
     listing_pages: int = 0
@@ -128,6 +130,7 @@ class MemorySource:
 
     async def get_object(self, bucket: str, key: str, *, max_bytes: int) -> StoredObject | None:
         """A small object's bytes; None when absent, ObjectTooLarge past ``max_bytes``."""
+        self.whole_reads.append(key)
         data = self._bucket(bucket).get(key)
         if data is None:
             return None

@@ -161,3 +161,17 @@ async def test_s3_that_cannot_be_listed_leaves_the_nodes_keys_and_a_note(tmp_pat
     assert (why.nearest.key, why.nearest.location) == (compile_key(UPLOADED), "node")
     assert why.s3_note.startswith("S3 could not be searched (cannot reach the endpoint")
     assert why.s3_note.endswith("only this node's keys were compared")
+
+
+async def test_asking_why_again_and_again_lists_s3_once(tmp_path: Path) -> None:
+    """A flood of why-questions about one model costs one S3 listing and one GET per key while
+    the answer is kept."""
+    source = MemorySource(objects={BUCKET: {}})
+    await _upload(tmp_path / "one", source, UPLOADED)
+    async with node(tmp_path / "two", source) as second:
+        wanted = await second.ensure(WANTED)
+        pages, reads = source.listing_pages, len(source.whole_reads)
+        for _ in range(50):
+            why = await second.explain(wanted.info.key)
+            assert why.nearest is not None
+        assert (source.listing_pages - pages, len(source.whole_reads) - reads) == (1, 1)

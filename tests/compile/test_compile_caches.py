@@ -11,40 +11,21 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from store_helpers import open_store
+from compile_helpers import BUCKET
+from compile_helpers import compile_node as node
 
-from agent._config import CompileCacheSettings, Settings, TierSettings
 from agent._exceptions import Conflict, IntegrityError, InvalidRequest, NotFound
 from agent.compile.archive import content_digest
-from agent.compile.cache import CacheRef, CompileCaches
+from agent.compile.cache import CacheRef
 from agent.compile.keys import CompileKeyParts, compile_key, sub_cache_dirs
 from agent.testing import MemorySource
 
-BUCKET = "caches"
 PARTS = CompileKeyParts(torch_version="2.13.0", model_key="in-process")
 KEY = compile_key(PARTS)
-
-
-@contextlib.asynccontextmanager
-async def node(
-    root: Path, source: MemorySource, *, shared: bool = True
-) -> AsyncIterator[CompileCaches]:
-    """One node's compile caches under ``root``; ``shared`` points them at the source."""
-    store = await open_store(root)
-    settings = Settings(
-        tiers=TierSettings(shm_root=root / "shm", disk_root=root / "disk"),
-        # Uploads only when a test asks: the watcher's quiet time never runs out here.
-        compile_cache=CompileCacheSettings(
-            uri=f"s3://{BUCKET}/cc" if shared else None, quiet_seconds=3600
-        ),
-    )
-    async with CompileCaches(settings, store, source) as caches:
-        yield caches
 
 
 @pytest.fixture

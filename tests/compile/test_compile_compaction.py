@@ -10,42 +10,26 @@ process, with MemorySource as S3 (its ``reads`` record every ranged GET).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from store_helpers import open_store
+from compile_helpers import BUCKET
+from compile_helpers import compile_node as node
 
-from agent._config import CompileCacheSettings, Settings, TierSettings
 from agent._exceptions import Conflict
 from agent._uri import parse_uri
-from agent.compile.cache import CompileCaches
 from agent.compile.keys import CompileKeyParts, compile_key
 from agent.compile.remote import RemoteCompileCaches
 from agent.compile.transfer import COMPACT_AFTER_ARCHIVES
 from agent.testing import MemorySource
 
-BUCKET = "caches"
 PARTS = CompileKeyParts(torch_version="2.13.0", model_key="compaction")
 KEY = compile_key(PARTS)
 PREFIX = f"cc/node/{KEY}/"
-
-
-@contextlib.asynccontextmanager
-async def node(root: Path, source: MemorySource) -> AsyncIterator[CompileCaches]:
-    """One node's compile caches under ``root``, sharing ``source``'s bucket."""
-    store = await open_store(root)
-    settings = Settings(
-        tiers=TierSettings(shm_root=root / "shm", disk_root=root / "disk"),
-        compile_cache=CompileCacheSettings(uri=f"s3://{BUCKET}/cc", quiet_seconds=3600),
-    )
-    async with CompileCaches(settings, store, source) as caches:
-        yield caches
 
 
 def _manifest(source: MemorySource) -> dict[str, Any]:
@@ -154,9 +138,7 @@ async def test_compact_on_request_makes_a_few_archives_one_and_says_why_it_would
     restored, reads, _ = await _restore(tmp_path / "b", source)
     assert (restored, reads) == (written, 1)
 
-    store = await open_store(tmp_path / "local")
-    settings = Settings(tiers=TierSettings(disk_root=tmp_path / "local" / "disk"))
-    async with CompileCaches(settings, store, source) as local_only:
+    async with node(tmp_path / "local", source, shared=False) as local_only:
         await local_only.ensure(PARTS)
         with pytest.raises(Conflict, match=r"compile_cache\.uri is not set"):
             await local_only.compact(KEY)

@@ -14,39 +14,28 @@ import io
 import json
 import os
 import tarfile
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
 import zstandard
-from store_helpers import open_store
+from compile_helpers import BUCKET, compile_node
 
-from agent._config import CompileCacheSettings, Settings, TierSettings
 from agent._exceptions import IntegrityError, NoSpace
 from agent.compile.archive import content_digest, pack
 from agent.compile.cache import CompileCaches
 from agent.compile.keys import CompileKeyParts, compile_key
 from agent.testing import MemorySource
 
-BUCKET = "caches"
 PARTS = CompileKeyParts(torch_version="2.13.0", model_key="restore-safety")
 KEY = compile_key(PARTS)
 
 
-@contextlib.asynccontextmanager
-async def node(
+def node(
     root: Path, source: MemorySource, *, budget: str = "100MiB", restore_timeout: float = 120.0
-) -> AsyncIterator[CompileCaches]:
+) -> contextlib.AbstractAsyncContextManager[CompileCaches]:
     """One node's compile caches under ``root``, sharing ``source``; uploads only on request."""
-    store = await open_store(root, budget)
-    settings = Settings(
-        tiers=TierSettings(shm_root=root / "shm", disk_root=root / "disk"),
-        compile_cache=CompileCacheSettings(
-            uri=f"s3://{BUCKET}/cc", quiet_seconds=3600, restore_timeout_seconds=restore_timeout
-        ),
-    )
-    async with CompileCaches(settings, store, source) as caches:
-        yield caches
+    return compile_node(root, source, budget=budget, restore_timeout=restore_timeout)
 
 
 @pytest.fixture

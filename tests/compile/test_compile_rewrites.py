@@ -14,19 +14,15 @@ the newest archive's copy of a path. In process here, with MemorySource as S3.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-from store_helpers import open_store
+from compile_helpers import BUCKET
+from compile_helpers import compile_node as node
 
-from agent._config import CompileCacheSettings, Settings, TierSettings
-from agent.compile.cache import CompileCaches
 from agent.compile.keys import CompileKeyParts, compile_key
 from agent.source.interface import StoredObject
 from agent.testing import MemorySource
 
-BUCKET = "caches"
 PARTS = CompileKeyParts(torch_version="2.13.0", model_key="rewrites")
 KEY = compile_key(PARTS)
 KERNEL = "inductor/3b/kernel.main.so"
@@ -45,18 +41,6 @@ class LinkerAtManifestRead(MemorySource):
             self.kernel.write_bytes(LINKED)
             self.kernel = None
         return await super().get_object(bucket, key, max_bytes=max_bytes)
-
-
-@contextlib.asynccontextmanager
-async def node(root: Path, source: MemorySource) -> AsyncIterator[CompileCaches]:
-    """One node's compile caches under ``root``, sharing ``source``'s bucket."""
-    store = await open_store(root)
-    settings = Settings(
-        tiers=TierSettings(shm_root=root / "shm", disk_root=root / "disk"),
-        compile_cache=CompileCacheSettings(uri=f"s3://{BUCKET}/cc", quiet_seconds=3600),
-    )
-    async with CompileCaches(settings, store, source) as caches:
-        yield caches
 
 
 async def test_a_file_finished_after_it_was_uploaded_reaches_the_next_node_whole(

@@ -7,38 +7,21 @@ or miss; and only then is the key uploaded (merged into the manifest).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-from store_helpers import open_store
+from compile_helpers import BUCKET
+from compile_helpers import compile_node as node
 
-from agent._config import CompileCacheSettings, Settings, TierSettings
-from agent.compile.cache import COMPILE_MISS_PARTS, CompileCaches
+from agent.compile.cache import COMPILE_MISS_PARTS
 from agent.compile.keys import CompileKeyParts, compile_key
 from agent.obs.metrics import COMPILE_LAUNCHES
 from agent.testing import MemorySource
 
-BUCKET = "caches"
 PARTS = CompileKeyParts(torch_version="2.13.0", model_key="verdicts")
 KEY = compile_key(PARTS)
 MANIFEST = f"cc/node/{KEY}/manifest.json"
-
-
-@contextlib.asynccontextmanager
-async def node(
-    root: Path, source: MemorySource, quiet: float = 3600
-) -> AsyncIterator[CompileCaches]:
-    """One node's compile caches under ``root``, sharing ``source``'s bucket."""
-    store = await open_store(root)
-    settings = Settings(
-        tiers=TierSettings(shm_root=root / "shm", disk_root=root / "disk"),
-        compile_cache=CompileCacheSettings(uri=f"s3://{BUCKET}/cc", quiet_seconds=quiet),
-    )
-    async with CompileCaches(settings, store, source) as caches:
-        yield caches
 
 
 def _compile(directory: Path, sub: str, name: str) -> None:

@@ -7,23 +7,21 @@ compile caches sharing MemorySource as S3.
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 
-from store_helpers import open_store
+from compile_helpers import BUCKET
+from compile_helpers import compile_node as node
 
-from agent._config import CompileCacheSettings, Settings, TierSettings
 from agent._uri import ModelUri
-from agent.compile.cache import COMPILE_MISS_PARTS, CompileCaches
+from agent.compile.cache import COMPILE_MISS_PARTS
 from agent.compile.keys import CompileKeyParts, compile_key, parts_to_dict
 from agent.compile.model_index import ENTRY_MAX_BYTES, model_id
 from agent.source.interface import ListedObject
 from agent.source.s3_errors import SourceUnreachable
 from agent.testing import MemorySource
 
-BUCKET = "caches"
 UPLOADED = CompileKeyParts(
     engine="vllm",
     engine_version="0.16.0",
@@ -40,18 +38,6 @@ WANTED = CompileKeyParts(
     extras={"flag.max_num_batched_tokens": "16384"},
 )
 INDEX = f"cc/node/by-model/{model_id(UPLOADED)}/"
-
-
-@contextlib.asynccontextmanager
-async def node(root: Path, source: MemorySource) -> AsyncIterator[CompileCaches]:
-    """One node's compile caches under ``root``, sharing ``source``'s bucket."""
-    store = await open_store(root)
-    settings = Settings(
-        tiers=TierSettings(shm_root=root / "shm", disk_root=root / "disk"),
-        compile_cache=CompileCacheSettings(uri=f"s3://{BUCKET}/cc", quiet_seconds=3600),
-    )
-    async with CompileCaches(settings, store, source) as caches:
-        yield caches
 
 
 async def _upload(root: Path, source: MemorySource, parts: CompileKeyParts) -> str:

@@ -1,0 +1,44 @@
+"""One node's compile caches in process: a real store and ``CompileCaches`` on tmp roots.
+
+For the compile-cache tests that play S3 with a MemorySource: several nodes
+sharing one source are several of these, each under its own root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from store_helpers import open_store
+
+from agent._config import CompileCacheSettings, Settings, TierSettings
+from agent.compile.cache import CompileCaches
+from agent.source.interface import ObjectSource
+
+BUCKET = "caches"
+
+
+@contextlib.asynccontextmanager
+async def compile_node(
+    root: Path,
+    source: ObjectSource,
+    *,
+    shared: bool = True,
+    quiet: float = 3600,
+    budget: str = "10MiB",
+    restore_timeout: float = 120.0,
+) -> AsyncIterator[CompileCaches]:
+    """One node's compile caches under ``root``; ``shared`` points them at ``s3://caches/cc``
+    in ``source``. The quiet time (an hour by default) keeps uploads to when a test asks."""
+    store = await open_store(root, budget)
+    settings = Settings(
+        tiers=TierSettings(shm_root=root / "shm", disk_root=root / "disk"),
+        compile_cache=CompileCacheSettings(
+            uri=f"s3://{BUCKET}/cc" if shared else None,
+            quiet_seconds=quiet,
+            restore_timeout_seconds=restore_timeout,
+        ),
+    )
+    async with CompileCaches(settings, store, source) as caches:
+        yield caches

@@ -10,6 +10,7 @@ import typer
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
 
+from agent._units import human_bytes
 from agent.client import (
     Client,
     CompileCacheHandle,
@@ -94,7 +95,7 @@ def _table(caches: list[CompileCacheInfo]) -> Table:
             p.torch_version,
             p.gpu_name or "-",
             str(p.tensor_parallel),
-            render.human_bytes(c.bytes),
+            human_bytes(c.bytes),
             str(c.file_count),
             _when(c.last_used),
             _when(c.uploaded) if c.uploaded_digest else "no",
@@ -111,7 +112,7 @@ def _detail(c: CompileCacheInfo) -> RenderableType:
         ("domain", c.domain),
         ("key", c.key),
         ("path", str(c.path)),
-        ("size", f"{render.human_bytes(c.bytes)} ({c.bytes} bytes), {c.file_count} files"),
+        ("size", f"{human_bytes(c.bytes)} ({c.bytes} bytes), {c.file_count} files"),
         ("created", _when(c.created)),
         ("last used", _when(c.last_used)),
         ("restored", "yes" if c.restored else "no"),
@@ -136,7 +137,7 @@ def _detail(c: CompileCacheInfo) -> RenderableType:
 def _handle_line(handle: CompileCacheHandle) -> str:
     return (
         f"restored {handle.key} in {handle.restore_seconds:.2f} s: {handle.file_count} files, "
-        f"{render.human_bytes(handle.bytes)} -> {handle.path}"
+        f"{human_bytes(handle.bytes)} -> {handle.path}"
     )
 
 
@@ -210,7 +211,7 @@ def evict(key: KeyArgument, socket: SocketOption = None, json_out: JsonOption = 
         sys.stdout.write(render.to_json(result) + "\n")
         return
     keys = ", ".join(c.key[:_KEY_WIDTH] for c in result.evicted)
-    _stdout().print(f"evicted compile cache {keys}, freed {render.human_bytes(result.bytes_freed)}")
+    _stdout().print(f"evicted compile cache {keys}, freed {human_bytes(result.bytes_freed)}")
 
 
 @compile_app.command()
@@ -222,7 +223,7 @@ def push(key: KeyArgument, socket: SocketOption = None, json_out: JsonOption = F
         sys.stdout.write(render.to_json(result) + "\n")
     elif result.uploaded:
         _stdout().print(
-            f"uploaded {render.human_bytes(result.bytes)} ({result.digest}) to {result.uri}",
+            f"uploaded {human_bytes(result.bytes)} ({result.digest}) to {result.uri}",
             soft_wrap=True,
         )
     else:
@@ -267,7 +268,7 @@ def _compaction_line(result: CompileCompaction) -> str:
     if result.compacted:
         return (
             f"compacted {result.archives_before} archives into one "
-            f"({render.human_bytes(result.archive_bytes)}) at {result.uri}{retired}"
+            f"({human_bytes(result.archive_bytes)}) at {result.uri}{retired}"
         )
     return f"not compacted: {result.skipped_reason}{retired}"
 

@@ -67,6 +67,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from agent._units import human_bytes
 from agent._vocabulary import TierName
 from agent.client import (
     AgentUnavailable,
@@ -482,7 +483,7 @@ def _report_ready(client: Client, cache: CompileCacheHandle, launch: _Launch) ->
         return
     upload = ready.upload
     if upload.uploaded:
-        published = f"uploaded {render.human_bytes(upload.bytes)} to {upload.uri}"
+        published = f"uploaded {human_bytes(upload.bytes)} to {upload.uri}"
     else:
         published = f"not uploaded: {upload.skipped_reason}"
     why = f"; {ready.nearest.summary}" if ready.nearest else ""
@@ -600,8 +601,8 @@ class _ProgressLines:
         done = ""
         if event.phase == "download" and event.bytes_total:
             done = (
-                f" {render.human_bytes(event.bytes_done)} of "
-                f"{render.human_bytes(event.bytes_total)} ({tenth * 10}%)"
+                f" {human_bytes(event.bytes_done)} of "
+                f"{human_bytes(event.bytes_total)} ({tenth * 10}%)"
             )
         sys.stderr.write(f"prewarm: {self._uri}: {event.phase}{done}\n")
         sys.stderr.flush()

@@ -10,7 +10,6 @@ compiled, ran and finished); any other exit before ready publishes nothing.
 
 from __future__ import annotations
 
-import sys
 import threading
 import urllib.error
 import urllib.parse
@@ -20,15 +19,12 @@ from pathlib import Path
 
 from watchfiles import watch
 
-from agent.client import Client, InvalidRequest, PrewarmError
-
-from . import _render as render
+from agent.client import InvalidRequest
 
 __all__ = [
     "ReadyWatch",
     "check_ready_url",
     "ready_waiter",
-    "report_ready",
     "wait_for_file",
     "wait_for_url",
 ]
@@ -137,21 +133,3 @@ def ready_waiter(url: str | None, file: Path | None) -> ReadyWaiter | None:
             )
         return wait_for_file(file)
     return None
-
-
-def report_ready(client: Client, key: str) -> None:
-    """The engine is ready: one stderr line with the launch's verdict and the upload."""
-    try:
-        ready = client.compile_ready(key, client_name=f"prewarm exec ({key[:12]})")
-    except PrewarmError as exc:
-        sys.stderr.write(f"prewarm: warning: could not report the engine ready: {exc}\n")
-        return
-    upload = ready.upload
-    if upload.uploaded:
-        published = f"uploaded {render.human_bytes(upload.bytes)} to {upload.uri}"
-    else:
-        published = f"not uploaded: {upload.skipped_reason}"
-    sys.stderr.write(
-        f"prewarm: compile cache {key[:12]}: {ready.verdict.describe()}; {published}\n"
-    )
-    sys.stderr.flush()

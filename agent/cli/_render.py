@@ -20,6 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from agent._exceptions import printable
+from agent._units import human_bytes
 from agent.client import (
     AgentStatus,
     EvictResult,
@@ -35,7 +36,6 @@ __all__ = [
     "evict_summary",
     "filters_text",
     "gc_summary",
-    "human_bytes",
     "model_detail",
     "models_table",
     "pin_summary",
@@ -56,16 +56,6 @@ _LEASE_ID_WIDTH = 8
 def plain(value: object) -> Text:
     """A value from the agent as inert text: escaped, never read as markup."""
     return Text(printable(str(value)))
-
-
-def human_bytes(n: int) -> str:
-    """Binary units, like df -h: 1.0 GiB is 1024**3 bytes."""
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def rate(n: int, seconds: float) -> str:

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import TypedDict
 
 from agent._compile_parts import CompileKeyParts
+from agent._units import human_bytes
 from agent._vocabulary import DataPlaneName, PhaseName, TierName
 
 __all__ = [
@@ -315,7 +316,8 @@ class CompileCacheHandle:
 
 @dataclass(frozen=True, slots=True)
 class CompileVerdict:
-    """Whether a launch reused its compile cache: ``hit``, ``partial miss`` or ``miss``."""
+    """Whether a launch reused its compile cache: ``hit``, ``uncompiled`` (nothing compiled,
+    nothing to reuse), ``partial miss`` or ``miss``."""
 
     verdict: str
     # Sub-cache (inductor, triton, vllm...) -> (files added, bytes added); only those that grew.
@@ -324,11 +326,12 @@ class CompileVerdict:
     client_name: str
 
     def describe(self) -> str:
-        """One line, e.g. ``partial miss: inductor +3 files (120 kB)``."""
+        """One line, e.g. ``partial miss: inductor +3 files (120.0 KiB)``."""
         if not self.grown:
-            return "hit: nothing compiled" if self.verdict == "hit" else self.verdict
+            return _NOTHING_SAID.get(self.verdict, self.verdict)
         growth = ", ".join(
-            f"{sub} +{files} files ({size} B)" for sub, (files, size) in sorted(self.grown.items())
+            f"{sub} +{files} files ({human_bytes(size)})"
+            for sub, (files, size) in sorted(self.grown.items())
         )
         return f"{self.verdict}: {growth}"
 
@@ -446,6 +449,13 @@ class CompileLockGrant:
     exclusive: bool = True
     # Who held the lock while this caller waited ("" if it did not wait).
     waited_for: str = ""
+
+
+# What a verdict with nothing grown says, by verdict (the agent's words for its log lines).
+_NOTHING_SAID = {
+    "hit": "hit: nothing compiled",
+    "uncompiled": "uncompiled: the key holds no compiled code",
+}
 
 
 # -- what ensure and leased take ----------------------------------------------------------------

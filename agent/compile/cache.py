@@ -61,7 +61,7 @@ from agent.compile.transfer import (
     PushOutcome,
     parts_of,
 )
-from agent.compile.verdict import HIT, Verdict, judge
+from agent.compile.verdict import MISS, PARTIAL_MISS, Verdict, judge
 from agent.compile.watch import SettleWatcher
 from agent.compile.why import Nearest, closer, nearest_key
 from agent.obs.metrics import (
@@ -443,7 +443,8 @@ class CompileCaches:
             await domain.index.save(key, record, strict=False)
             push = await self._publish_ready(domain, key, record)
         # Outside the key's lock: listing S3 may be slow, and the verdict is kept already.
-        why = None if verdict.verdict == HIT else await self._explain(domain, key, record.parts)
+        missed = verdict.verdict in (MISS, PARTIAL_MISS)
+        why = await self._explain(domain, key, record.parts) if missed else None
         nearest = why.nearest if why else None
         self._report_verdict(
             found, record.parts.engine, verdict, nearest=nearest, client=client_name

@@ -5,7 +5,9 @@ A key directory holds one sub-directory per JIT cache (``inductor``,
 at the last *baseline*: when the directory was restored or created, and after
 each launch's verdict. When an engine reports ready, what was added since is:
 
-- nothing: ``hit``;
+- nothing, on a key that holds compiled artifacts: ``hit``;
+- nothing, on a key that holds none: ``uncompiled`` (compilation off, or an
+  engine that compiles nothing: there was nothing to reuse, so it is no hit);
 - something, on a key that held artifacts at the baseline: ``partial miss``,
   naming the sub-caches that grew (a new shape, a new flag);
 - something, on a key that was empty: ``miss`` (a cold compile).
@@ -19,14 +21,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent._units import human_bytes
 from agent.compile.archive import walk_artifacts
 
-__all__ = ["HIT", "MISS", "PARTIAL_MISS", "SubCacheSizes", "Verdict", "judge", "measure_sub_caches"]
+__all__ = [
+    "HIT",
+    "MISS",
+    "PARTIAL_MISS",
+    "UNCOMPILED",
+    "SubCacheSizes",
+    "Verdict",
+    "judge",
+    "measure_sub_caches",
+]
 
 HIT = "hit"
+UNCOMPILED = "uncompiled"
 PARTIAL_MISS = "partial miss"
 MISS = "miss"
-VERDICTS = (HIT, PARTIAL_MISS, MISS)
+VERDICTS = (HIT, UNCOMPILED, PARTIAL_MISS, MISS)
+_NOTHING_SAID = {
+    HIT: "hit: nothing compiled",
+    UNCOMPILED: "uncompiled: the key holds no compiled code",
+}
 # Files directly in the key directory, outside any sub-cache.
 TOP_LEVEL = "."
 
@@ -78,11 +95,13 @@ class Verdict:
         return sum(size for _, size in self.grown.values())
 
     def describe(self) -> str:
-        """One line: ``hit``, or the verdict and what grew, e.g. ``partial miss: inductor +3``."""
+        """One line: ``hit: nothing compiled``, or the verdict and what grew, e.g.
+        ``partial miss: inductor +3 files (120.0 KiB)``."""
         if not self.grown:
-            return f"{self.verdict}: nothing compiled" if self.verdict == HIT else self.verdict
+            return _NOTHING_SAID.get(self.verdict, self.verdict)
         growth = ", ".join(
-            f"{sub} +{files} files ({size} B)" for sub, (files, size) in sorted(self.grown.items())
+            f"{sub} +{files} files ({human_bytes(size)})"
+            for sub, (files, size) in sorted(self.grown.items())
         )
         return f"{self.verdict}: {growth}"
 
@@ -109,7 +128,7 @@ def judge(baseline: SubCacheSizes, now: SubCacheSizes, *, client: str = "") -> V
         if files > before_files or size > before_size:
             grown[sub] = (max(0, files - before_files), max(0, size - before_size))
     if not grown:
-        verdict = HIT
+        verdict = HIT if any(files for files, _ in now.values()) else UNCOMPILED
     elif any(files for files, _ in baseline.values()):
         verdict = PARTIAL_MISS
     else:

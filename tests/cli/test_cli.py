@@ -19,6 +19,7 @@ from rich.progress import Progress
 from typer.testing import CliRunner
 
 from agent import __version__
+from agent._units import human_bytes
 from agent.cli import _render as render
 from agent.cli import app
 from agent.client import Client
@@ -400,7 +401,7 @@ def test_sizes_and_speeds_share_one_unit_system() -> None:
     """The summary's rate and the progress bar's speed are binary (MiB/s) like the sizes beside
     them, never decimal MB/s next to MiB."""
     size = int(87.4 * 1024**2)
-    assert (render.human_bytes(size), render.rate(size, 0.5)) == ("87.4 MiB", "174.8 MiB/s")
+    assert (human_bytes(size), render.rate(size, 0.5)) == ("87.4 MiB", "174.8 MiB/s")
     progress = Progress(console=Console(file=io.StringIO()))
     task_id = progress.add_task("download", total=size)
     task = progress.tasks[0]

@@ -16,6 +16,7 @@ from compile_helpers import compile_node as node
 
 from agent.compile.cache import COMPILE_MISS_PARTS
 from agent.compile.keys import CompileKeyParts, compile_key
+from agent.compile.verdict import judge
 from agent.obs.metrics import COMPILE_LAUNCHES
 from agent.testing import MemorySource
 
@@ -79,7 +80,8 @@ async def test_a_key_waiting_for_ready_is_not_uploaded_when_quiet(tmp_path: Path
 
 
 async def test_vllm_model_infos_alone_never_make_a_launch_a_miss(tmp_path: Path) -> None:
-    """``vllm/modelinfos/*.json`` (written with compilation off too) is no compiled code: hit."""
+    """``vllm/modelinfos/*.json`` (written with compilation off too) is no compiled code: the
+    launch is ``uncompiled`` (nothing compiled, nothing reused), not a miss and not a hit."""
     source = MemorySource(objects={BUCKET: {}})
     async with node(tmp_path, source) as caches:
         path = (await caches.ensure(PARTS, publish_on_ready=True)).info.path
@@ -87,7 +89,9 @@ async def test_vllm_model_infos_alone_never_make_a_launch_a_miss(tmp_path: Path)
         launch = await caches.ready(KEY, "pod-a")
         _compile(path, "inductor", "graph-1")
         cold = await caches.ready(KEY, "pod-a")
-    assert (launch.verdict.verdict, launch.verdict.grown) == ("hit", {})
+    assert (launch.verdict.verdict, launch.verdict.grown) == ("uncompiled", {})
+    assert launch.verdict.describe() == "uncompiled: the key holds no compiled code"
+    assert launch.nearest is None  # nothing missed, so nothing to explain
     assert launch.push is not None
     assert launch.push.uploaded  # still kept and shared: vLLM reads it back
     assert cold.verdict.verdict == "miss"  # nothing compiled was there before
@@ -111,3 +115,12 @@ async def test_a_miss_is_counted_by_the_parts_that_differ_from_the_nearest_key(
         launch = await caches.ready(compile_key(newer), "pod-a")
     assert launch.verdict.verdict == "miss"
     assert (torch_misses._value.get(), dtype_misses._value.get()) == (before[0] + 1, before[1] + 1)
+
+
+def test_a_verdict_says_sizes_in_binary_units_and_an_empty_key_is_no_hit() -> None:
+    """What grew is said in KiB/MiB like the upload beside it; a launch that added nothing is a
+    hit only when the key holds compiled code."""
+    grown = judge({}, {"inductor": (22, 124_115_942)})
+    assert grown.describe() == "miss: inductor +22 files (118.4 MiB)"
+    assert judge({"inductor": (3, 100)}, {"inductor": (3, 100)}).verdict == "hit"
+    assert judge({}, {}).verdict == "uncompiled"

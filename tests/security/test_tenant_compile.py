@@ -74,7 +74,9 @@ def test_tenants_asking_for_the_same_key_get_their_own_directory_and_s3_prefix(
     assert pushed.uploaded
     assert pushed.uri == f"s3://{bucket}/cc/team-a/{mine.key}/"
     listed = s3_client.list_objects_v2(Bucket=bucket, Prefix="cc/")["Contents"]
-    assert all(o["Key"].startswith(f"cc/team-a/{mine.key}/") for o in listed)
+    # The key's archive and manifest, and its entry in the domain's index of keys by model.
+    assert all(o["Key"].startswith("cc/team-a/") for o in listed)
+    assert {o["Key"].split("/")[2] for o in listed} == {mine.key, "by-model"}
     first.close()
     second_sockets = short_dir / "node-2"
     second_sockets.mkdir()

@@ -1096,8 +1096,9 @@ class CompileVerdict(_message.Message):
     AT_FIELD_NUMBER: _builtins.int
     CLIENT_NAME_FIELD_NUMBER: _builtins.int
     verdict: _builtins.str
-    """"hit" (nothing compiled), "partial miss" (a key that held artifacts grew),
-    "miss" (a cold key compiled).
+    """"hit" (nothing compiled, the key held compiled artifacts), "uncompiled"
+    (nothing compiled and nothing to reuse: compilation off), "partial miss"
+    (a key that held artifacts grew), "miss" (a cold key compiled).
     """
     client_name: _builtins.str
     @_builtins.property

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from agent._compile_parts import CompileKeyParts
 from agent._exceptions import InvalidRequest
+from agent._uri import forbidden_character
 
 __all__ = [
     "ENGINES",
@@ -46,7 +47,6 @@ KEY_FORMAT = 1
 KEY_LENGTH = 32
 _MAX_TEXT = 256
 _MAX_EXTRAS = 64
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _SPACES = re.compile(r"\s+")
 
 
@@ -54,8 +54,11 @@ def _text(name: str, value: object, *, collapse: bool = False) -> str:
     if not isinstance(value, str):
         raise InvalidRequest(f"Compile key part {name} must be a string, not {value!r}.")
     text = _SPACES.sub(" ", value).strip() if collapse else value.strip()
-    if _CONTROL.search(text):
-        raise InvalidRequest(f"Compile key part {name} contains control characters: {value!r}.")
+    # Control and bidi characters, as the API refuses them: parts read back from S3
+    # (manifests, the index of keys by model) reach logs and people's terminals.
+    found = forbidden_character(text)
+    if found is not None:
+        raise InvalidRequest(f"Compile key part {name} contains {found}; it is refused.")
     if len(text) > _MAX_TEXT:
         raise InvalidRequest(
             f"Compile key part {name} is {len(text)} characters long; at most {_MAX_TEXT} are "

@@ -119,11 +119,14 @@ class RemoteKeyIndex:
         """One listing of the model's entries and a GET of each (capped), read now."""
         directory = self._directory(parts)
         names: list[str] = []
+        listed = 0
         pages = self._source.list_pages(ModelUri(self._uri.bucket, directory))
         async with contextlib.aclosing(pages):
             async for page in pages:
+                # Counted whatever they are: a listing of big or odd names ends as soon.
+                listed += len(page)
                 names += [item.key for item in page if item.size <= ENTRY_MAX_BYTES]
-                if len(names) >= MAX_KEYS_READ:
+                if listed >= MAX_KEYS_READ:
                     break
         keys = [m[1] for n in names if (m := _ENTRY_NAME.fullmatch(n.removeprefix(directory)))]
         gate = asyncio.Semaphore(_CONCURRENT_READS)

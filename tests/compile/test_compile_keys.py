@@ -67,6 +67,22 @@ def test_unknown_engine_is_refused() -> None:
         normalise_parts(replace(BASE, engine="tensorrt"))
 
 
+@pytest.mark.parametrize("text", ["a\x1b[31mb", "a\u202eb", "a\x00b", "a\x85b", "a\nb"])
+def test_control_and_bidi_characters_in_an_extra_are_refused(text: str) -> None:
+    """An extra with a control, C1 or bidi character is refused as the API refuses it: parts
+    read back from S3 (manifests, the index of keys by model) reach logs and terminals."""
+    with pytest.raises(InvalidRequest, match="is refused"):
+        normalise_parts(CompileKeyParts(torch_version="2.13.0", extras={"flag.x": text}))
+
+
+def test_a_bidi_override_in_a_gpu_name_is_refused_while_whitespace_collapses() -> None:
+    """The GPU name's runs of whitespace become one space; a bidi override is refused."""
+    spaced = normalise_parts(CompileKeyParts(torch_version="2.13.0", gpu_name="NVIDIA\n  H100"))
+    assert spaced.gpu_name == "NVIDIA H100"
+    with pytest.raises(InvalidRequest, match="is refused"):
+        normalise_parts(CompileKeyParts(torch_version="2.13.0", gpu_name="H100\u202e"))
+
+
 def test_plain_torch_defaults_its_engine_version_to_torch() -> None:
     """Plain torch parts take torch's version as the engine version."""
     parts = normalise_parts(CompileKeyParts(torch_version="2.13.0"))

@@ -213,6 +213,9 @@ class CompileCacheSettings(BaseModel):
     # Longest a CompileLock waiter waits for the holder; then it is let go without the
     # lock (and compiles on its own) rather than wait forever.
     lock_wait_seconds: float = Field(default=600.0, gt=0)
+    # How long a miss waits for S3 to list the other keys of its model (why-miss) before
+    # it is explained with this node's keys alone.
+    why_timeout_seconds: float = Field(default=5.0, gt=0, le=120)
 
 
 class MetricsSettings(BaseModel):

@@ -1,4 +1,5 @@
-"""The words both sides of the socket share: tiers, data planes, pull phases, pull options.
+"""The words both sides of the socket share: tiers, data planes, pull phases, pull options,
+compile verdicts.
 
 Defined once here, so the daemon, the client, the CLI and the API cannot drift
 apart on what a tier is called or how big a chunk may be. Standard library
@@ -8,10 +9,12 @@ same words lives in ``agent._wire``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 from agent._exceptions import InvalidRequest
+from agent._units import human_bytes
 
 __all__ = [
     "DATA_PLANE_NAMES",
@@ -25,6 +28,7 @@ __all__ = [
     "TierName",
     "check_pull_options",
     "check_tier",
+    "describe_verdict",
 ]
 
 # Where a snapshot lives: RAM (/dev/shm) or local disk.
@@ -44,6 +48,25 @@ DATA_PLANE_NAMES: tuple[DataPlaneName, ...] = (
 # The phases a pull reports progress in, in the order it goes through them.
 PhaseName = Literal["resolve", "download", "verify", "publish", "done"]
 PHASE_NAMES: tuple[PhaseName, ...] = ("resolve", "download", "verify", "publish", "done")
+
+# What a launch's compile verdict says when nothing grew (see agent.compile.verdict).
+_NOTHING_GREW = {
+    "hit": "hit: nothing compiled",
+    "uncompiled": "uncompiled: the key holds no compiled code",
+}
+
+
+def describe_verdict(verdict: str, grown: Mapping[str, tuple[int, int]]) -> str:
+    """A verdict in one line, the same in the agent's log and a pod's stderr:
+    ``hit: nothing compiled``, ``partial miss: inductor +3 files (120.0 KiB)``."""
+    if not grown:
+        return _NOTHING_GREW.get(verdict, verdict)
+    growth = ", ".join(
+        f"{sub} +{files} files ({human_bytes(size)})"
+        for sub, (files, size) in sorted(grown.items())
+    )
+    return f"{verdict}: {growth}"
+
 
 # A chunk is one ranged GET and one journal line: under 1 MiB the request
 # overhead dominates, over 4 GiB one failed range costs too much to redo.

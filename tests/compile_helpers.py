@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 from store_helpers import open_store
 
@@ -25,20 +26,18 @@ async def compile_node(
     source: ObjectSource,
     *,
     shared: bool = True,
-    quiet: float = 3600,
     budget: str = "10MiB",
-    restore_timeout: float = 120.0,
+    **settings: Any,
 ) -> AsyncIterator[CompileCaches]:
     """One node's compile caches under ``root``; ``shared`` points them at ``s3://caches/cc``
-    in ``source``. The quiet time (an hour by default) keeps uploads to when a test asks."""
+    in ``source``. ``settings`` are ``[compile_cache]`` settings; the quiet time (an hour by
+    default) keeps uploads to when a test asks."""
     store = await open_store(root, budget)
-    settings = Settings(
+    config = Settings(
         tiers=TierSettings(shm_root=root / "shm", disk_root=root / "disk"),
         compile_cache=CompileCacheSettings(
-            uri=f"s3://{BUCKET}/cc" if shared else None,
-            quiet_seconds=quiet,
-            restore_timeout_seconds=restore_timeout,
+            uri=f"s3://{BUCKET}/cc" if shared else None, **{"quiet_seconds": 3600, **settings}
         ),
     )
-    async with CompileCaches(settings, store, source) as caches:
+    async with CompileCaches(config, store, source) as caches:
         yield caches

@@ -52,8 +52,7 @@ from pathlib import Path
 from typing import TypedDict
 
 from agent._compile_parts import CompileKeyParts
-from agent._units import human_bytes
-from agent._vocabulary import DataPlaneName, PhaseName, TierName
+from agent._vocabulary import DataPlaneName, PhaseName, TierName, describe_verdict
 
 __all__ = [
     "AgentStatus",
@@ -327,13 +326,7 @@ class CompileVerdict:
 
     def describe(self) -> str:
         """One line, e.g. ``partial miss: inductor +3 files (120.0 KiB)``."""
-        if not self.grown:
-            return _NOTHING_SAID.get(self.verdict, self.verdict)
-        growth = ", ".join(
-            f"{sub} +{files} files ({human_bytes(size)})"
-            for sub, (files, size) in sorted(self.grown.items())
-        )
-        return f"{self.verdict}: {growth}"
+        return describe_verdict(self.verdict, self.grown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -449,13 +442,6 @@ class CompileLockGrant:
     exclusive: bool = True
     # Who held the lock while this caller waited ("" if it did not wait).
     waited_for: str = ""
-
-
-# What a verdict with nothing grown says, by verdict (the agent's words for its log lines).
-_NOTHING_SAID = {
-    "hit": "hit: nothing compiled",
-    "uncompiled": "uncompiled: the key holds no compiled code",
-}
 
 
 # -- what ensure and leased take ----------------------------------------------------------------

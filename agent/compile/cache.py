@@ -30,7 +30,7 @@ from typing import Self
 
 from prometheus_client import Counter
 
-from agent._config import Settings
+from agent._config import CompileCacheSettings, Settings
 from agent._exceptions import (
     Conflict,
     IntegrityError,
@@ -114,9 +114,6 @@ def _metric_part(name: str) -> str:
 
 
 _MIN_KEY_PREFIX = 8
-# How long a miss waits for S3 to list the model's other keys before it is
-# explained with this node's keys alone.
-_WHY_S3_SECONDS = 5.0
 _HEX = frozenset("0123456789abcdef")
 _KEY = re.compile(r"[0-9a-f]{32}")
 
@@ -161,25 +158,31 @@ class _Domain:
         spec: DomainSpec,
         root: Path,
         source: ObjectSource,
-        uri: str | None,
+        settings: CompileCacheSettings,
         *,
         room: Callable[[], int],
-        restore_timeout: float,
     ) -> None:
         self.name = spec.name
         self.index = CacheIndex(root / spec.name, spec.gid)
+        uri = settings.uri
         self.transfer = (
             CompileCacheTransfer(
-                RemoteCompileCaches(source, parse_uri(f"{parse_uri(uri)}{spec.name}/")),
+                RemoteCompileCaches(
+                    source,
+                    parse_uri(f"{parse_uri(uri)}{spec.name}/"),
+                    why_timeout=settings.why_timeout_seconds,
+                ),
                 self.index,
                 room=room,
-                restore_timeout=restore_timeout,
+                restore_timeout=settings.restore_timeout_seconds,
             )
             if uri
             else None
         )
         # One operation per key at a time: restore, upload, evict.
         self.key_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        # Keys being compacted in S3 now (by request; an upload's compaction holds its lock).
+        self.compacting: set[str] = set()
         # New keys being restored or made now, not yet in the index: they count
         # against the domain's key cap too.
         self.creating = 0
@@ -193,14 +196,7 @@ class CompileCaches:
         self._store = store
         self._root = settings.tiers.disk_root / "compile"
         self._domains = {
-            name: _Domain(
-                spec,
-                self._root,
-                source,
-                self._settings.uri,
-                room=self._room,
-                restore_timeout=self._settings.restore_timeout_seconds,
-            )
+            name: _Domain(spec, self._root, source, self._settings, room=self._room)
             for name, spec in domain_specs(settings).items()
         }
         self.locks = CompileLocks(self._settings.lock_wait_seconds)
@@ -443,12 +439,15 @@ class CompileCaches:
             await domain.index.save(key, record, strict=False)
             push = await self._publish_ready(domain, key, record)
         # Outside the key's lock: listing S3 may be slow, and the verdict is kept already.
-        missed = verdict.verdict in (MISS, PARTIAL_MISS)
-        why = await self._explain(domain, key, record.parts) if missed else None
-        nearest = why.nearest if why else None
-        self._report_verdict(
-            found, record.parts.engine, verdict, nearest=nearest, client=client_name
-        )
+        nearest: Nearest | None = None
+        try:
+            if verdict.verdict in (MISS, PARTIAL_MISS):
+                nearest = (await self._explain(domain, key, record.parts)).nearest
+        finally:
+            # Logged and counted even when the caller went away during the lookup.
+            self._report_verdict(
+                found, record.parts.engine, verdict, nearest=nearest, client=client_name
+            )
         return LaunchReady(key, verdict, push, nearest)
 
     async def _publish_ready(
@@ -494,28 +493,34 @@ class CompileCaches:
     async def _nearest_in_s3(
         self, domain: _Domain, key: str, parts: CompileKeyParts
     ) -> tuple[Nearest | None, str]:
-        """The nearest key of the model that only S3 holds, and why S3 was not searched."""
+        """The nearest key of the model that only S3 holds, and what S3 could not tell."""
         only_node = "only this node's keys were compared"
         if domain.transfer is None:
             return None, f"compile_cache.uri is not set: {only_node}"
-        try:
-            async with asyncio.timeout(_WHY_S3_SECONDS):
-                listed = await domain.transfer.keys_like(parts)
-        except TimeoutError:
-            return None, f"S3 did not answer within {_WHY_S3_SECONDS:g} s: {only_node}"
-        except PrewarmError as exc:
-            return None, f"S3 could not be searched ({exc}): {only_node}"
-        uploaded = ((other, p) for other, p in listed if other not in domain.index)
-        return nearest_key(parts, uploaded, own_key=key, location="s3"), ""
+        found = await domain.transfer.keys_like(parts)
+        uploaded = ((other, p) for other, p in found.keys if other not in domain.index)
+        nearest = nearest_key(parts, uploaded, own_key=key, location="s3")
+        note = found.note + (f": {only_node}" if found.note and not found.keys else "")
+        return nearest, note
 
     async def compact(self, ref: str, scope: Scope = NODE_SCOPE) -> CompactOutcome:
-        """Make a key's archives in S3 one archive now (a key on this node, or a full key)."""
+        """Make a key's archives in S3 one archive now (a key on this node, or a full key).
+
+        Not under the key's lock: compaction changes only S3, where its conditional
+        manifest write already orders it against uploads (this node's and others'),
+        and a pod's restore of the key must not wait for a whole key's download.
+        """
         found = self._key_or_full(ref, scope)
         domain = self._domains[found.domain]
         if domain.transfer is None:
             raise Conflict("compile_cache.uri is not set; there is nothing in S3 to compact.")
-        async with domain.key_locks[found.key]:
+        if found.key in domain.compacting:
+            raise Conflict(f"Compile cache {found.key} is being compacted already.")
+        domain.compacting.add(found.key)
+        try:
             return await domain.transfer.compact(found.key)
+        finally:
+            domain.compacting.discard(found.key)
 
     async def push(self, ref: str, scope: Scope = NODE_SCOPE) -> PushOutcome:
         """Pack and upload a key now (skipped when S3 already has the same content)."""

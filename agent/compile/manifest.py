@@ -129,6 +129,12 @@ class Manifest:
         older = tuple(existing for existing in self.archives if existing.name != entry.name)
         return Manifest(self.key, (*older, entry), self.parts, self.etag, self.legacy, self.retired)
 
+    def names(self, name: str) -> bool:
+        """Whether ``name`` is one of this manifest's archives, listed or retired."""
+        return any(a.name == name for a in self.archives) or any(
+            retired == name for retired, _ in self.retired
+        )
+
     @property
     def compactable(self) -> bool:
         """Whether the archives can become one: more than one, every file list known."""

@@ -11,14 +11,18 @@ where the model id is a digest of the engine and ``model_key`` (the parts a
 nearest key must share). Finding the keys of a model is one listing of that
 prefix and one small GET per key, capped. An entry is a hint, never trusted:
 one that is too big, unreadable, or whose parts do not hash to the key it is
-named after is skipped (and logged), so a planted entry can at worst be
-ignored. Keys uploaded by agents before this index existed get their entry at
-their next upload.
+named after is skipped (and logged). An entry that passes is self-consistent,
+not authentic: whoever may write the domain's prefix (who can plant archives,
+code the engines load, anyway) can also plant or hide entries. Keys uploaded by
+agents before this index existed get their entry when new files of theirs are
+uploaded.
 
-A lookup is at most one listing and ``MAX_KEYS_READ`` GETs, so lookups run one
-at a time per domain and a model's answer is kept for ``ANSWER_TTL_SECONDS``:
-a pod asking why, again and again, costs S3 nothing more. (A key this node
-uploads is cached here, and so compared as the node's.)
+A lookup is at most one listing page's worth of names (``MAX_KEYS_READ``) and
+one GET each, bounded by a timeout; lookups run one at a time per domain, and
+a model's answer (a failure too) is kept for ``ANSWER_TTL_SECONDS``: a pod
+asking why, again and again, costs S3 nothing more, and an S3 that does not
+answer costs one timeout per model per TTL. (A key this node uploads is cached
+here, and so compared as the node's.)
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ import logging
 import re
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 
-from agent._exceptions import Conflict, IntegrityError, InvalidRequest, quoted
+from agent._exceptions import Conflict, InvalidRequest, PrewarmError, quoted
 from agent._uri import ModelUri
 from agent.compile.keys import (
     CompileKeyParts,
@@ -43,7 +48,7 @@ from agent.compile.keys import (
 )
 from agent.source.interface import ObjectSource
 
-__all__ = ["ENTRY_MAX_BYTES", "MAX_KEYS_READ", "RemoteKeyIndex", "model_id"]
+__all__ = ["ENTRY_MAX_BYTES", "MAX_KEYS_READ", "KeysFound", "RemoteKeyIndex", "model_id"]
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +60,10 @@ ENTRY_MAX_BYTES = 64 * 1024
 # in S3 is compared with the first this many of them, in key order.
 MAX_KEYS_READ = 64
 _CONCURRENT_READS = 8
-# How long a model's keys, as listed, answer again without asking S3; and how many
-# models' answers are kept.
+# How long a model's keys, as listed (or the failure to list them), answer again
+# without asking S3; and the bytes of entries kept, all models together.
 ANSWER_TTL_SECONDS = 30.0
-_ANSWERS_KEPT = 256
+_ANSWER_BYTES_KEPT = 4 * 1024 * 1024
 _ENTRY_NAME = re.compile(r"([0-9a-f]{32})\.json")
 
 
@@ -69,17 +74,26 @@ def model_id(parts: CompileKeyParts) -> str:
     return hashlib.sha256(named).hexdigest()[:32]
 
 
+@dataclass(frozen=True, slots=True)
+class KeysFound:
+    """A model's keys in S3 as one lookup found them, and what it could not do ("" if all)."""
+
+    keys: tuple[tuple[str, CompileKeyParts], ...]
+    note: str = ""
+    # Bytes of the entries read, for the bound on what is kept.
+    size: int = 0
+
+
 class RemoteKeyIndex:
     """The ``by-model`` entries under one compile domain's prefix in S3."""
 
-    def __init__(self, source: ObjectSource, uri: ModelUri) -> None:
+    def __init__(self, source: ObjectSource, uri: ModelUri, *, timeout: float = 5.0) -> None:
         self._source = source
         self._uri = uri
+        self._timeout = timeout
         self._lookup = asyncio.Lock()
-        # model id -> (when listed, the keys found), oldest first.
-        self._answers: OrderedDict[str, tuple[float, list[tuple[str, CompileKeyParts]]]] = (
-            OrderedDict()
-        )
+        # model id -> (when looked up, what was found), oldest first.
+        self._answers: OrderedDict[str, tuple[float, KeysFound]] = OrderedDict()
 
     def _directory(self, parts: CompileKeyParts) -> str:
         return f"{self._uri.prefix}{INDEX_DIRECTORY}/{model_id(parts)}/"
@@ -100,22 +114,39 @@ class RemoteKeyIndex:
                 if_absent=True,
             )
 
-    async def keys_like(self, parts: CompileKeyParts) -> list[tuple[str, CompileKeyParts]]:
+    async def keys_like(self, parts: CompileKeyParts) -> KeysFound:
         """The keys S3 holds of ``parts``' model and engine, with their parts (at most
-        ``MAX_KEYS_READ``; entries that cannot be trusted are left out)."""
-        model = model_id(parts)
-        async with self._lookup:
-            kept = self._answers.get(model)
-            if kept is not None and time.monotonic() - kept[0] < ANSWER_TTL_SECONDS:
-                return list(kept[1])
-            found = await self._read_model(parts)
-            self._answers[model] = (time.monotonic(), found)
-            self._answers.move_to_end(model)
-            while len(self._answers) > _ANSWERS_KEPT:
-                self._answers.popitem(last=False)
-        return list(found)
+        ``MAX_KEYS_READ``; entries that cannot be trusted are left out), within the timeout.
 
-    async def _read_model(self, parts: CompileKeyParts) -> list[tuple[str, CompileKeyParts]]:
+        Never raises for S3's sake: what went wrong is the answer's ``note``.
+        """
+        model = model_id(parts)
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(self._timeout), self._lookup:
+                kept = self._answers.get(model)
+                if kept is not None and time.monotonic() - kept[0] < ANSWER_TTL_SECONDS:
+                    return kept[1]
+                found = await self._read_model(parts)
+        except TimeoutError:
+            waited = time.monotonic() - started
+            found = KeysFound((), f"S3 did not answer within {waited:.1f} s")
+        except PrewarmError as exc:
+            found = KeysFound((), f"S3 could not be searched ({exc})")
+        self._keep(model, found)
+        return found
+
+    def _keep(self, model: str, found: KeysFound) -> None:
+        """Keep ``found`` for the TTL; drop expired answers, then the oldest past the bound."""
+        now = time.monotonic()
+        self._answers[model] = (now, found)
+        self._answers.move_to_end(model)
+        for stale in [m for m, (at, _) in self._answers.items() if now - at >= ANSWER_TTL_SECONDS]:
+            del self._answers[stale]
+        while sum(f.size for _, f in self._answers.values()) > _ANSWER_BYTES_KEPT:
+            self._answers.popitem(last=False)
+
+    async def _read_model(self, parts: CompileKeyParts) -> KeysFound:
         """One listing of the model's entries and a GET of each (capped), read now."""
         directory = self._directory(parts)
         names: list[str] = []
@@ -131,15 +162,25 @@ class RemoteKeyIndex:
         keys = [m[1] for n in names if (m := _ENTRY_NAME.fullmatch(n.removeprefix(directory)))]
         gate = asyncio.Semaphore(_CONCURRENT_READS)
 
-        async def read(key: str) -> tuple[str, CompileKeyParts] | None:
+        async def read(key: str) -> tuple[str, CompileKeyParts, int] | None:
             async with gate:
                 return await self._entry(f"{directory}{key}.json", key)
 
-        found = await asyncio.gather(*(read(key) for key in sorted(keys)[:MAX_KEYS_READ]))
-        return [entry for entry in found if entry is not None]
+        async with asyncio.TaskGroup() as group:
+            reads = [group.create_task(read(key)) for key in sorted(keys)[:MAX_KEYS_READ]]
+        found = [entry for entry in (r.result() for r in reads) if entry is not None]
+        note = (
+            f"S3 lists {MAX_KEYS_READ} or more entries of this model; the first "
+            f"{MAX_KEYS_READ} were read"
+            if listed >= MAX_KEYS_READ
+            else ""
+        )
+        return KeysFound(
+            tuple((key, parts) for key, parts, _ in found), note, sum(n for *_, n in found)
+        )
 
-    async def _entry(self, name: str, key: str) -> tuple[str, CompileKeyParts] | None:
-        """One entry's parts, or None (logged) when it is gone or cannot be trusted."""
+    async def _entry(self, name: str, key: str) -> tuple[str, CompileKeyParts, int] | None:
+        """One entry's parts (and size), or None (logged) when it is gone or untrustworthy."""
         try:
             stored = await self._source.get_object(
                 self._uri.bucket, name, max_bytes=ENTRY_MAX_BYTES
@@ -154,12 +195,15 @@ class RemoteKeyIndex:
             parts = normalise_parts(parts_from_dict(document["parts"]))
             if compile_key(parts) != key:
                 raise InvalidRequest("its parts hash to another key")
-        except (IntegrityError, InvalidRequest, AttributeError, TypeError, ValueError) as exc:
+        # Bytes from S3 that anyone with write access to the prefix chose: one entry that
+        # does not parse (too deep for json, not UTF-8, wrong types), or that S3 failed to
+        # send, is skipped and logged, never fatal to the lookup.
+        except (PrewarmError, AttributeError, RecursionError, TypeError, ValueError) as exc:
             log.warning(
                 "skipped compile-cache index entry s3://%s/%s: %s",
                 self._uri.bucket,
                 name,
-                quoted(str(exc)),
+                quoted(str(exc) or type(exc).__name__),
             )
             return None
-        return key, parts
+        return key, parts, len(stored.data)

@@ -91,13 +91,14 @@ class RemoteCompileCaches:
         *,
         multipart_threshold: int = MULTIPART_THRESHOLD,
         part_size: int = PART_SIZE,
+        why_timeout: float = 5.0,
     ) -> None:
         self._source = source
         self._uri = uri
         self._multipart_threshold = multipart_threshold
         self._part_size = part_size
         # The keys of each model uploaded under this prefix, for why-miss.
-        self.keys = RemoteKeyIndex(source, uri)
+        self.keys = RemoteKeyIndex(source, uri, timeout=why_timeout)
 
     def uri_of(self, key: str) -> str:
         """The S3 URI of ``key``'s prefix."""
@@ -199,7 +200,14 @@ class RemoteCompileCaches:
         entry = archive_entry(packed)
         await self._put_archive(key, entry.name, archive, packed.archive_bytes)
         compacted = manifest.compacted(entry, time.time())
-        return await self._switch_manifest(key, compacted.to_bytes(), manifest.etag or None)
+        if await self._switch_manifest(key, compacted.to_bytes(), manifest.etag or None):
+            return True
+        # Lost to another writer: the union is listed nowhere (unless that writer's
+        # manifest names the same content), and nothing else would ever delete it.
+        current = await self.read_manifest(key)
+        if current is None or not current.names(entry.name):
+            await self._source.delete_object(self._uri.bucket, self._object(key, entry.name))
+        return False
 
     async def sweep(self, key: str, manifest: Manifest, retired_before: float) -> int:
         """Delete the archives ``manifest`` retired before ``retired_before``; how many.

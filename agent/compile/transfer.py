@@ -49,6 +49,7 @@ from agent.compile.keys import (
     parts_to_dict,
 )
 from agent.compile.manifest import Manifest
+from agent.compile.model_index import KeysFound
 from agent.compile.remote import ArchiveGone, RemoteCompileCaches
 from agent.obs.metrics import COMPILE_CACHE_PHASE_SECONDS
 
@@ -147,7 +148,7 @@ class CompileCacheTransfer:
         """The S3 URI of ``key``'s prefix."""
         return self._remote.uri_of(key)
 
-    async def keys_like(self, parts: CompileKeyParts) -> list[tuple[str, CompileKeyParts]]:
+    async def keys_like(self, parts: CompileKeyParts) -> KeysFound:
         """The keys S3 holds of ``parts``' model and engine (agent.compile.model_index)."""
         return await self._remote.keys.keys_like(parts)
 

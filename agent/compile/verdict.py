@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent._units import human_bytes
+from agent._vocabulary import describe_verdict
 from agent.compile.archive import walk_artifacts
 
 __all__ = [
@@ -39,11 +39,7 @@ HIT = "hit"
 UNCOMPILED = "uncompiled"
 PARTIAL_MISS = "partial miss"
 MISS = "miss"
-VERDICTS = (HIT, UNCOMPILED, PARTIAL_MISS, MISS)
-_NOTHING_SAID = {
-    HIT: "hit: nothing compiled",
-    UNCOMPILED: "uncompiled: the key holds no compiled code",
-}
+_MAX_VERDICT_NAME = 32
 # Files directly in the key directory, outside any sub-cache.
 TOP_LEVEL = "."
 
@@ -97,13 +93,7 @@ class Verdict:
     def describe(self) -> str:
         """One line: ``hit: nothing compiled``, or the verdict and what grew, e.g.
         ``partial miss: inductor +3 files (120.0 KiB)``."""
-        if not self.grown:
-            return _NOTHING_SAID.get(self.verdict, self.verdict)
-        growth = ", ".join(
-            f"{sub} +{files} files ({human_bytes(size)})"
-            for sub, (files, size) in sorted(self.grown.items())
-        )
-        return f"{self.verdict}: {growth}"
+        return describe_verdict(self.verdict, self.grown)
 
     def to_json(self) -> dict[str, Any]:
         """The verdict as the index's JSON record holds it."""
@@ -113,8 +103,10 @@ class Verdict:
     @classmethod
     def from_json(cls, document: Mapping[str, Any]) -> Verdict:
         """A verdict from ``to_json``'s form; ValueError names a bad one."""
-        verdict = str(document["verdict"])
-        if verdict not in VERDICTS:
+        verdict = document["verdict"]
+        # A newer agent's verdict name is kept as it is (a rollback must not make the
+        # record unreadable, which drops the cache); only a malformed one is refused.
+        if not isinstance(verdict, str) or not verdict or len(verdict) > _MAX_VERDICT_NAME:
             raise ValueError(f"verdict {verdict!r}")
         grown = {str(k): (int(v[0]), int(v[1])) for k, v in dict(document["grown"]).items()}
         return cls(verdict, grown, float(document["at"]), str(document.get("client", "")))

@@ -47,6 +47,9 @@ NODE_ONLY_METHODS = frozenset(
         "CollectGarbage",
         "VerifyModels",
         "EvictCompileCache",
+        # Moves a whole key through S3 (download, pack, upload) on demand: maintenance
+        # for the node's admin, not something a pod needs or should be able to repeat.
+        "CompactCompileCache",
     }
 )
 # RPCs that read or write the compile-cache prefix in S3.
@@ -57,7 +60,6 @@ _COMPILE_S3_METHODS = frozenset(
         "PullCompileCache",
         "CompileReady",
         "ExplainCompileCache",
-        "CompactCompileCache",
     }
 )
 # Bigger than any real key (AKIA/ASIA ids are 20 characters, secrets 40, STS
@@ -133,8 +135,8 @@ class TenantBinder(grpc.aio.ServerInterceptor):
 def _check_method(tenant: Tenant, method: str, request: Any, keys: RequesterKeys | None) -> None:
     if tenant.name != NODE_TENANT and method in NODE_ONLY_METHODS:
         raise AccessDenied(
-            f"{method} is not served on socket {tenant.name!r}: it shows or changes every "
-            "tenant's snapshots. Use the node's own API socket."
+            f"{method} is not served on socket {tenant.name!r}: it is for the node's admin "
+            "(it shows or changes what every tenant shares). Use the node's own API socket."
         )
     if tenant.name != NODE_TENANT and getattr(request, "pin", False):
         # Refused, not capped: a pin outlives restarts and every eviction, for all

@@ -142,3 +142,40 @@ async def test_compact_on_request_makes_a_few_archives_one_and_says_why_it_would
         await local_only.ensure(PARTS)
         with pytest.raises(Conflict, match=r"compile_cache\.uri is not set"):
             await local_only.compact(KEY)
+
+
+class _ManifestChangesDuringCompaction(MemorySource):
+    """S3 in which another node changes the key's manifest while a compaction uploads its
+    union (after the compaction read the manifest, before it switches it)."""
+
+    armed = False
+
+    async def put_object(self, bucket: str, key: str, body: bytes, **conditions: Any) -> str:
+        """Before the union's PUT lands, rewrite the manifest as another writer would."""
+        if self.armed and key.endswith(".tar.zst"):
+            self.armed = False
+            manifest = self.objects[bucket][PREFIX + "manifest.json"]
+            self.objects[bucket][PREFIX + "manifest.json"] = manifest + b" "
+        return await super().put_object(bucket, key, body, **conditions)
+
+
+async def test_a_compaction_that_loses_the_manifest_race_deletes_its_union(
+    tmp_path: Path,
+) -> None:
+    """Another writer changes the manifest mid-compaction: the switch is refused, the manifest
+    keeps its archives, and the union archive uploaded for it is deleted, not orphaned."""
+    source = _ManifestChangesDuringCompaction(objects={BUCKET: {}})
+    async with node(tmp_path / "a", source) as first:
+        path = (await first.ensure(PARTS)).info.path
+        for number in range(3):
+            (path / "inductor" / f"kernel-{number}.so").write_bytes(os.urandom(3000))
+            assert (await first.push(KEY)).uploaded
+        archives = {name for name in source.objects[BUCKET] if name.endswith(".tar.zst")}
+        source.armed = True
+        lost = await first.compact(KEY)
+    assert (lost.compacted, lost.skipped_reason) == (
+        False,
+        "another node changed the manifest meanwhile",
+    )
+    assert len(_manifest(source)["archives"]) == 3
+    assert {name for name in source.objects[BUCKET] if name.endswith(".tar.zst")} == archives

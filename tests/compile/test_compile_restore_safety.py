@@ -35,7 +35,7 @@ def node(
     root: Path, source: MemorySource, *, budget: str = "100MiB", restore_timeout: float = 120.0
 ) -> contextlib.AbstractAsyncContextManager[CompileCaches]:
     """One node's compile caches under ``root``, sharing ``source``; uploads only on request."""
-    return compile_node(root, source, budget=budget, restore_timeout=restore_timeout)
+    return compile_node(root, source, budget=budget, restore_timeout_seconds=restore_timeout)
 
 
 @pytest.fixture

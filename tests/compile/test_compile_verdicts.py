@@ -11,12 +11,13 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 from compile_helpers import BUCKET
 from compile_helpers import compile_node as node
 
 from agent.compile.cache import COMPILE_MISS_PARTS
 from agent.compile.keys import CompileKeyParts, compile_key
-from agent.compile.verdict import judge
+from agent.compile.verdict import Verdict, judge
 from agent.obs.metrics import COMPILE_LAUNCHES
 from agent.testing import MemorySource
 
@@ -69,7 +70,7 @@ async def test_cold_then_restored_then_new_shape_give_miss_hit_partial_miss(
 async def test_a_key_waiting_for_ready_is_not_uploaded_when_quiet(tmp_path: Path) -> None:
     """With publish_on_ready, a settled key (e.g. an engine that crashed) uploads nothing."""
     source = MemorySource(objects={BUCKET: {}})
-    async with node(tmp_path, source, quiet=0.05) as caches:
+    async with node(tmp_path, source, quiet_seconds=0.05) as caches:
         path = (await caches.ensure(PARTS, publish_on_ready=True)).info.path
         _compile(path, "inductor", "half-made")
         await caches._settled(f"node/{KEY}")  # what the watcher runs once the key is quiet
@@ -124,3 +125,13 @@ def test_a_verdict_says_sizes_in_binary_units_and_an_empty_key_is_no_hit() -> No
     assert grown.describe() == "miss: inductor +22 files (118.4 MiB)"
     assert judge({"inductor": (3, 100)}, {"inductor": (3, 100)}).verdict == "hit"
     assert judge({}, {}).verdict == "uncompiled"
+
+
+def test_a_verdict_name_this_agent_does_not_know_is_kept_not_refused() -> None:
+    """A record written by a newer agent (another verdict name) stays readable after a
+    rollback, so its cache is not dropped; a malformed name is still refused."""
+    record = {"verdict": "some newer verdict", "grown": {}, "at": 1.0, "client": "pod"}
+    assert Verdict.from_json(record).verdict == "some newer verdict"
+    for bad in ("", 7, "x" * 33):
+        with pytest.raises(ValueError, match="verdict"):
+            Verdict.from_json({**record, "verdict": bad})

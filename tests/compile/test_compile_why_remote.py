@@ -7,6 +7,7 @@ compile caches sharing MemorySource as S3.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncGenerator
 from pathlib import Path
@@ -109,8 +110,9 @@ async def test_a_key_on_the_node_wins_a_tie_with_one_only_in_s3(tmp_path: Path) 
 async def test_planted_index_entries_are_skipped_and_the_real_one_is_named(
     tmp_path: Path,
 ) -> None:
-    """Entries whose parts hash to another key, that are too big or not JSON, or that claim
-    the very key that missed are never named; the honest entry still is."""
+    """Entries whose parts hash to another key, that are too big, not JSON or nested past what
+    json parses, or with a name outside the pattern, are never named and never fail the
+    answer; the honest entry still is."""
     source = MemorySource(objects={BUCKET: {}})
     uploaded = await _upload(tmp_path / "one", source, UPLOADED)
     near_lie = CompileKeyParts(**{**parts_to_dict(WANTED), "torch_version": "9.9"})
@@ -118,6 +120,7 @@ async def test_planted_index_entries_are_skipped_and_the_real_one_is_named(
     source.put(BUCKET, f"{INDEX}{'0' * 32}.json", lie.encode())  # hashes to another key
     source.put(BUCKET, f"{INDEX}{'1' * 32}.json", b"{" + b" " * ENTRY_MAX_BYTES)
     source.put(BUCKET, f"{INDEX}{'2' * 32}.json", b"not json")
+    source.put(BUCKET, f"{INDEX}{'3' * 32}.json", b"[" * 60_000)  # too deep for json
     source.put(BUCKET, f"{INDEX}../../escape.json", b"{}")
     async with node(tmp_path / "two", source) as second:
         wanted = await second.ensure(WANTED)
@@ -161,3 +164,34 @@ async def test_asking_why_again_and_again_lists_s3_once(tmp_path: Path) -> None:
             why = await second.explain(wanted.info.key)
             assert why.nearest is not None
         assert (source.listing_pages - pages, len(source.whole_reads) - reads) == (1, 1)
+
+
+class _SilentListing(MemorySource):
+    """S3 that accepts the listing and never answers it."""
+
+    listings = 0
+
+    async def list_pages(self, uri: ModelUri) -> AsyncGenerator[list[ListedObject], None]:
+        """Wait forever (until cancelled), as a stuck connection does."""
+        self.listings += 1
+        await asyncio.Event().wait()
+        yield []  # pragma: no cover
+
+
+async def test_s3_that_never_answers_costs_one_timeout_per_model_and_says_so(
+    tmp_path: Path,
+) -> None:
+    """A listing that never answers is given up after why_timeout_seconds, the node's nearest
+    key is named, and the next questions reuse that answer instead of waiting again."""
+    source = _SilentListing(objects={BUCKET: {}})
+    async with node(tmp_path / "two", source, why_timeout_seconds=0.2) as second:
+        await second.ensure(UPLOADED, skip_restore=True)
+        wanted = await second.ensure(WANTED, skip_restore=True)
+        first = await second.explain(wanted.info.key)
+        for _ in range(3):
+            again = await second.explain(wanted.info.key)
+    assert first.nearest is not None
+    assert first.nearest.location == "node"
+    assert first.s3_note.startswith("S3 did not answer within 0.2 s")
+    assert again.s3_note == first.s3_note
+    assert source.listings == 1

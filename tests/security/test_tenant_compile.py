@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from agent_helpers import AgentFactory, when_logged
 
-from agent._exceptions import NoSpace, NotFound
+from agent._exceptions import AccessDenied, NoSpace, NotFound
 from agent.client import Client, CompileKeyParts, Progress
 from agent.testing import Fault, FaultProxy, InProcessAgent, S3Server, SampleModel
 from agent.testing._process import purge_tree
@@ -96,9 +96,9 @@ def test_a_tenant_sees_and_touches_none_of_another_tenants_compile_caches(
     start_agent: AgentFactory, bucket: str, short_dir: Path
 ) -> None:
     """On A's socket, B's key is not listed, counted or found: CompileReady, PullCompileCache,
-    PushCompileCache, ExplainCompileCache and CompactCompileCache on it are NOT_FOUND (a bare
-    full key compacts only A's own prefix) and B's files stay; A holding the compile lock for
-    the same parts does not make B wait."""
+    PushCompileCache and ExplainCompileCache on it are NOT_FOUND, CompactCompileCache is not
+    served at all, and B's files stay; A holding the compile lock for the same parts does not
+    make B wait."""
     agent = start_agent(_config(bucket, short_dir))
     with Client(short_dir / "team-a.sock") as a, Client(short_dir / "team-b.sock") as b:
         theirs = b.compile_cache(PARTS)
@@ -111,18 +111,14 @@ def test_a_tenant_sees_and_touches_none_of_another_tenants_compile_caches(
             a.pull_compile_cache,
             a.push_compile_cache,
             a.explain_compile_cache,
-            a.compact_compile_cache,
         ):
             with pytest.raises(NotFound):
+                call(theirs.key)
+            with pytest.raises(NotFound):
                 call(f"team-b/{theirs.key}")
-            if call != a.compact_compile_cache:
-                with pytest.raises(NotFound):
-                    call(theirs.key)
-        own = a.compact_compile_cache(theirs.key)
-        assert (own.uri, own.skipped_reason) == (
-            f"s3://{bucket}/cc/team-a/{theirs.key}/",
-            "nothing was uploaded for this key",
-        )
+        for ref in (theirs.key, f"team-b/{theirs.key}"):
+            with pytest.raises(AccessDenied, match="CompactCompileCache is not served"):
+                a.compact_compile_cache(ref)
         assert kernel.read_bytes() == b"kernel"
         with a.compile_lock(PARTS, client_name="pod-a") as held:
             assert held.exclusive

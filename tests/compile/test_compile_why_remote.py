@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncGenerator
+from dataclasses import replace
 from pathlib import Path
 
 from compile_helpers import BUCKET
@@ -31,13 +32,7 @@ UPLOADED = CompileKeyParts(
     extras={"flag.max_num_batched_tokens": "8192"},
 )
 # The same model and engine with one flag changed: one part differs.
-WANTED = CompileKeyParts(
-    engine="vllm",
-    engine_version="0.16.0",
-    torch_version="2.10.0",
-    model_key="minilm",
-    extras={"flag.max_num_batched_tokens": "16384"},
-)
+WANTED = replace(UPLOADED, extras={"flag.max_num_batched_tokens": "16384"})
 INDEX = f"cc/node/by-model/{model_id(UPLOADED)}/"
 
 
@@ -92,13 +87,7 @@ async def test_a_key_on_the_node_wins_a_tie_with_one_only_in_s3(tmp_path: Path) 
     """Two keys equally near, one cached here and one only in S3: the node's is named."""
     source = MemorySource(objects={BUCKET: {}})
     await _upload(tmp_path / "one", source, UPLOADED)
-    local = CompileKeyParts(
-        engine="vllm",
-        engine_version="0.16.0",
-        torch_version="2.10.0",
-        model_key="minilm",
-        extras={"flag.max_num_batched_tokens": "4096"},
-    )
+    local = replace(UPLOADED, extras={"flag.max_num_batched_tokens": "4096"})
     async with node(tmp_path / "two", source) as second:
         await second.ensure(local)
         wanted = await second.ensure(WANTED)

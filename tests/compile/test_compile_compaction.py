@@ -10,6 +10,7 @@ process, with MemorySource as S3 (its ``reads`` record every ranged GET).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -179,3 +180,43 @@ async def test_a_compaction_that_loses_the_manifest_race_deletes_its_union(
     )
     assert len(_manifest(source)["archives"]) == 3
     assert {name for name in source.objects[BUCKET] if name.endswith(".tar.zst")} == archives
+
+
+class _ManifestReadHeld(MemorySource):
+    """S3 whose manifest reads wait while ``held`` is clear (once ``armed``)."""
+
+    armed = False
+
+    def __init__(self, **fields: Any) -> None:
+        super().__init__(**fields)
+        self.held = asyncio.Event()
+        self.reading = asyncio.Event()
+
+    async def get_object(self, bucket: str, key: str, *, max_bytes: int) -> Any:
+        """Hold an armed manifest read until the test lets it go."""
+        if self.armed and key.endswith("manifest.json"):
+            self.reading.set()
+            await self.held.wait()
+        return await super().get_object(bucket, key, max_bytes=max_bytes)
+
+
+async def test_a_second_compaction_of_a_key_on_one_node_is_refused_while_one_runs(
+    tmp_path: Path,
+) -> None:
+    """While a compaction of a key runs on this node, another of the same key is a Conflict;
+    once it ends, the key can be compacted again."""
+    source = _ManifestReadHeld(objects={BUCKET: {}})
+    async with node(tmp_path / "a", source) as first:
+        path = (await first.ensure(PARTS)).info.path
+        for number in range(2):
+            (path / "inductor" / f"kernel-{number}.so").write_bytes(os.urandom(3000))
+            assert (await first.push(KEY)).uploaded
+        source.armed = True
+        running = asyncio.ensure_future(first.compact(KEY))
+        await source.reading.wait()
+        with pytest.raises(Conflict, match="being compacted already"):
+            await first.compact(KEY)
+        source.held.set()
+        assert (await running).compacted
+        source.armed = False
+        assert (await first.compact(KEY)).skipped_reason == "it has one archive already"

@@ -30,8 +30,8 @@ class LoopbackCertificate:
     cert: Path
 
 
-def write_loopback_certificate(directory: Path) -> LoopbackCertificate:
-    """Write a fresh key and a certificate for ``127.0.0.1`` into ``directory``.
+def write_loopback_certificate(directory: Path, address: str = LOOPBACK) -> LoopbackCertificate:
+    """Write a fresh key and a certificate for ``address`` (127.0.0.1) into ``directory``.
 
     The address goes in ``subjectAltName`` as an IP entry: verifiers match an
     IP endpoint against SAN IP entries only, never against the common name.
@@ -42,7 +42,7 @@ def write_loopback_certificate(directory: Path) -> LoopbackCertificate:
     from cryptography.x509.oid import NameOID
 
     key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, LOOPBACK)])
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, address)])
     now = dt.datetime.now(dt.UTC)
     certificate = (
         x509.CertificateBuilder()
@@ -53,7 +53,7 @@ def write_loopback_certificate(directory: Path) -> LoopbackCertificate:
         .not_valid_before(now - dt.timedelta(minutes=5))
         .not_valid_after(now + VALID_FOR)
         .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(LOOPBACK))]),
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(address))]),
             critical=False,
         )
         # A CA so that bundles which insist on one (OpenSSL's, Go's) accept it as a root.

@@ -58,6 +58,7 @@ GiB = 1024**3
 BUCKET = "bench"
 SHARD_BYTES = 256 * MiB
 DEFAULT_TIMEOUT = 300.0
+QUICK_TIMEOUT = 240.0
 CALIBRATION_CONNECTIONS = (64, 128)
 # Uploads go through a server with no latency, no limit and no shaping.
 _UPLOAD = Profile("upload", per_connection=10**12, link=10**12, first_byte_ms=0)
@@ -84,8 +85,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--pull-timeout",
         type=float,
-        default=DEFAULT_TIMEOUT,
-        help=f"seconds one pull may take before it is killed (default {DEFAULT_TIMEOUT:.0f})",
+        help=f"seconds one pull may take before it is killed (default {DEFAULT_TIMEOUT:.0f}, "
+        f"{QUICK_TIMEOUT:.0f} with --quick)",
     )
     parser.add_argument(
         "--no-calibration",
@@ -96,7 +97,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help=f"smoke run: 1GiB, http, profiles {','.join(QUICK_PROFILES)}",
+        help=f"smoke run: 1GiB, http, profiles {','.join(QUICK_PROFILES)} (overrides "
+        "--profiles, --sizes, --schemes)",
     )
     parser.add_argument(
         "--out", type=Path, help="JSON path (default bench/results/shaped-<time>.json)"
@@ -104,6 +106,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.profiles, args.sizes, args.schemes = ",".join(QUICK_PROFILES), "1GiB", "http"
+        if args.pull_timeout is None:
+            args.pull_timeout = QUICK_TIMEOUT
+    if args.pull_timeout is None:
+        args.pull_timeout = DEFAULT_TIMEOUT
     try:
         args.profile_list = parse_profiles(args.profiles)
         args.scheme_list = parse_schemes(args.schemes)
@@ -219,9 +225,10 @@ class _Bench:
             }
             if self.args.calibration:
                 self._calibrate(profile, contexts)
-            for _size, model in sorted(self.models.items()):
+            for size, model in sorted(self.models.items()):
                 for scheme, ctx in contexts.items():
                     cell = self._run_cell(profile, ctx, model, scheme)
+                    cell["size"] = size  # nominal: the model is that and its small files
                     self.report["cells"].append(cell)
                     say(render_cell(cell))
 
@@ -345,8 +352,20 @@ def render_cell(cell: dict[str, Any]) -> str:
                 f"- {row['contender']} daemon log, lines on SlowDown / concurrency / in flight: "
                 f"{row['log_matches']}"
             )
-            lines.extend(f"    {line}" for line in row["log_lines"])
+            lines.extend(f"    {log_message(line)}" for line in row["log_lines"])
     return "\n".join(lines)
+
+
+def log_message(line: str) -> str:
+    """A daemon log line as ``time level logger: message`` when it is a JSON record."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return line
+    if not isinstance(record, dict) or "msg" not in record:
+        return line
+    where = " ".join(str(record.get(name, "")) for name in ("ts", "level", "logger"))
+    return f"{where}: {record['msg']}"
 
 
 def render_markdown(report: dict[str, Any]) -> str:

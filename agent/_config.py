@@ -33,7 +33,12 @@ from pydantic_settings import (
 from agent._config_env import ENV_PREFIX, NESTED_DELIMITER, unknown_env_vars
 from agent._exceptions import InvalidRequest
 from agent._uri import valid_bucket_name
-from agent._vocabulary import DataPlaneName, TierName
+from agent._vocabulary import (
+    REMOVED_DATA_PLANES,
+    DataPlaneName,
+    TierName,
+    unknown_data_plane,
+)
 
 __all__ = [
     "DEFAULT_CONFIG_PATH",
@@ -70,6 +75,12 @@ def _empty_to_none(value: object) -> object:
 OptionalText = Annotated[str | None, BeforeValidator(_empty_to_none)]
 
 
+def _known_data_plane(value: object) -> object:
+    if isinstance(value, str) and value in REMOVED_DATA_PLANES:
+        raise ValueError(unknown_data_plane(value))
+    return value
+
+
 class S3Settings(BaseModel):
     """How the agent talks to S3. Credentials come from the standard AWS chain."""
 
@@ -79,23 +90,25 @@ class S3Settings(BaseModel):
     endpoint_url: OptionalText = None
     region: OptionalText = None
     addressing_style: Literal["auto", "path", "virtual"] = "auto"
-    # What moves the bulk bytes: "processes" (presigned ranged GETs in worker
-    # processes), "threads" (ranged GETs in the daemon's threads), "aiobotocore"
-    # (ranged GETs in the event loop), "streamer" (runai-model-streamer's C++ client,
-    # the `streamer` extra), or "auto" (chosen by measurement, docs/data-planes.md).
-    data_plane: DataPlaneName = "auto"
+    # What moves the bulk bytes: "auto" (the processes plane for S3: presigned ranged
+    # GETs sent by worker processes), or "aiobotocore" (reads in the event loop, for an
+    # S3-compatible server that refuses presigned URLs). docs/data-planes.md.
+    data_plane: Annotated[DataPlaneName, BeforeValidator(_known_data_plane)] = "auto"
     # Worker processes of the processes plane, each with its own interpreter lock.
     # "auto": sized for target_gbps (docs/data-planes.md); a number pins it.
     worker_processes: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = "auto"
-    # The node's bandwidth to S3 that automatic concurrency aims at, in Gbit/s.
+    # The node's bandwidth to S3 that automatic sizing plans for, in Gbit/s.
     # "auto": the instance type's (EC2, from the DMI product name), else 25.
     target_gbps: Annotated[float, Field(gt=0, le=3200)] | Literal["auto"] = "auto"
-    # Parallel streams per pull. "auto": ceil(model bytes / 4 GB), at least 1, at most
-    # the CPU count and max_concurrency (the published EKS guidance); a number pins it.
-    concurrency: Annotated[int, Field(ge=1, le=512)] | Literal["auto"] = "auto"
-    max_concurrency: int = Field(default=128, ge=1, le=512)
+    # GETs in flight. "auto": found by measuring the link, node-wide, up to
+    # max_concurrency (docs/data-planes.md); a number pins it for every pull.
+    concurrency: Annotated[int, Field(ge=1, le=8192)] | Literal["auto"] = "auto"
+    # The most GETs the node keeps in flight. "auto": twice what target_gbps needs at
+    # 50 MB/s per GET, 256 to 4096.
+    max_concurrency: Annotated[int, Field(ge=1, le=8192)] | Literal["auto"] = "auto"
     # Size of each ranged GET, and of each range the journal records (resume granularity).
-    chunk_size: ByteSize = Field(default=ByteSize(64 * 1024**2), ge=1024**2)
+    # "auto": 8-64 MiB, so every stream reads several and S3's request limit is kept.
+    chunk_size: Annotated[ByteSize, Field(ge=1024**2)] | Literal["auto"] = "auto"
     # Bytes gathered from a response body before one positional write.
     io_block: ByteSize = Field(default=ByteSize(4 * 1024**2), ge=64 * 1024)
     # botocore's attempts per request (connection errors, throttling, 5xx).

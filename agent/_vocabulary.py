@@ -21,6 +21,7 @@ __all__ = [
     "MAX_CHUNK_SIZE",
     "MIN_CHUNK_SIZE",
     "PHASE_NAMES",
+    "REMOVED_DATA_PLANES",
     "TIER_NAMES",
     "DataPlaneName",
     "PhaseName",
@@ -29,21 +30,26 @@ __all__ = [
     "check_pull_options",
     "check_tier",
     "describe_verdict",
+    "unknown_data_plane",
 ]
 
 # Where a snapshot lives: RAM (/dev/shm) or local disk.
 TierName = Literal["shm", "disk"]
 TIER_NAMES: tuple[TierName, ...] = ("shm", "disk")
 
-# What moves the bulk bytes of a pull (see docs/data-planes.md); "auto" picks by measurement.
-DataPlaneName = Literal["auto", "processes", "threads", "streamer", "aiobotocore"]
-DATA_PLANE_NAMES: tuple[DataPlaneName, ...] = (
-    "auto",
-    "processes",
-    "threads",
-    "streamer",
-    "aiobotocore",
-)
+# What moves the bulk bytes of a pull (see docs/data-planes.md): "processes" for S3,
+# "aiobotocore" (reads in the event loop) for sources that cannot presign a GET; "auto"
+# is the one that fits the source.
+DataPlaneName = Literal["auto", "processes", "aiobotocore"]
+DATA_PLANE_NAMES: tuple[DataPlaneName, ...] = ("auto", "processes", "aiobotocore")
+# Planes that were removed, and why: a config or request naming one is told what to use.
+REMOVED_DATA_PLANES: dict[str, str] = {
+    "threads": "the processes plane serves every S3 pull, proxies included",
+    "streamer": (
+        "the processes plane serves every S3 pull; the Run:ai Model Streamer stays useful to "
+        "load the node's copy into an engine (docs/data-planes.md)"
+    ),
+}
 
 # The phases a pull reports progress in, in the order it goes through them.
 PhaseName = Literal["resolve", "download", "verify", "publish", "done"]
@@ -97,13 +103,21 @@ def check_pull_options(
             if data_plane == name:
                 plane = name
         if plane is None:
-            choices = ", ".join(DATA_PLANE_NAMES)
-            raise InvalidRequest(f"Unknown data plane {data_plane!r}; use one of {choices}.")
+            raise InvalidRequest(unknown_data_plane(data_plane))
     if concurrency is not None and concurrency < 1:
         raise InvalidRequest(f"concurrency must be at least 1, not {concurrency}.")
     if chunk_size is not None and not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE:
         raise InvalidRequest(f"chunk_size must be between 1 MiB and 4 GiB, not {chunk_size} bytes.")
     return plane
+
+
+def unknown_data_plane(name: str) -> str:
+    """The sentence that refuses data plane ``name``, naming what to use instead."""
+    choices = ", ".join(DATA_PLANE_NAMES)
+    removed = REMOVED_DATA_PLANES.get(name)
+    if removed is not None:
+        return f"The {name} data plane was removed ({removed}); use auto."
+    return f"Unknown data plane {name!r}; use one of {choices}."
 
 
 @dataclass(frozen=True, slots=True)

@@ -132,8 +132,8 @@ class Client(_BaseClient, contextlib.AbstractContextManager["Client"]):
         seconds (None: the agent's default); hold it with ``LeaseHold`` or renew
         it, or use ``leased()``, which does both. ``pin=True`` pins the
         snapshot; ``strict_tier=True`` fails rather than use the other tier when
-        ``tier`` is full. ``data_plane`` ("auto", "processes", "threads",
-        "streamer", "aiobotocore"), ``concurrency`` (streams) and ``chunk_size``
+        ``tier`` is full. ``data_plane`` ("auto", "processes", "aiobotocore"),
+        ``concurrency`` (GETs in flight, pinned) and ``chunk_size``
         (bytes) override the agent's settings for a pull this call starts (None:
         the agent's); a call that joins a pull in progress gets its settings.
 
@@ -421,8 +421,8 @@ class AsyncClient(_BaseClient, contextlib.AbstractAsyncContextManager["AsyncClie
         seconds (None: the agent's default); hold it with ``LeaseHold`` or renew
         it, or use ``leased()``, which does both. ``pin=True`` pins the
         snapshot; ``strict_tier=True`` fails rather than use the other tier when
-        ``tier`` is full. ``data_plane`` ("auto", "processes", "threads",
-        "streamer", "aiobotocore"), ``concurrency`` (streams) and ``chunk_size``
+        ``tier`` is full. ``data_plane`` ("auto", "processes", "aiobotocore"),
+        ``concurrency`` (GETs in flight, pinned) and ``chunk_size``
         (bytes) override the agent's settings for a pull this call starts (None:
         the agent's); a call that joins a pull in progress gets its settings.
 

@@ -128,7 +128,7 @@ class Puller:
             return flight, False
         assert self._tasks is not None, "Puller used outside its context"
         options = options or PullOptions()
-        plane = self._planes.choose(options.data_plane, scoped=source is not None)
+        plane = self._planes.choose(options.data_plane)
         tuning = tune(
             self._settings, snapshot.total_bytes, options, plane=plane.name, gbps=self._gbps
         )
@@ -136,9 +136,10 @@ class Puller:
         self._flights[snapshot.key] = flight
         self._pulls[snapshot.key] = (plane, tuning, source)
         log.info(
-            "pulling %s with %s: concurrency %d, %d-byte chunks%s",
+            "pulling %s with %s: %s %d GETs in flight, %d-byte chunks%s",
             snapshot.uri,
             plane.name,
+            "from" if tuning.adaptive else "pinned at",
             tuning.concurrency,
             tuning.chunk_size,
             ", with the requester's credentials" if source is not None else "",
@@ -275,10 +276,9 @@ class Puller:
                 origin=f"s3://{bucket}/{obj.key}",
             )
 
-    def check(self, options: PullOptions, *, scoped: bool = False) -> None:
-        """InvalidRequest if a pull with these options (and a source of its own) could not
-        start."""
-        self._planes.choose(options.data_plane, scoped=scoped)
+    def check(self, options: PullOptions) -> None:
+        """InvalidRequest if a pull with these options could not start."""
+        self._planes.choose(options.data_plane)
 
 
 def _model_for(flight: Flight, digests: dict[str, str], chunk_size: int) -> CachedModel:

@@ -131,7 +131,7 @@ class AgentService:
         access.check_source(request.uri, request.requester)
         scoped = _scoped_keys(self._source, request.requester) is not None
         if request.options is not None:
-            self._puller.check(request.options, scoped=scoped)
+            self._puller.check(request.options)
         return scoped
 
     async def _answer_unchecked(

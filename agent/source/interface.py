@@ -80,8 +80,8 @@ class ObjectSource(Protocol):
 
     @property
     def s3_settings(self) -> S3Settings | None:
-        """The settings a second S3 client (the streamer's) needs to reach the same store;
-        None when the source is not S3, so only planes of its own can read it."""
+        """The S3 settings the source was built from; None when the source is not S3, so
+        only the aiobotocore plane (its own reader) can read it."""
         ...
 
     async def list_objects(self, uri: ModelUri) -> list[ListedObject]:

@@ -12,13 +12,12 @@ The sinks are Protocols so that the source never imports the pull layer: the
 puller's ``Flight`` is the progress sink and its ``StagingFiles`` the range
 sink, both by shape.
 
-Four implementations: ``ProcessPlane`` (process_plane: presigned ranged GETs
-sent by worker processes, each with its own interpreter lock), ``ThreadsPlane``
-(threads_plane: ranged GETs in the daemon's threads, each body read into a
-worker's buffer and written at its offset), ``AiobotocorePlane`` (aiobotocore_plane:
-ranged GETs in the event loop) and ``StreamerPlane`` (streamer_plane: the Run:ai
-Model Streamer's C++ client in a thread), held by name in agent.source.plane_registry,
-which also decides what ``auto`` means. See docs/data-planes.md.
+Two implementations, held by name in agent.source.plane_registry:
+``ProcessPlane`` (process_plane: the S3 data plane, presigned ranged GETs sent
+by worker processes, each with its own interpreter lock, as many in flight as
+the link takes: agent.source.link) and ``AiobotocorePlane`` (aiobotocore_plane:
+reads through the source's own reader in the event loop, for sources that
+cannot presign). See docs/data-planes.md.
 """
 
 from __future__ import annotations

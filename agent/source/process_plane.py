@@ -16,14 +16,22 @@ of it can write any more. A worker that does not answer in time is killed, so
 nothing writes into the staging files after the pull gave up. A worker that
 dies mid-pull loses only its ranges: they go to another worker, within the
 range retries, and a new worker takes its place for the next pull.
+
+How many GETs run is the node's ``AdaptiveConcurrency`` (agent.source.concurrency),
+shared by every pull on this plane: it grows while the rate grows and halves on
+SlowDown, which workers report as they meet it. Each GET is sent to one of the
+addresses the endpoint's name resolves to, in turn, as the AWS CRT spreads its
+connections over S3's addresses; through a proxy, the proxy resolves.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import itertools
 import logging
+import math
 import os
 import signal
 import socket
@@ -42,9 +50,11 @@ import agent
 from agent._config import S3Settings
 from agent._exceptions import PrewarmError, SourceUnavailable
 from agent._snapshot import SourceObject
+from agent.source.concurrency import AdaptiveConcurrency
 from agent.source.interface import RangeReadError
 from agent.source.pacing import read_step
 from agent.source.plane import ByteRange, ProgressSink, RangeSink
+from agent.source.proxies import proxy_for
 from agent.source.range_worker import MAX_MESSAGE, GetJob, decode, encode, job_message
 from agent.source.s3_errors import (
     answer_error,
@@ -52,9 +62,19 @@ from agent.source.s3_errors import (
     silent_error,
     unreachable_error,
 )
-from agent.source.tuning import Tuning
+from agent.source.tuning import (
+    Tuning,
+    concurrency_ceiling,
+    start_concurrency,
+)
 
-__all__ = ["Presigner", "ProcessPlane", "WorkerPool", "processes_unavailable"]
+__all__ = [
+    "Presigner",
+    "ProcessPlane",
+    "WorkerPool",
+    "stream_step",
+    "worker_processes",
+]
 
 log = logging.getLogger(__name__)
 
@@ -80,21 +100,47 @@ class Presigner(Protocol):
         ...
 
 
-def processes_unavailable(source: object, settings: S3Settings | None) -> str | None:
-    """Why the processes plane cannot stand in for ``source``; None when it can.
+# Interpreter-lock seconds one worker process holds per GiB it moves over HTTPS
+# (py-spy --gil, 2 GiB, 2 workers, this 2-core VM: 0.26-0.29; over HTTP 0.10-0.11;
+# docs/data-planes.md), and the share of its lock a worker may keep busy at the node's
+# target: the plane runs enough workers that none is the bottleneck.
+GIL_SECONDS_PER_GIB = 0.25
+GIL_SHARE = 0.5
+# GETs (threads) one worker takes at most at the node's ceiling: beyond it, more workers.
+GETS_PER_WORKER = 128
+MIN_WORKER_PROCESSES = 2
+MAX_WORKER_PROCESSES = 32
+# Bytes of read buffers the node's GETs may hold in all, at its ceiling: each GET reads
+# into one buffer of stream_step bytes (64 to 512 KiB).
+STREAM_MEMORY = 128 * 1024**2
+MIN_STEP = 64 * 1024
+# The adaptive limit never goes under this many GETs in flight.
+FLOOR_CONCURRENCY = 4
+# How long the endpoint's addresses are used before its name is resolved again.
+ADDRESSES_SECONDS = 60.0
 
-    Its workers send presigned GETs to S3 themselves, without a proxy.
+
+def worker_processes(settings: S3Settings, *, gbps: float) -> int:
+    """Worker processes: pinned, or enough for the node's bandwidth and its ceiling of GETs.
+
+    Each worker may spend at most GIL_SHARE of its interpreter lock at the node's
+    full rate (``rate (GiB/s) x GIL_SECONDS_PER_GIB / GIL_SHARE``) and hold at most
+    GETS_PER_WORKER GETs at the ceiling.
     """
-    if settings is None or not isinstance(source, Presigner):
-        return f"the source is {getattr(source, 'name', 'not S3')}, not S3"
-    endpoint = settings.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or _AWS_S3
-    parts = urllib.parse.urlsplit(endpoint)
-    if parts.hostname and urllib.request.proxy_bypass(parts.hostname):
-        return None
-    proxy = urllib.request.getproxies().get(parts.scheme or "https")
-    if proxy:
-        return f"an HTTP proxy is set for {endpoint} and range workers connect directly"
-    return None
+    if isinstance(settings.worker_processes, int):
+        return settings.worker_processes
+    rate = gbps / 8 * 10**9 / 1024**3
+    by_lock = math.ceil(rate * GIL_SECONDS_PER_GIB / GIL_SHARE)
+    by_gets = math.ceil(concurrency_ceiling(settings, gbps) / GETS_PER_WORKER)
+    return max(MIN_WORKER_PROCESSES, min(max(by_lock, by_gets), MAX_WORKER_PROCESSES))
+
+
+def stream_step(tuning: Tuning, ceiling: int) -> int:
+    """Bytes per read (the buffer each GET holds): the low-speed rule's step, within the
+    node's read-buffer memory at its ceiling of GETs."""
+    step = read_step(tuning.low_speed_limit, tuning.request_timeout, tuning.io_block)
+    share = max(MIN_STEP, STREAM_MEMORY // max(1, ceiling) // 4096 * 4096)
+    return min(step, share)
 
 
 class WorkerLost(Exception):
@@ -265,6 +311,11 @@ class WorkerPool:
             if future is not None and not future.done():
                 future.set_result(None)
             return
+        if "throttled" in message:
+            throttled = self._handlers.get(int(message["throttled"]))
+            if throttled is not None:
+                throttled.on_throttled(str(message.get("code", "SlowDown"))[:64])
+            return
         if "progress" in message:
             for job_text, count in dict(message["progress"]).items():
                 progressing = self._handlers.get(int(job_text))
@@ -323,33 +374,69 @@ class WorkerPool:
         self._workers = [w for w in self._workers if w.alive]
 
 
+@dataclass(slots=True)
+class _Shared:
+    """What every copy of the plane shares (``with_source`` makes copies): the workers,
+    the node's limit of GETs in flight, the pulls running, the endpoint's addresses."""
+
+    pool: WorkerPool
+    limit: AdaptiveConcurrency
+    ceiling: int
+    runs: set[_PullRun] = field(default_factory=set)
+    addresses: dict[str, tuple[list[str], float]] = field(default_factory=dict)
+    turn: itertools.count[int] = field(default_factory=itertools.count)
+
+
 class ProcessPlane:
     """Ranged GETs presigned by the daemon and sent by worker processes."""
 
     name = "processes"
 
-    def __init__(self, settings: S3Settings, source: Presigner, pool: WorkerPool) -> None:
+    def __init__(
+        self,
+        settings: S3Settings,
+        source: Presigner,
+        *,
+        gbps: float,
+        shared: _Shared | None = None,
+    ) -> None:
         self._settings = settings
         self._source = source
-        self._pool = pool
+        if shared is None:
+            ceiling = concurrency_ceiling(settings, gbps)
+            limit = AdaptiveConcurrency(
+                initial=start_concurrency(settings, gbps),
+                ceiling=ceiling,
+                floor=min(FLOOR_CONCURRENCY, ceiling),
+            )
+            shared = _Shared(WorkerPool(worker_processes(settings, gbps=gbps)), limit, ceiling)
+        self._shared = shared
+        self._gbps = gbps
 
     @property
     def pool(self) -> WorkerPool:
         """The worker processes this plane sends its GETs through."""
-        return self._pool
+        return self._shared.pool
+
+    @property
+    def limit(self) -> AdaptiveConcurrency:
+        """The node's limit of GETs in flight, shared by every pull on this plane."""
+        return self._shared.limit
 
     def with_source(self, source: Presigner) -> ProcessPlane:
-        """The same workers, with GETs presigned by ``source`` (a requester's credentials)."""
-        return ProcessPlane(self._settings, source, self._pool)
+        """The same workers and limit, with GETs presigned by ``source`` (a requester's
+        credentials)."""
+        return ProcessPlane(self._settings, source, gbps=self._gbps, shared=self._shared)
 
     async def start(self) -> None:
         """Start the workers that are missing (all of them the first time)."""
-        if len(self._pool.workers) < self._pool.size:
-            await self._pool.start(self._source.transport())
+        pool = self._shared.pool
+        if len(pool.workers) < pool.size:
+            await pool.start(self._source.transport())
 
     async def aclose(self) -> None:
         """Stop the worker processes."""
-        await self._pool.aclose()
+        await self._shared.pool.aclose()
 
     async def download(
         self,
@@ -363,18 +450,59 @@ class ProcessPlane:
             return
         await self.start()
         run = _PullRun(self, flight, staging, tuning)
+        self._shared.runs.add(run)
+        unsubscribe = self._shared.limit.subscribe(run.wake)
         try:
             await run.run(ranges)
         finally:
+            unsubscribe()
+            self._shared.runs.discard(run)
+            run.release_all()
             # However the pull ends (cancelled included), nothing writes once this returns.
-            stopping = asyncio.ensure_future(self._pool.stop_pull(run.pull, run.workers))
+            stopping = asyncio.ensure_future(self.pool.stop_pull(run.pull, run.workers))
             try:
                 await asyncio.shield(stopping)
             except asyncio.CancelledError:
                 await asyncio.wait([stopping])
                 raise
 
-    def job_for(self, run: _PullRun, byte_range: ByteRange, url: str) -> GetJob:
+    def room_for(self, run: _PullRun) -> bool:
+        """Whether ``run`` may start one more GET now.
+
+        A pinned pull keeps its own number. An adaptive one takes from the node's
+        limit, at most an even share of it while other pulls have ranges waiting.
+        """
+        if not run.tuning.adaptive:
+            return run.in_flight < run.tuning.concurrency
+        limit = self._shared.limit
+        if limit.in_flight >= limit.limit:
+            return False
+        waiting = sum(1 for other in self._shared.runs if other.tuning.adaptive and other.waiting)
+        return run.in_flight < math.ceil(limit.limit / max(1, waiting))
+
+    def wake_all(self) -> None:
+        """A GET ended somewhere on the node: every pull may have room now."""
+        for run in self._shared.runs:
+            run.wake()
+
+    async def address_for(self, url: str) -> str:
+        """The address the next GET of ``url`` connects to, in turn over every address its
+        host resolves to; empty when the worker resolves (a proxy, an IP, no answer)."""
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname or ""
+        if not host or _is_ip(host) or proxy_for(url):
+            return ""
+        known = self._shared.addresses.get(host)
+        now = time.monotonic()
+        if known is None or now - known[1] > ADDRESSES_SECONDS:
+            known = (await _resolve(host, parts.port, parts.scheme), now)
+            self._shared.addresses[host] = known
+        addresses = known[0]
+        if not addresses:
+            return ""
+        return addresses[next(self._shared.turn) % len(addresses)]
+
+    def job_for(self, run: _PullRun, byte_range: ByteRange, url: str, address: str) -> GetJob:
         """The job a worker runs for ``byte_range`` of ``run``, GETting ``url``."""
         tuning = run.tuning
         return GetJob(
@@ -384,7 +512,7 @@ class ProcessPlane:
             etag=byte_range.obj.etag,
             start=byte_range.start,
             length=byte_range.length,
-            step=read_step(tuning.low_speed_limit, tuning.request_timeout, tuning.io_block),
+            step=stream_step(tuning, self._shared.ceiling),
             retries=tuning.range_retries,
             window=tuning.request_timeout,
             low_speed_limit=tuning.low_speed_limit,
@@ -392,6 +520,7 @@ class ProcessPlane:
             read_timeout=self._settings.read_timeout_seconds,
             first_byte_timeout=self._settings.first_byte_timeout_seconds,
             direct=run.staging.bypass_page_cache,
+            address=address,
         )
 
     async def presign(self, bucket: str, obj: SourceObject) -> str:
@@ -420,13 +549,27 @@ class _PullRun:
         self._wake = asyncio.Event()
         self._failure: BaseException | None = None
 
+    @property
+    def in_flight(self) -> int:
+        """GETs of this pull in the workers' hands now."""
+        return len(self._jobs)
+
+    @property
+    def waiting(self) -> bool:
+        """Whether this pull has ranges no worker has yet."""
+        return bool(self._pending)
+
+    def wake(self) -> None:
+        """Look again for room: the node's limit moved, or a GET ended."""
+        self._wake.set()
+
     async def run(self, ranges: Sequence[ByteRange]) -> None:
         self._pending.extend(ranges)
         bucket = self.flight.snapshot.uri.bucket
         while True:
             if self._failure is not None:
                 raise self._failure
-            while self._pending and len(self._jobs) < self.tuning.concurrency:
+            while self._pending and self.plane.room_for(self):
                 await self._submit(bucket, self._pending.popleft())
                 if self._failure is not None:
                     raise self._failure
@@ -434,6 +577,21 @@ class _PullRun:
                 return
             await self._wake.wait()
             self._wake.clear()
+
+    def release_all(self) -> None:
+        """The pull is over: its GETs still counted leave the node's limit."""
+        for _ in self._jobs:
+            self.plane.limit.release()
+        self._jobs.clear()
+        self.plane.wake_all()
+
+    def _forget(self, job: int) -> tuple[ByteRange, int, str] | None:
+        """The job's entry, no longer in flight (None for a job already forgotten)."""
+        entry = self._jobs.pop(job, None)
+        if entry is not None:
+            self.plane.limit.release()
+            self.plane.wake_all()
+        return entry
 
     async def _url(self, bucket: str, obj: SourceObject) -> str:
         """A presigned GET of ``obj``, signed again once half its life is gone.
@@ -452,8 +610,10 @@ class _PullRun:
         url = await self._url(bucket, byte_range.obj)
         await self.plane.start()  # replaces a worker lost meanwhile
         worker = self.plane.pool.least_busy()
-        job = self.plane.job_for(self, byte_range, url)
+        address = await self.plane.address_for(url)
+        job = self.plane.job_for(self, byte_range, url, address)
         self._jobs[job.id] = (byte_range, self._attempts.get(byte_range, 0), url)
+        self.plane.limit.acquire()
         self.workers.add(worker)
         fd = self.staging.descriptor(byte_range.obj.relative_path)
         await self.plane.pool.submit(worker, job, fd, self)
@@ -462,9 +622,15 @@ class _PullRun:
         entry = self._jobs.get(job)
         if entry is not None:
             self.flight.add_bytes(entry[0].obj, count)
+            self.plane.limit.add_bytes(count)
+
+    def on_throttled(self, code: str) -> None:
+        """A worker met S3's request-rate limit (it retries the GET itself)."""
+        if self.tuning.adaptive:
+            self.plane.limit.slow_down(code)
 
     def on_done(self, job: int, digest: bytes) -> None:
-        entry = self._jobs.pop(job, None)
+        entry = self._forget(job)
         if entry is None:
             return
         byte_range = entry[0]
@@ -477,14 +643,14 @@ class _PullRun:
         self._wake.set()
 
     def on_failed(self, job: int, report: dict[str, Any]) -> None:
-        entry = self._jobs.pop(job, None)
+        entry = self._forget(job)
         if entry is not None:
             self._fail(self._error(entry[0], entry[2], report))
         self._wake.set()
 
     def on_lost(self, job: int, why: str) -> None:
         """A worker died holding this job: give the range to another, within the retries."""
-        entry = self._jobs.pop(job, None)
+        entry = self._forget(job)
         if entry is None:
             return
         byte_range, attempt, _url = entry
@@ -550,3 +716,27 @@ def _exit_status(process: subprocess.Popen[bytes]) -> str:
     if code is None:
         return "closed its socket"
     return f"signal {-code}" if code < 0 else f"status {code}"
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+async def _resolve(host: str, port: int | None, scheme: str) -> list[str]:
+    """Every address ``host`` resolves to now, in the resolver's order; [] when it does not."""
+    loop = asyncio.get_running_loop()
+    try:
+        answers = await loop.getaddrinfo(
+            host, port or (443 if scheme == "https" else 80), type=socket.SOCK_STREAM
+        )
+    except OSError as exc:
+        log.debug("could not resolve %s (the workers will try): %s", host, exc)
+        return []
+    unique: dict[str, None] = {}
+    for _family, _type, _proto, _name, address in answers:
+        unique.setdefault(str(address[0]), None)
+    return list(unique)

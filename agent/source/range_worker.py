@@ -13,9 +13,20 @@ it jobs over a ``SOCK_SEQPACKET`` socket, each a GET presigned by botocore
 connection it keeps, reads the body from the socket into its own buffer,
 hashes it (``ChunkHasher``) and writes it at its offset with ``pwrite``; it
 reports the bytes written about ten times a second and the range's digest at
-the end. The worker holds no credentials, opens no path, and imports nothing of the daemon
-but the content hash and the retry rules (agent.source.pacing), so it stays
+the end. The worker holds no S3 credentials, opens no path, and imports nothing of the
+daemon but the content hash and the retry rules (agent.source.pacing), so it stays
 small (about 17 MiB resident).
+
+Where a GET goes: the daemon's transport settings (sent once, when the worker
+starts: how to verify S3's certificate, and the HTTP proxy the environment names
+for the endpoint, if any) and the job's ``address``. Through a proxy, an HTTPS GET
+goes through a CONNECT tunnel (TLS with the origin inside it, its certificate
+checked against the URL's host) and an HTTP GET is sent to the proxy in absolute
+form; the proxy URL's user and password, if any, go as Proxy-Authorization (Basic).
+Without a proxy, a job with an ``address`` (an IP literal: one of the endpoint's
+DNS answers, chosen by the daemon) connects there instead of resolving the URL's
+host, while the Host header, the TLS server name and the certificate check stay
+the URL's host.
 
 Retries follow the other planes: a transient answer (5xx, throttling) or a body
 that breaks off is tried again with full-jitter backoff, asking only for the
@@ -28,14 +39,17 @@ only once none of its threads can write into that pull's files again.
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import http.client
+import ipaddress
 import json
 import mmap
 import os
 import re
 import socket
 import ssl
+import sys
 import threading
 import time
 import urllib.parse
@@ -53,7 +67,7 @@ from agent.source.pacing import (
     slow_body_reason,
 )
 
-__all__ = ["USER_AGENT", "GetJob", "decode", "encode", "main"]
+__all__ = ["USER_AGENT", "GetJob", "Proxy", "decode", "encode", "main"]
 
 # O_DIRECT writes need block-aligned offsets, lengths and memory: 4 KiB covers both
 # 512-byte and 4 KiB logical blocks.
@@ -69,6 +83,14 @@ _CODE = re.compile(rb"<Code>([^<]{1,128})</Code>")
 # OSError covers resets, timeouts and TLS errors; ValueError a read on a socket shut down
 # under it; HTTPException a malformed or missing answer.
 _BROKEN_OFF = (http.client.HTTPException, OSError, ValueError)
+# A proxy URL longer than this is refused, not parsed.
+_MAX_PROXY_URL = 2048
+_HOST_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,251}[A-Za-z0-9_.])?")
+# http.client's message when a proxy answers CONNECT with anything but 200.
+_TUNNEL_REFUSED = re.compile(r"Tunnel connection failed: (\d{3})")
+# What a proxy's refusal of a tunnel means: worth another attempt (it could not reach S3
+# just now) or not (it wants credentials, or its rules forbid the endpoint).
+_TUNNEL_TRANSIENT = frozenset({502, 503, 504})
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +111,10 @@ class GetJob:
     read_timeout: float
     first_byte_timeout: float  # longest S3 may leave the range's GETs unanswered, in all
     direct: bool  # write around the page cache (O_DIRECT): the disk tier
+    # An IP to connect to instead of resolving the URL's host (the daemon spreads GETs over
+    # the endpoint's addresses); empty: resolve. Host header and TLS name stay the URL's.
+    # Ignored through a proxy, which resolves the host itself.
+    address: str = ""
 
     @property
     def where(self) -> str:
@@ -116,6 +142,133 @@ def job_message(job: GetJob) -> dict[str, Any]:
     return {"get": asdict(job)}
 
 
+def _shown(value: object) -> str:
+    """A value from outside, as an error message may quote it: escaped, at most 100 chars."""
+    text = repr(value)
+    return text if len(text) <= 100 else f"{text[:97]}..."
+
+
+@dataclass(frozen=True, slots=True)
+class Proxy:
+    """The HTTP proxy a worker sends its GETs through, and the credentials it presents."""
+
+    host: str
+    port: int
+    authorization: str = field(default="", repr=False)  # Proxy-Authorization; empty: none
+
+    @classmethod
+    def parse(cls, url: object) -> Proxy:
+        """The proxy ``url`` names: ``http://[user[:password]@]host[:port]`` (port 80 unsaid).
+
+        ValueError saying what is wrong with it, never quoting its credentials.
+        """
+        if not isinstance(url, str) or not url:
+            raise ValueError(f"the proxy URL is not a non-empty string but {_shown(url)}")
+        if len(url) > _MAX_PROXY_URL:
+            raise ValueError(f"the proxy URL is {len(url)} characters long, over {_MAX_PROXY_URL}")
+        if not url.isascii() or not url.isprintable() or " " in url:
+            raise ValueError("the proxy URL has a space, a control or a non-ASCII character")
+        parts = urllib.parse.urlsplit(url)
+        where = f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}"
+        if parts.scheme.lower() != "http":
+            raise ValueError(
+                f"the proxy {_shown(where)} is not an http:// URL (range workers speak plain "
+                "HTTP to a proxy, and TLS to S3 inside its CONNECT tunnel)"
+            )
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise ValueError(f"the proxy URL {_shown(where)} has a path, query or fragment")
+        try:
+            port = parts.port or 80
+        except ValueError:
+            raise ValueError(
+                f"the proxy URL {_shown(where)} has a port that is not 1-65535"
+            ) from None
+        host = parts.hostname or ""
+        if not _valid_host(host):
+            raise ValueError(f"the proxy URL {_shown(where)} names no valid host")
+        authorization = ""
+        if parts.username is not None:
+            user = urllib.parse.unquote(parts.username)
+            password = urllib.parse.unquote(parts.password or "")
+            token = base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
+            authorization = f"Basic {token}"
+        return cls(host, port, authorization)
+
+    @property
+    def where(self) -> str:
+        """The proxy as messages name it, without its credentials."""
+        return f"http://{_bracketed(self.host)}:{self.port}"
+
+    def headers(self) -> dict[str, str]:
+        """The headers that present the credentials to the proxy (none without them)."""
+        return {"Proxy-Authorization": self.authorization} if self.authorization else {}
+
+
+def _valid_host(host: str) -> bool:
+    """Whether ``host`` (as urlsplit gives it: no brackets) is an IP literal or a DNS name."""
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            return False
+        return True
+    return bool(_HOST_NAME.fullmatch(host))
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+# A kept connection's key: scheme, the URL's host and port, the address it connects to.
+Place = tuple[str, str, int, str]
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where a job's GETs go: the connection they take (its key) and what they ask there."""
+
+    place: Place
+    target: str  # the request target: origin-form, or absolute-form to a proxy
+    host: str  # the Host header: the URL's host (and port, unless the scheme's default)
+
+
+def route(job: GetJob, proxy: Proxy | None) -> Route:
+    """The route of ``job``'s GETs, directly or through ``proxy``.
+
+    Final when the job's URL or address cannot be used (a bug in the daemon, or
+    an endpoint this worker cannot reach through a proxy).
+    """
+    url = urllib.parse.urlsplit(job.url)
+    host = url.hostname or ""
+    if url.scheme not in ("http", "https") or not _valid_host(host):
+        failure = f"the job's URL has no http(s) scheme or no valid host: {_shown(job.url)}"
+        raise Final({"kind": "internal", "message": failure})
+    default = 443 if url.scheme == "https" else 80
+    try:
+        port = url.port or default
+    except ValueError:
+        raise Final({"kind": "internal", "message": "the job's URL has a bad port"}) from None
+    authority = _bracketed(host) if port == default else f"{_bracketed(host)}:{port}"
+    origin_form = f"{url.path or '/'}?{url.query}" if url.query else url.path or "/"
+    if proxy is not None:
+        if url.scheme == "https" and ":" in host and sys.version_info < (3, 12):
+            failure = (
+                f"the endpoint {host} is an IPv6 literal, which this Python's http.client "
+                f"cannot name in a CONNECT through the proxy {proxy.where}; give S3 a DNS name"
+            )
+            raise Final({"kind": "connect", "message": failure})
+        # A CONNECT tunnel carries origin-form requests; a plain proxy takes absolute form.
+        target = origin_form if url.scheme == "https" else f"http://{authority}{origin_form}"
+        return Route((url.scheme, host, port, ""), target, authority)
+    if job.address:
+        try:
+            ipaddress.ip_address(job.address)
+        except ValueError:
+            failure = f"the job's address is not an IP address: {_shown(job.address)}"
+            raise Final({"kind": "internal", "message": failure}) from None
+    return Route((url.scheme, host, port, job.address), origin_form, authority)
+
+
 class Transient(Exception):
     """Worth another attempt: the answer was transient or the body broke off."""
 
@@ -132,7 +285,7 @@ class Final(Exception):
         self.report = report
 
 
-Connections = dict[tuple[str, str, int], http.client.HTTPConnection]
+Connections = dict[Place, http.client.HTTPConnection]
 
 
 class ProgressReport:
@@ -252,6 +405,9 @@ class RangeWorker:
         self._windows: dict[Body, tuple[float, int, WriteGate]] = {}
         self._windows_lock = threading.Lock()
         self._tls = ssl.create_default_context()
+        self._proxy: Proxy | None = None
+        # Why the proxy the daemon named cannot be used: every job fails saying so.
+        self._proxy_problem: str | None = None
         self._watchdog: threading.Thread | None = None
         self._progress = ProgressReport(self.send)
 
@@ -279,11 +435,28 @@ class RangeWorker:
         elif "stop" in message:
             self._stop(int(message["stop"]))
         elif "tls" in message:
-            self._tls = _tls_context(message["tls"])
+            self._set_transport(message)
         else:
             for fd in fds:
                 os.close(fd)
             raise ValueError(f"unknown range-worker message {sorted(message)}")
+
+    def _set_transport(self, message: dict[str, Any]) -> None:
+        """Take the transport settings: ``{"tls": {"verify", "cafile", "proxy"}}``.
+
+        The proxy (a URL, or None for none) may also come beside ``tls``, where
+        it wins. A proxy URL that cannot be used is kept as the reason every job
+        fails, rather than ending the worker.
+        """
+        settings = dict(message["tls"])
+        self._tls = _tls_context(settings)
+        proxy = message.get("proxy", settings.get("proxy"))
+        self._proxy, self._proxy_problem = None, None
+        if proxy is not None:
+            try:
+                self._proxy = Proxy.parse(proxy)
+            except ValueError as exc:
+                self._proxy_problem = f"the proxy cannot be used: {exc}"
 
     def _queue(self, job: GetJob, fd: int) -> None:
         gate = self._pulls.setdefault(job.pull, WriteGate())
@@ -435,15 +608,21 @@ class RangeWorker:
         """Send the GET and judge S3's answer; a connection kept from before gets one redo."""
         job, connections = run.job, run.connections
         start = job.start + run.done
-        url = urllib.parse.urlsplit(job.url)
-        target = f"{url.path}?{url.query}" if url.query else url.path
+        if self._proxy_problem is not None:
+            raise Final({"kind": "connect", "message": self._proxy_problem})
+        way = route(job, self._proxy)
         headers = {
+            "Host": way.host,
             "Range": f"bytes={start}-{start + wanted - 1}",
             "If-Match": job.etag,
             "User-Agent": USER_AGENT,
         }
-        place = (url.scheme, url.hostname or "", url.port or (443 if url.scheme == "https" else 80))
-        connection, sock, response = self._exchange(place, run, target, headers)
+        place = way.place
+        connection, sock, response = self._exchange(place, run, way.target, headers)
+        if response.status == 407 and self._proxy is not None:
+            connection.close()
+            connections.pop(place, None)
+            raise Final({"kind": "connect", "message": _proxy_refusal(self._proxy, 407)})
         if response.status in (200, 206):
             length = response.getheader("Content-Length")
             if length is None or int(length) != wanted:
@@ -462,7 +641,7 @@ class RangeWorker:
         raise Final(report)
 
     def _exchange(
-        self, place: tuple[str, str, int], run: JobRun, target: str, headers: dict[str, str]
+        self, place: Place, run: JobRun, target: str, headers: dict[str, str]
     ) -> tuple[http.client.HTTPConnection, socket.socket, http.client.HTTPResponse]:
         """Send the request and read the answer's head; a kept connection gets one redo.
 
@@ -498,20 +677,66 @@ class RangeWorker:
                 reused = False  # the server closed a kept connection while it sat idle
 
     def _connect(
-        self, place: tuple[str, str, int], job: GetJob, connections: Connections
+        self, place: Place, job: GetJob, connections: Connections
     ) -> http.client.HTTPConnection:
-        scheme, host, port = place
-        connection: http.client.HTTPConnection
-        if scheme == "https":
-            connection = http.client.HTTPSConnection(
-                host, port, timeout=job.connect_timeout, context=self._tls
-            )
-        else:
-            connection = http.client.HTTPConnection(host, port, timeout=job.connect_timeout)
-        connection.connect()
+        """A new connection for ``place``, kept in ``connections``; Transient or Final if none.
+
+        A certificate that fails the check, or a proxy that refuses the tunnel for
+        good (credentials, its rules), is final; anything else is worth a retry.
+        """
+        try:
+            connection = self._open(place, job)
+        except ssl.SSLCertVerificationError as exc:
+            raise Final({"kind": "connect", "message": f"{type(exc).__name__}: {exc}"}) from None
+        except _BROKEN_OFF as exc:
+            failure = {"kind": "connect", "message": f"{type(exc).__name__}: {exc}"}
+            refused = _TUNNEL_REFUSED.search(str(exc)) if self._proxy is not None else None
+            if refused is None:
+                raise Transient(failure) from None
+            assert self._proxy is not None
+            status = int(refused.group(1))
+            failure["message"] = _proxy_refusal(self._proxy, status, place)
+            if status in _TUNNEL_TRANSIENT:
+                raise Transient(failure) from None
+            raise Final(failure) from None
         assert connection.sock is not None
         connection.sock.settimeout(job.read_timeout)
         connections[place] = connection
+        return connection
+
+    def _open(self, place: Place, job: GetJob) -> http.client.HTTPConnection:
+        """Connect for ``place``: through the proxy, to the job's address, or to the URL's host.
+
+        Whichever way, TLS is with the URL's host: its name is the server name
+        sent and the one the certificate must carry.
+        """
+        scheme, host, port, address = place
+        timeout, proxy = job.connect_timeout, self._proxy
+        connection: http.client.HTTPConnection
+        if proxy is not None and scheme == "https":
+            connection = http.client.HTTPSConnection(
+                proxy.host, proxy.port, timeout=timeout, context=self._tls
+            )
+            tunnel = {"Host": f"{_bracketed(host)}:{port}"} | proxy.headers()
+            connection.set_tunnel(host, port, headers=tunnel)
+            connection.connect()  # CONNECT, then TLS with ``host`` inside the tunnel
+            return connection
+        if proxy is not None:
+            connection = http.client.HTTPConnection(proxy.host, proxy.port, timeout=timeout)
+            connection.connect()
+            return connection
+        raw = socket.create_connection((address or host, port), timeout)
+        try:
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock = self._tls.wrap_socket(raw, server_hostname=host) if scheme == "https" else raw
+        except BaseException:
+            raw.close()
+            raise
+        if scheme == "https":
+            connection = http.client.HTTPSConnection(host, port, timeout=timeout, context=self._tls)
+        else:
+            connection = http.client.HTTPConnection(host, port, timeout=timeout)
+        connection.sock = sock  # connected here: to ``address`` when the job names one
         return connection
 
     # -- the low-speed watchdog ------------------------------------------------------------
@@ -583,6 +808,17 @@ def _read_body(
         filled = 0
     response.length = 0  # read past http.client: tell it the body is done
     return got
+
+
+def _proxy_refusal(proxy: Proxy, status: int, place: Place | None = None) -> str:
+    """What a proxy's refusal (its HTTP status) means, for the daemon's message."""
+    asked = f"a tunnel to {_bracketed(place[1])}:{place[2]}" if place else "a GET"
+    why = f"the proxy {proxy.where} refused {asked} with HTTP {status}"
+    if status == 407:
+        if proxy.authorization:
+            return f"{why}: it did not accept the user and password in the proxy URL"
+        return f"{why}: it wants credentials (http://user:password@host:port in the proxy URL)"
+    return why
 
 
 def _error_code(response: http.client.HTTPResponse) -> str:

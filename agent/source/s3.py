@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from types import TracebackType
@@ -33,6 +34,7 @@ from agent.source.interface import (
     RangeReadError,
     StoredObject,
 )
+from agent.source.proxies import proxy_for
 from agent.source.retry_log import log_retries, log_second_try
 from agent.source.s3_errors import (
     MISSING_CODES,
@@ -46,6 +48,8 @@ from agent.source.tuning import connection_pool_size
 
 __all__ = ["S3Source", "SourceSilent", "SourceUnreachable"]
 
+# The endpoint botocore uses when none is configured.
+_AWS_S3 = "https://s3.amazonaws.com"
 # A conditional PUT that lost to another writer (409: two conditional writes at once).
 _LOST_RACE_CODES = frozenset({"PreconditionFailed", "412", "ConditionalRequestConflict", "409"})
 
@@ -232,15 +236,24 @@ class S3Source:
         return url
 
     def transport(self) -> dict[str, object]:
-        """How a client outside botocore must verify S3's certificate to match this source.
+        """How a client outside botocore must reach S3 to match this source.
 
-        botocore verifies against AWS_CA_BUNDLE (or ``ca_bundle`` in the AWS
-        config) when set, else its own default bundle.
+        ``verify``/``cafile``: botocore verifies against AWS_CA_BUNDLE (or
+        ``ca_bundle`` in the AWS config) when set, else its own default bundle.
+        ``proxy``: the HTTP proxy the environment sets for the endpoint, as
+        botocore reads it (agent.source.proxies), or None; SourceUnavailable when
+        that proxy cannot be used.
         """
         if self._transport is None:
             bundle = get_session().get_config_variable("ca_bundle")  # a new session: ~15 ms
             self._transport = {"verify": True, "cafile": str(bundle or get_cert_path(True))}
-        return self._transport
+        return self._transport | {"proxy": proxy_for(self._endpoint_url())}
+
+    def _endpoint_url(self) -> str:
+        """The endpoint the client talks to (what it would, before it is started)."""
+        if self._client is not None:
+            return str(self._client.meta.endpoint_url)
+        return self._settings.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or _AWS_S3
 
     async def head_object(
         self, bucket: str, key: str, *, etag: str | None = None

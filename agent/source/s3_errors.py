@@ -1,10 +1,10 @@
 """What S3's failures mean, for every client the source runs: one translation.
 
-The aiobotocore source (agent.source.s3) and the threads plane's synchronous
-botocore client (agent.source.sync_s3) meet the same S3 answers in different
-wrappers: aiohttp's errors on one side, ``http.client``'s and raw sockets' on
-the other. Both map them here onto the prewarm error tree, so an answer means
-the same whichever plane met it.
+The aiobotocore source (agent.source.s3) and the processes plane's range
+workers meet the same S3 answers in different wrappers: aiohttp's and
+botocore's errors on one side, a worker's report of ``http.client``'s and raw
+sockets' on the other. Both map them here onto the prewarm error tree, so an
+answer means the same whichever plane met it.
 """
 
 from __future__ import annotations

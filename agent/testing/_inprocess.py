@@ -261,12 +261,10 @@ class InProcessAgent:
             os.environ.update(inherited)
 
     def _enter_environment(self) -> None:
-        # botocore and the streamer read credentials and the endpoint from
-        # os.environ while the agent runs; the test process's own are hidden.
+        # botocore reads credentials and the endpoint from os.environ while the
+        # agent runs; the test process's own are hidden.
         wanted = {k: v for k, v in self._extra_env.items() if k.startswith("AWS_")}
         names = {name for name in os.environ if name.startswith("AWS_")} | set(wanted)
-        # The streamer plane sets RUNAI_STREAMER_* for each pull it starts.
-        names |= {name for name in os.environ if name.startswith("RUNAI_STREAMER_")}
         self._saved_environ = {name: os.environ.get(name) for name in names}
         for name in names:
             os.environ.pop(name, None)

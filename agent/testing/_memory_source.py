@@ -67,7 +67,7 @@ class MemorySource:
     page_size: int = 1000
     listing_pages: int = 0
     name: str = "memory"
-    # Not S3: the streamer plane, which needs an S3 endpoint of its own, stays off.
+    # Not S3: no presigned GETs, so pulls read it through the aiobotocore plane.
     s3_settings: S3Settings | None = None
 
     def put(self, bucket: str, key: str, data: bytes) -> None:

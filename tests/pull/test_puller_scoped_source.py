@@ -1,8 +1,7 @@
 """A pull through a source of its own (the requester's credentials), in-process.
 
 The flight reads every byte through the source it was started with, opens it when the pull
-starts and closes it when the pull ends (done or failed), so no client outlives its pull;
-only the aiobotocore plane can take such a source.
+starts and closes it when the pull ends (done or failed), so no client outlives its pull.
 """
 
 from __future__ import annotations
@@ -85,12 +84,12 @@ async def test_a_failed_flight_closes_its_source_too(tmp_path: Path) -> None:
     assert requester.events == ["open", "close"]
 
 
-async def test_only_the_aiobotocore_plane_pulls_with_a_requesters_source(tmp_path: Path) -> None:
-    """Asking for another plane with a source of the pull's own is InvalidRequest naming why;
-    auto and aiobotocore are accepted."""
+async def test_a_source_that_cannot_presign_has_no_processes_plane(tmp_path: Path) -> None:
+    """Asking for the processes plane on a source that cannot presign (the in-memory one) is
+    InvalidRequest naming the source and what to ask for; auto and aiobotocore are accepted."""
     node = _memory(b"x")
     async with Puller(await _store(tmp_path), node, S3Settings()) as puller:
-        with pytest.raises(InvalidRequest, match="requester's"):
-            puller.check(PullOptions(data_plane="threads"), scoped=True)
-        puller.check(PullOptions(data_plane="auto"), scoped=True)
-        puller.check(PullOptions(data_plane="aiobotocore"), scoped=True)
+        with pytest.raises(InvalidRequest, match=r"cannot presign.*auto or the aiobotocore"):
+            puller.check(PullOptions(data_plane="processes"))
+        puller.check(PullOptions(data_plane="auto"))
+        puller.check(PullOptions(data_plane="aiobotocore"))

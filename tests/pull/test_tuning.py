@@ -1,5 +1,6 @@
-"""Tuning arithmetic: concurrency from model size, precedence, and the streamer's variables;
-pull options checked alike by the client and the agent, and their wire form."""
+"""Tuning arithmetic: where adaptive concurrency starts and stops, part sizes, precedence,
+worker processes and per-stream memory; pull options checked alike by the client and the
+agent, and their wire form."""
 
 from __future__ import annotations
 
@@ -9,109 +10,126 @@ from typing import Any
 import pytest
 
 from agent import InvalidRequest
-from agent._config import S3Settings
+from agent._config import ConfigError, S3Settings, load_settings
 from agent._proto.prewarm.v1 import prewarm_pb2 as pb
 from agent._vocabulary import PullOptions
 from agent._wire import pull_options_from_proto, pull_options_to_proto
 from agent.client import EnsureOptions
 from agent.client._messages import ensure_request
+from agent.source.process_plane import stream_step, worker_processes
 from agent.source.tuning import (
-    GETS_PER_STREAM,
-    STREAMER_MIN_BLOCK,
-    auto_concurrency,
+    IN_LOOP_CONCURRENCY,
     concurrency_ceiling,
     node_gbps,
-    streamer_environment,
+    node_streams,
+    part_size,
+    start_concurrency,
     tune,
-    worker_processes,
 )
 
 MiB = 1024**2
 GB = 10**9
+GiB = 1024**3
+
+
+def _config_file(directory: Path, text: str) -> Path:
+    path = directory / "agent.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(("gbps", "streams"), [(25, 63), (100, 250), (400, 1000)])
+def test_a_node_plans_one_get_per_50_mb_per_second(gbps: float, streams: int) -> None:
+    """Against S3 a GET carries about 50 MB/s: a 400 Gbit/s node plans 1,000 GETs in flight."""
+    assert node_streams(gbps) == streams
+
+
+def test_the_adaptive_limit_starts_at_the_planned_streams_and_stops_at_twice_them() -> None:
+    """Auto concurrency starts at the planned streams (16 to 64) and may grow to twice them
+    (256 to 4096); a pinned max_concurrency is the ceiling, a pinned concurrency raises it."""
+    assert start_concurrency(S3Settings(), 25) == 63
+    assert start_concurrency(S3Settings(), 1) == 16
+    assert start_concurrency(S3Settings(), 400) == 64
+    assert concurrency_ceiling(S3Settings(), 25) == 256
+    assert concurrency_ceiling(S3Settings(), 400) == 2000
+    assert concurrency_ceiling(S3Settings(), 3200) == 4096
+    assert concurrency_ceiling(S3Settings(max_concurrency=32), 400) == 32
+    assert start_concurrency(S3Settings(max_concurrency=8), 400) == 8
+    assert concurrency_ceiling(S3Settings(concurrency=100, max_concurrency=8), 400) == 100
+
+
+def test_auto_concurrency_on_the_processes_plane_adapts_and_a_pinned_one_does_not() -> None:
+    """Only an automatic pull on the processes plane adapts; a number in the config or the
+    request is taken as is (a request's beats the config's), capped at the ceiling."""
+    auto = tune(S3Settings(), 2 * GB, plane="processes", gbps=25)
+    assert auto.adaptive
+    assert auto.concurrency == 63
+    pinned = tune(S3Settings(concurrency=6), 2 * GB, plane="processes", gbps=25)
+    assert (pinned.adaptive, pinned.concurrency) == (False, 6)
+    asked = tune(
+        S3Settings(concurrency=6), GB, PullOptions(concurrency=3), plane="processes", gbps=25
+    )
+    assert (asked.adaptive, asked.concurrency) == (False, 3)
+    capped = tune(
+        S3Settings(max_concurrency=8), GB, PullOptions(concurrency=100), plane="processes", gbps=25
+    )
+    assert capped.concurrency == 8
+    in_loop = tune(S3Settings(), 2 * GB, plane="aiobotocore", gbps=400)
+    assert (in_loop.adaptive, in_loop.concurrency) == (False, IN_LOOP_CONCURRENCY)
 
 
 @pytest.mark.parametrize(
-    ("size", "expected"),
+    ("total", "gbps", "part"),
     [
-        (0, 1),  # an empty model still gets a stream
-        (1, 1),
-        (4 * GB, 1),
-        (4 * GB + 1, 2),
-        (67 * GB, 17),
-        (145 * GB, 37),  # the published example: 145 GB -> 37 streams
+        (1 * GiB, 25, 8 * MiB),  # small model: the 8 MiB floor
+        (4 * GiB, 25, 9 * MiB),  # eight parts per planned stream, whole MiB
+        (100 * GiB, 25, 64 * MiB),  # big model: the 64 MiB ceiling
+        (1 * GiB, 400, 18 * MiB),  # 50 GB/s in parts under half of 5,500 GETs/s per prefix
+        (140 * GB, 400, 18 * MiB),
+        (600 * GB, 400, 64 * MiB),  # the 64 MiB ceiling still holds
     ],
 )
-def test_auto_concurrency_is_one_stream_per_4_gb(size: int, expected: int) -> None:
-    """Automatic concurrency is ceil(size / 4 GB) streams, at least one."""
-    assert auto_concurrency(size, cpus=512, maximum=512) == expected
-
-
-def test_auto_concurrency_is_capped_by_cpus_and_the_maximum() -> None:
-    """Automatic concurrency never exceeds the CPU count or the configured maximum."""
-    assert auto_concurrency(203 * GB, cpus=8, maximum=64) == 8
-    assert auto_concurrency(203 * GB, cpus=192, maximum=32) == 32
-
-
-def test_config_pins_concurrency_and_a_request_overrides_it() -> None:
-    """A pinned config concurrency is used as is, and a request's option beats it."""
-    settings = S3Settings(concurrency=6)
-    assert tune(settings, 200 * GB, plane="streamer", cpus=192).concurrency == 6
-    assert (
-        tune(
-            settings, 200 * GB, PullOptions(concurrency=3), plane="aiobotocore", cpus=192
-        ).concurrency
-        == 3
-    )
-
-
-def test_auto_concurrency_follows_the_model_size() -> None:
-    """On the streamer plane automatic concurrency grows with the model size, within the CPUs."""
-    settings = S3Settings(max_concurrency=64)
-    assert tune(settings, 10 * GB, plane="streamer", cpus=192).concurrency == 3
-    assert tune(settings, 10 * GB, plane="streamer", cpus=2).concurrency == 2
-
-
-def test_aiobotocore_runs_several_gets_per_automatic_stream() -> None:
-    """The aiobotocore plane runs GETS_PER_STREAM GETs per automatic stream, up to the maximum."""
-    settings = S3Settings(max_concurrency=64)
-    assert tune(settings, 10 * GB, plane="aiobotocore", cpus=192).concurrency == 3 * GETS_PER_STREAM
-    assert tune(settings, 2 * GB, plane="aiobotocore", cpus=2).concurrency == GETS_PER_STREAM
-    assert tune(settings, 900 * GB, plane="aiobotocore", cpus=192).concurrency == 64
-    # A pinned value is GETs, as is.
-    assert tune(S3Settings(concurrency=3), GB, plane="aiobotocore").concurrency == 3
-
-
-def test_a_request_cannot_exceed_the_ceiling() -> None:
-    """A requested concurrency is capped at the ceiling, which a higher pinned value raises."""
-    assert (
-        tune(
-            S3Settings(max_concurrency=8), GB, PullOptions(concurrency=100), plane="streamer"
-        ).concurrency
-        == 8
-    )
-    pinned = S3Settings(concurrency=100, max_concurrency=8)
-    assert concurrency_ceiling(pinned) == 100  # a pinned value above the maximum is kept
-    assert tune(pinned, GB, PullOptions(concurrency=50), plane="streamer").concurrency == 50
+def test_parts_give_every_stream_several_and_keep_under_the_prefix_request_limit(
+    total: int, gbps: float, part: int
+) -> None:
+    """Auto part size: eight parts per planned stream, 8 to 64 MiB, in whole MiB, and never
+    so small that the node at full rate would ask S3 for over half its per-prefix GET rate."""
+    size = part_size(total, gbps)
+    assert size == part
+    assert size % MiB == 0
+    assert gbps * 1e9 / 8 / size <= 5500 * 0.5
 
 
 def test_chunk_size_and_timeouts_come_from_config_unless_the_request_says() -> None:
-    """Chunk size and timeouts come from the config; a request's chunk size overrides it."""
+    """A pinned chunk size and the timeouts come from the config; a request's chunk size beats
+    it; auto chunk size is the planned part size."""
     settings = S3Settings(chunk_size=32 * MiB, request_timeout_ms=2500, low_speed_limit="2MiB")
-    tuning = tune(settings, GB, plane="aiobotocore")
+    tuning = tune(settings, GB, plane="processes", gbps=25)
     assert tuning.chunk_size == 32 * MiB
     assert tuning.request_timeout == 2.5
     assert tuning.low_speed_limit == 2 * MiB
-    assert (
-        tune(settings, GB, PullOptions(chunk_size=8 * MiB), plane="aiobotocore").chunk_size
-        == 8 * MiB
+    asked = tune(settings, GB, PullOptions(chunk_size=8 * MiB), plane="processes", gbps=25)
+    assert asked.chunk_size == 8 * MiB
+    assert tune(S3Settings(), 4 * GiB, plane="processes", gbps=25).chunk_size == part_size(
+        4 * GiB, 25
     )
 
 
 def test_default_timeouts_follow_the_published_guidance() -> None:
     """Default timeouts are the published 3 s request timeout and 1 MiB/s low-speed limit."""
-    tuning = tune(S3Settings(), GB, plane="streamer")
+    tuning = tune(S3Settings(), GB, plane="processes", gbps=25)
     assert tuning.request_timeout == 3.0
     assert tuning.low_speed_limit == MiB
+
+
+@pytest.mark.parametrize("removed", ["threads", "streamer"])
+def test_a_removed_data_plane_in_the_config_names_what_to_use(removed: str, tmp_path: Path) -> None:
+    """s3.data_plane = threads or streamer is a ConfigError saying the plane was removed and
+    to use auto; in a request it is InvalidRequest in the same words."""
+    with pytest.raises(ConfigError, match=f"{removed} data plane was removed.*use auto"):
+        load_settings(_config_file(tmp_path, f'[s3]\ndata_plane = "{removed}"\n'))
+    with pytest.raises(InvalidRequest, match=f"{removed} data plane was removed.*use auto"):
+        PullOptions(data_plane=removed)  # type: ignore[arg-type]
 
 
 BAD_OPTIONS = [
@@ -151,55 +169,13 @@ def test_the_client_refuses_bad_pull_options_in_the_agents_words(
 def test_pull_options_cross_the_wire_with_zero_meaning_the_agents_setting() -> None:
     """Unset options send no message, zeros read back as None, negatives are refused."""
     assert pull_options_to_proto(PullOptions()) is None
-    sent = pull_options_to_proto(PullOptions(data_plane="streamer", chunk_size=2 * MiB))
+    sent = pull_options_to_proto(PullOptions(data_plane="aiobotocore", chunk_size=2 * MiB))
     assert sent is not None
-    assert pull_options_from_proto(sent) == PullOptions(data_plane="streamer", chunk_size=2 * MiB)
+    assert pull_options_from_proto(sent) == PullOptions(
+        data_plane="aiobotocore", chunk_size=2 * MiB
+    )
     with pytest.raises(InvalidRequest, match="must not be negative"):
         pull_options_from_proto(pb.PullOptions(concurrency=-1))
-
-
-def test_streamer_block_is_at_least_its_minimum_and_ring_holds_two_ranges() -> None:
-    """The streamer block is at least its 5 MiB minimum and its ring holds two ranges."""
-    small = tune(S3Settings(chunk_size=MiB, concurrency=1), GB, plane="streamer")
-    assert small.streamer_block == STREAMER_MIN_BLOCK
-    assert small.streamer_memory == 2 * STREAMER_MIN_BLOCK
-    big = tune(S3Settings(chunk_size=256 * MiB, concurrency=4), GB, plane="streamer")
-    assert big.streamer_memory == 2 * 256 * MiB
-
-
-def test_streamer_environment_maps_the_settings() -> None:
-    """streamer_environment maps endpoint, region, addressing, timeouts and the pull's tuning to
-    RUNAI_*/AWS_* variables.
-    """
-    settings = S3Settings(
-        endpoint_url="http://127.0.0.1:9000",
-        region="eu-west-1",
-        addressing_style="path",
-        request_timeout_ms=3000,
-        low_speed_limit="1MiB",
-    )
-    tuning = tune(settings, 10 * GB, PullOptions(concurrency=5), plane="streamer")
-    env = streamer_environment(settings, tuning)
-    assert env["AWS_ENDPOINT_URL"] == "http://127.0.0.1:9000"
-    assert env["AWS_REGION"] == "eu-west-1"
-    assert env["RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING"] == "0"
-    assert env["RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS"] == "3000"
-    assert env["RUNAI_STREAMER_S3_LOW_SPEED_LIMIT"] == str(MiB)
-    assert env["RUNAI_STREAMER_CONCURRENCY"] == "5"
-    assert int(env["RUNAI_STREAMER_CHUNK_BYTESIZE"]) >= STREAMER_MIN_BLOCK
-
-
-def test_streamer_environment_without_a_custom_endpoint_keeps_virtual_hosts(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Without a custom endpoint no endpoint or addressing is forced, and per-pull values are left
-    out.
-    """
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
-    env = streamer_environment(S3Settings())
-    assert "AWS_ENDPOINT_URL" not in env
-    assert "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING" not in env
-    assert "RUNAI_STREAMER_CONCURRENCY" not in env  # per pull, set when a pull starts
 
 
 @pytest.mark.parametrize(
@@ -218,23 +194,24 @@ def test_the_nodes_bandwidth_comes_from_its_ec2_instance_type(
     assert node_gbps(S3Settings(target_gbps=50), product=dmi) == 50.0
 
 
-def test_processes_concurrency_opens_enough_connections_for_the_node() -> None:
-    """The processes plane keeps about target_gbps / 5 GETs in flight (5 Gbit/s a connection)
-    when that is more than the model's size asks for, within max_concurrency."""
-    settings = S3Settings()
-    assert tune(settings, 2 * GB, plane="processes", cpus=2, gbps=25).concurrency == 16
-    assert tune(settings, 2 * GB, plane="processes", cpus=192, gbps=400).concurrency == 80
-    capped = S3Settings(max_concurrency=32)
-    assert tune(capped, 2 * GB, plane="processes", cpus=192, gbps=400).concurrency == 32
-    # The other planes keep sizing by the model alone.
-    assert tune(settings, 2 * GB, plane="threads", cpus=192, gbps=400).concurrency == 16
-
-
-def test_worker_processes_keep_each_interpreter_lock_under_half_busy() -> None:
+def test_worker_processes_keep_each_lock_under_half_busy_and_gets_per_worker_bounded() -> None:
     """Automatic worker count: enough that no worker's lock is over half busy at the node's
-    rate (about 0.25 s of lock per GiB each), at least 2; a number in the config pins it."""
+    rate (about 0.25 s of lock per GiB each) and none holds over 128 GETs at the ceiling, at
+    least 2, at most 32; a number in the config pins it."""
     assert worker_processes(S3Settings(), gbps=25) == 2
     assert worker_processes(S3Settings(), gbps=100) == 6
     assert worker_processes(S3Settings(), gbps=400) == 24
+    assert worker_processes(S3Settings(max_concurrency=1024), gbps=25) == 8
     assert worker_processes(S3Settings(), gbps=3200) == 32
     assert worker_processes(S3Settings(worker_processes=3), gbps=400) == 3
+
+
+def test_read_buffers_stay_within_the_nodes_stream_memory_at_its_ceiling() -> None:
+    """Each GET's buffer is the low-speed step (512 KiB by default), smaller when the ceiling
+    is high, so the node's buffers stay near 128 MiB however many GETs run, never under 64 KiB."""
+    tuning = tune(S3Settings(), GB, plane="processes", gbps=25)
+    assert stream_step(tuning, 256) == 512 * 1024
+    assert stream_step(tuning, 1000) == 128 * 1024
+    assert stream_step(tuning, 1000) * 1000 <= 128 * MiB
+    assert stream_step(tuning, 2000) % 4096 == 0
+    assert stream_step(tuning, 8192) == 64 * 1024

@@ -20,7 +20,7 @@ from agent.service.access import PullGate, Requester, Tenant
 from agent.service.operations import AgentService
 from agent.service.request import EnsureRequest
 from agent.service.results import EnsureResult
-from agent.source.plane_registry import AUTO_DATA_PLANE, DataPlanes
+from agent.source.plane_registry import DataPlanes
 from agent.store.catalog import Store
 from agent.store.leases import LeaseTable
 from agent.testing import MemorySource
@@ -74,18 +74,16 @@ def test_a_request_checks_its_filters_and_puts_them_in_canonical_order() -> None
         EnsureRequest(uri=parse_uri(URI), exclude=("",))
 
 
-async def test_auto_falls_back_to_aiobotocore_on_a_source_that_is_not_s3() -> None:
-    """Neither processes nor threads can run on the in-memory source: auto is aiobotocore."""
+async def test_auto_is_aiobotocore_on_a_source_that_cannot_presign() -> None:
+    """The processes plane cannot run on the in-memory source: auto is aiobotocore."""
     async with DataPlanes(MemorySource(), S3Settings(), gbps=25.0) as planes:
         assert planes.default.name == "aiobotocore"
         assert planes.choose("auto").name == "aiobotocore"
-    assert AUTO_DATA_PLANE == "processes"
+        assert planes.processes is None
 
 
 async def test_naming_a_plane_that_cannot_run_here_says_why() -> None:
-    """A request naming threads or processes on a source that is not S3 is INVALID_ARGUMENT."""
+    """A request naming processes on a source that cannot presign is INVALID_ARGUMENT."""
     async with DataPlanes(MemorySource(), S3Settings(), gbps=25.0) as planes:
-        with pytest.raises(InvalidRequest, match="reads from S3"):
-            planes.choose("threads")
         with pytest.raises(InvalidRequest, match="no processes data plane"):
             planes.choose("processes")

@@ -28,34 +28,23 @@ from agent.service.request import EnsureRequest
 from agent.service.results import EnsureResult
 from agent.source.range_worker import USER_AGENT as PROCESSES_USER_AGENT
 from agent.source.s3 import S3Source
-from agent.source.streamer_plane import streamer_unavailable
-from agent.source.sync_s3 import THREADS_USER_AGENT
 from agent.store.catalog import Store
 from agent.store.leases import LeaseTable
 from agent.testing import Fault, FaultKind, FaultProxy, S3Server, SampleModel
 
 MiB = 1024 * 1024
-PLANES = ["processes", "threads", "aiobotocore", "streamer"]
-
-needs_streamer = pytest.mark.skipif(
-    streamer_unavailable() is not None,
-    reason=f"the streamer extra is not importable: {streamer_unavailable()}",
-)
+PLANES = ["processes", "aiobotocore"]
 
 
-def _plane_params(*, slow_streamer: bool = False) -> list[Any]:
-    """Both planes; ``slow_streamer`` marks the streamer's run slow (the CRT's own retries
-    take 10 s and more before it gives up)."""
-    streamer_marks = [needs_streamer, pytest.mark.slow] if slow_streamer else [needs_streamer]
-    return [
-        pytest.param(plane, marks=streamer_marks if plane == "streamer" else ()) for plane in PLANES
-    ]
+def _plane_params() -> list[Any]:
+    """Both planes: the S3 data plane, and the in-loop reads a request may still ask for."""
+    return [pytest.param(plane) for plane in PLANES]
 
 
 @pytest.fixture(autouse=True)
 def _restore_environment() -> Iterator[None]:
-    # The streamer reads its settings from the process environment, and the
-    # streamer plane sets them there; give the next test the environment back.
+    # The tests point botocore at their server through the process environment;
+    # give the next test the environment back.
     saved = dict(os.environ)
     yield
     os.environ.clear()
@@ -146,12 +135,10 @@ def published(tmp_path: Path) -> list[str]:
 
 
 def sent_by(user_agent: str) -> str:
-    """The data plane a GET's User-Agent names (the streamer's CRT is neither botocore)."""
-    if THREADS_USER_AGENT in user_agent:
-        return "threads"
+    """The data plane a GET's User-Agent names."""
     if PROCESSES_USER_AGENT in user_agent:
         return "processes"
-    return "aiobotocore" if "botocore" in user_agent.lower() else "streamer"
+    return "aiobotocore" if "botocore" in user_agent.lower() else "unknown"
 
 
 @pytest.fixture
@@ -187,11 +174,10 @@ async def test_plane_publishes_byte_identical_files(
     assert all(sent_by(agent) == plane for agent in agents), agents
 
 
-@needs_streamer
-async def test_streamer_resumes_from_another_planes_journal(
+async def test_a_pull_resumes_from_another_planes_journal(
     tmp_path: Path, s3_server: S3Server, small_model: SampleModel, proxy: FaultProxy
 ) -> None:
-    """A streamer pull resumes from ranges an aiobotocore pull journaled before it failed."""
+    """A processes pull resumes from ranges an aiobotocore pull journaled before it failed."""
     # aiobotocore gives up on the last shard half way (every GET of it fails)...
     last = shards(small_model)[-1]
     proxy.add(Fault.internal_error(key=last, times=None))
@@ -201,8 +187,8 @@ async def test_streamer_resumes_from_another_planes_journal(
         with pytest.raises(SourceUnavailable):
             await agent.ensure(small_model.uri, PullOptions(data_plane="aiobotocore"))
         proxy.clear()
-        # ...and the streamer fetches only what is missing.
-        result = await agent.ensure(small_model.uri, PullOptions(data_plane="streamer"))
+        # ...and the processes plane fetches only what is missing.
+        result = await agent.ensure(small_model.uri, PullOptions(data_plane="processes"))
     assert_identical(result, small_model)
     assert 0 < result.resumed_bytes < result.model.total_bytes
 
@@ -264,7 +250,7 @@ async def test_a_stalled_get_is_abandoned_and_retried(
 # -- persistent faults: the pull fails, names the object, publishes nothing -------------
 
 
-@pytest.mark.parametrize("plane", _plane_params(slow_streamer=True))
+@pytest.mark.parametrize("plane", _plane_params())
 async def test_a_persistent_fault_fails_the_pull_naming_the_object(
     plane: DataPlaneName,
     tmp_path: Path,
@@ -279,8 +265,7 @@ async def test_a_persistent_fault_fails_the_pull_naming_the_object(
         tmp_path, s3_server, proxy.endpoint_url, range_retries=1, max_attempts=1
     ) as agent:
         with pytest.raises(SourceUnavailable) as failure:
-            # Only the victim, so the streamer's CRT gives up on it once (its
-            # retries take seconds), not once per restart.
+            # Only the victim: the failure names it, and nothing else is pulled.
             await agent.ensure(small_model.uri, PullOptions(data_plane=plane), (only(victim),))
     message = str(failure.value)
     assert f"s3://{small_model.bucket}/{victim}" in message
@@ -288,7 +273,7 @@ async def test_a_persistent_fault_fails_the_pull_naming_the_object(
     assert published(tmp_path) == []
 
 
-@pytest.mark.parametrize("plane", _plane_params(slow_streamer=True))
+@pytest.mark.parametrize("plane", _plane_params())
 async def test_a_body_that_is_always_cut_short_is_never_published(
     plane: DataPlaneName,
     tmp_path: Path,
@@ -310,18 +295,17 @@ async def test_a_body_that_is_always_cut_short_is_never_published(
 # -- stopping ---------------------------------------------------------------------------
 
 
-@needs_streamer
-async def test_stopping_a_streamer_pull_does_not_wait_out_a_silent_s3(
+async def test_stopping_a_pull_does_not_wait_out_a_silent_s3(
     tmp_path: Path, s3_server: S3Server, small_model: SampleModel, proxy: FaultProxy
 ) -> None:
-    """Shutdown stops a streamer pull stuck on a silent S3 promptly and keeps its staging."""
-    # Every GET goes silent: the CRT would retry it for many seconds.
+    """Shutdown stops a pull stuck on a silent S3 promptly and keeps its staging."""
+    # Every GET goes silent: the workers would wait for the first-byte deadline.
     proxy.add(Fault.stall(key=small_model.prefix, times=None))
     async with running_agent(
         tmp_path, s3_server, proxy.endpoint_url, request_timeout_ms=1000
     ) as agent:
         pull = asyncio.create_task(
-            agent.ensure(small_model.uri, PullOptions(data_plane="streamer"))
+            agent.ensure(small_model.uri, PullOptions(data_plane="processes"))
         )
         await asyncio.to_thread(proxy.wait_injected, "stall")
         stopping = time.monotonic()

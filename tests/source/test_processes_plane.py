@@ -27,10 +27,10 @@ from agent.pull.puller import Puller
 from agent.pull.resolver import resolve
 from agent.service.request import EnsureRequest
 from agent.service.results import EnsureResult
-from agent.source.process_plane import ProcessPlane, WorkerPool, processes_unavailable
+from agent.source.process_plane import ProcessPlane, WorkerPool
 from agent.source.s3 import S3Source
 from agent.store.catalog import Store
-from agent.testing import Fault, FaultProxy, MemorySource, S3Server, SampleModel
+from agent.testing import Fault, FaultProxy, S3Server, SampleModel
 
 PROCESSES = PullOptions(data_plane="processes")
 
@@ -272,20 +272,3 @@ async def test_workers_hold_no_credentials(
     for environment in environments:
         names = {entry.split(b"=", 1)[0] for entry in environment if entry}
         assert names <= {b"PATH", b"PYTHONPATH"}, names
-
-
-def test_a_proxy_in_the_environment_keeps_the_processes_plane_off(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Workers connect straight to S3: with a proxy set for the endpoint the plane says why it
-    is off; an endpoint the proxy is bypassed for, or a source that is not S3, is judged too."""
-    settings = S3Settings(endpoint_url="https://s3.example.internal")
-    source = MemorySource()
-    assert "not S3" in str(processes_unavailable(source, settings))
-    s3 = S3Source(settings)
-    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example.internal:3128")
-    monkeypatch.delenv("NO_PROXY", raising=False)
-    monkeypatch.delenv("no_proxy", raising=False)
-    assert "proxy" in str(processes_unavailable(s3, settings))
-    monkeypatch.setenv("NO_PROXY", "s3.example.internal")
-    assert processes_unavailable(s3, settings) is None

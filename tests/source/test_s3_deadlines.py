@@ -153,7 +153,7 @@ def test_a_cold_pull_from_a_silent_s3_fails_within_the_bound_and_says_what_to_ch
 
 @pytest.mark.parametrize(
     ("plane", "range_retries"),
-    [("threads", 0), ("aiobotocore", 0), ("processes", 0), ("processes", 5)],
+    [("aiobotocore", 0), ("processes", 0), ("processes", 5)],
 )
 async def test_a_data_plane_get_that_gets_no_answer_fails_within_the_bound(
     plane: DataPlaneName,

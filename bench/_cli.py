@@ -42,7 +42,7 @@ from ._targets import RunOutline, judge_targets
 
 MiB = 1024**2
 GiB = 1024**3
-PLANES = ("threads", "processes", "aiobotocore", "streamer")
+PLANES = ("processes", "aiobotocore")
 DEFAULT_SCALING = "1GiB,2GiB,4GiB,8GiB"
 SECTIONS = (*ALTERNATIVES, "cold", "concurrent", "warm", "scale", "hits")
 

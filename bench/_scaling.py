@@ -1,7 +1,7 @@
 """Cold scaling: cold pulls of models of several sizes, each beside its own ceiling and s5cmd.
 
 Every size gets its own ceiling (curl over the same objects) and s5cmd in the
-same round as its cold pull, over each scheme, so "x ceiling" and "x s5cmd"
+same round as its cold pull (prewarm with its defaults: nothing pinned), over each scheme, so "x ceiling" and "x s5cmd"
 compare like with like at each size. Per size and scheme the report gives
 wall time, MiB/s, the ratios, the daemon's CPU seconds per GiB (the daemon
 and its workers, its busiest thread, its event loop's thread) and its peak
@@ -97,7 +97,8 @@ def _runs(ctx: Context, m: BenchModel, plane: str) -> dict[str, Callable[[], Run
     return {
         "ceiling": functools.partial(contenders.run_ceiling, ctx, m),
         "s5cmd": functools.partial(contenders.run_s5cmd, ctx, m),
-        "cold": functools.partial(agent.cold_pull, ctx, m, plane),
+        # prewarm with its own tuning (adaptive GETs, automatic parts), as a node runs it.
+        "cold": functools.partial(agent.cold_pull, ctx, m, plane, pinned=False),
     }
 
 

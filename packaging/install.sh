@@ -13,7 +13,7 @@
 #     --wheel FILE      install this wheel (make wheel: dist/prewarm_agent-*.whl) instead of the
 #                       source tree around this script
 #     --extras LIST     more extras besides "daemon" (always installed: prewarmd's own
-#                       dependencies), e.g. "streamer" (the Run:ai Model Streamer data plane)
+#                       dependencies), e.g. "torch" (load_safetensors into torch tensors)
 #     --pip-arg ARG     pass ARG to pip install (repeatable), e.g. --pip-arg=--no-index
 #                       --pip-arg=--find-links=/tmp/wheelhouse for an image built offline
 #     --gid N           the prewarm group's GID (default 2929, as in the DaemonSet's image; pods

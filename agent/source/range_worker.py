@@ -178,11 +178,11 @@ class Proxy:
         if parts.path not in ("", "/") or parts.query or parts.fragment:
             raise ValueError(f"the proxy URL {_shown(where)} has a path, query or fragment")
         try:
-            port = parts.port or 80
+            port = 80 if parts.port is None else parts.port
         except ValueError:
-            raise ValueError(
-                f"the proxy URL {_shown(where)} has a port that is not 1-65535"
-            ) from None
+            port = 0
+        if not 0 < port < 65536:
+            raise ValueError(f"the proxy URL {_shown(where)} has a port that is not 1-65535")
         host = parts.hostname or ""
         if not _valid_host(host):
             raise ValueError(f"the proxy URL {_shown(where)} names no valid host")
@@ -220,19 +220,19 @@ def _bracketed(host: str) -> str:
 
 
 # A kept connection's key: scheme, the URL's host and port, the address it connects to.
-Place = tuple[str, str, int, str]
+_Place = tuple[str, str, int, str]
 
 
 @dataclass(frozen=True, slots=True)
-class Route:
+class _Route:
     """Where a job's GETs go: the connection they take (its key) and what they ask there."""
 
-    place: Place
+    place: _Place
     target: str  # the request target: origin-form, or absolute-form to a proxy
     host: str  # the Host header: the URL's host (and port, unless the scheme's default)
 
 
-def route(job: GetJob, proxy: Proxy | None) -> Route:
+def _route(job: GetJob, proxy: Proxy | None) -> _Route:
     """The route of ``job``'s GETs, directly or through ``proxy``.
 
     Final when the job's URL or address cannot be used (a bug in the daemon, or
@@ -241,7 +241,9 @@ def route(job: GetJob, proxy: Proxy | None) -> Route:
     url = urllib.parse.urlsplit(job.url)
     host = url.hostname or ""
     if url.scheme not in ("http", "https") or not _valid_host(host):
-        failure = f"the job's URL has no http(s) scheme or no valid host: {_shown(job.url)}"
+        # Never the whole URL: it is presigned, so anyone holding it may send it.
+        where = f"{url.scheme}://{url.netloc.rpartition('@')[2]}"
+        failure = f"the job's URL has no http(s) scheme or no valid host: {_shown(where)}"
         raise Final({"kind": "internal", "message": failure})
     default = 443 if url.scheme == "https" else 80
     try:
@@ -259,14 +261,14 @@ def route(job: GetJob, proxy: Proxy | None) -> Route:
             raise Final({"kind": "connect", "message": failure})
         # A CONNECT tunnel carries origin-form requests; a plain proxy takes absolute form.
         target = origin_form if url.scheme == "https" else f"http://{authority}{origin_form}"
-        return Route((url.scheme, host, port, ""), target, authority)
+        return _Route((url.scheme, host, port, ""), target, authority)
     if job.address:
         try:
             ipaddress.ip_address(job.address)
         except ValueError:
             failure = f"the job's address is not an IP address: {_shown(job.address)}"
             raise Final({"kind": "internal", "message": failure}) from None
-    return Route((url.scheme, host, port, job.address), origin_form, authority)
+    return _Route((url.scheme, host, port, job.address), origin_form, authority)
 
 
 class Transient(Exception):
@@ -285,7 +287,7 @@ class Final(Exception):
         self.report = report
 
 
-Connections = dict[Place, http.client.HTTPConnection]
+Connections = dict[_Place, http.client.HTTPConnection]
 
 
 class ProgressReport:
@@ -610,13 +612,15 @@ class RangeWorker:
         start = job.start + run.done
         if self._proxy_problem is not None:
             raise Final({"kind": "connect", "message": self._proxy_problem})
-        way = route(job, self._proxy)
+        way = _route(job, self._proxy)
         headers = {
             "Host": way.host,
             "Range": f"bytes={start}-{start + wanted - 1}",
             "If-Match": job.etag,
             "User-Agent": USER_AGENT,
         }
+        if self._proxy is not None and way.place[0] == "http":
+            headers |= self._proxy.headers()  # to the proxy itself, which takes the GET
         place = way.place
         connection, sock, response = self._exchange(place, run, way.target, headers)
         if response.status == 407 and self._proxy is not None:
@@ -641,7 +645,7 @@ class RangeWorker:
         raise Final(report)
 
     def _exchange(
-        self, place: Place, run: JobRun, target: str, headers: dict[str, str]
+        self, place: _Place, run: JobRun, target: str, headers: dict[str, str]
     ) -> tuple[http.client.HTTPConnection, socket.socket, http.client.HTTPResponse]:
         """Send the request and read the answer's head; a kept connection gets one redo.
 
@@ -677,7 +681,7 @@ class RangeWorker:
                 reused = False  # the server closed a kept connection while it sat idle
 
     def _connect(
-        self, place: Place, job: GetJob, connections: Connections
+        self, place: _Place, job: GetJob, connections: Connections
     ) -> http.client.HTTPConnection:
         """A new connection for ``place``, kept in ``connections``; Transient or Final if none.
 
@@ -704,7 +708,7 @@ class RangeWorker:
         connections[place] = connection
         return connection
 
-    def _open(self, place: Place, job: GetJob) -> http.client.HTTPConnection:
+    def _open(self, place: _Place, job: GetJob) -> http.client.HTTPConnection:
         """Connect for ``place``: through the proxy, to the job's address, or to the URL's host.
 
         Whichever way, TLS is with the URL's host: its name is the server name
@@ -810,7 +814,7 @@ def _read_body(
     return got
 
 
-def _proxy_refusal(proxy: Proxy, status: int, place: Place | None = None) -> str:
+def _proxy_refusal(proxy: Proxy, status: int, place: _Place | None = None) -> str:
     """What a proxy's refusal (its HTTP status) means, for the daemon's message."""
     asked = f"a tunnel to {_bracketed(place[1])}:{place[2]}" if place else "a GET"
     why = f"the proxy {proxy.where} refused {asked} with HTTP {status}"

@@ -17,6 +17,9 @@
 - ``FaultProxy``: a loopback HTTP proxy in front of an S3 server that answers
   requests matching a ``Fault`` rule with a 500, a 503 SlowDown, a reset, a
   truncated body or a stalled one.
+- ``HttpProxy``: a loopback forward proxy (CONNECT tunnels and absolute-form
+  requests, optionally demanding credentials) that records each
+  ``ProxiedRequest`` it served.
 
 Importing this package needs only the agent's own dependencies; moto, boto3,
 numpy and safetensors (the ``dev`` extra) are imported when first used.
@@ -24,6 +27,7 @@ numpy and safetensors (the ``dev`` extra) are imported when first used.
 
 from ._daemon import AgentProcess, AgentStartupError, AgentTimeouts
 from ._fault_proxy import Fault, FaultKind, FaultProxy
+from ._http_proxy import HttpProxy, ProxiedRequest
 from ._inprocess import InProcessAgent
 from ._memory_source import MemorySource, RangeRead
 from ._models import SampleModel, make_safetensors_model, upload_directory, upload_model
@@ -38,10 +42,12 @@ __all__ = [
     "Fault",
     "FaultKind",
     "FaultProxy",
+    "HttpProxy",
     "InProcessAgent",
     "MemorySource",
     "NotifyMessage",
     "NotifySocket",
+    "ProxiedRequest",
     "RangeRead",
     "RecordedRequest",
     "S3Server",

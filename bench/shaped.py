@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import datetime as dt
 import json
+import os
 import shlex
 import signal
 import subprocess
@@ -156,8 +157,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         certificate = write_loopback_certificate(secrets, NAMESPACE_ADDRESS)
         models = _publish(namespace, store, work, args.size_list)
         bench = _Bench(args, report, namespace, store, scratch, certificate, models)
-        for profile in args.profile_list:
-            bench.run_profile(profile)
+        try:
+            for profile in args.profile_list:
+                bench.run_profile(profile)
+        finally:
+            # A client interrupted mid-run (Popen leaves it on KeyboardInterrupt).
+            _stop_children()
     report["duration_seconds"] = (dt.datetime.now(dt.UTC) - started).total_seconds()
     markdown = render_markdown(report)
     report["markdown"] = markdown
@@ -166,6 +171,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     say("\n" + markdown)
     say(f"JSON: {out}")
     return 0
+
+
+def _stop_children() -> None:
+    """SIGTERM every process this one started that is still running."""
+    me = os.getpid()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # The fields after the command's closing parenthesis: state, ppid, ...
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == me:
+                os.kill(int(stat.parent.name), signal.SIGTERM)
 
 
 @contextlib.contextmanager

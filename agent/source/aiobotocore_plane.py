@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from agent._exceptions import SourceUnavailable
 from agent.check.hashes import ChunkHasher
 from agent.source.interface import ObjectSource, RangeReader, RangeReadError
-from agent.source.pacing import backoff_delay
+from agent.source.pacing import Attempts
 from agent.source.plane import (
     ByteRange,
     ProgressSink,
@@ -78,7 +78,7 @@ class AiobotocorePlane:
         obj = byte_range.obj
         bucket = flight.snapshot.uri.bucket
         cursor = RangeCursor(byte_range, ChunkHasher())
-        failures = 0
+        attempts = Attempts(tuning.range_retries)
         while cursor.missing:
             try:
                 async with self._source.open_range(
@@ -91,12 +91,12 @@ class AiobotocorePlane:
                         "requested range."
                     )
             except SourceUnavailable as exc:
-                failures += 1
-                if failures > tuning.range_retries:
+                delay = attempts.next_delay()
+                if delay is None:
                     raise SourceUnavailable(
-                        f"Giving up on s3://{bucket}/{obj.key} after {failures} attempts: {exc}"
+                        f"Giving up on s3://{bucket}/{obj.key} after {attempts.failures} "
+                        f"attempts: {exc}"
                     ) from exc
-                delay = backoff_delay(failures)
                 log.info("retrying %s in %.2fs: %s", obj.key, delay, exc)
                 await asyncio.sleep(delay)
         staging.complete_range(

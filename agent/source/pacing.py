@@ -18,10 +18,13 @@ import threading
 __all__ = [
     "BACKOFF_BASE_SECONDS",
     "BACKOFF_CAP_SECONDS",
+    "THROTTLE_RETRIES_PER_RETRY",
+    "Attempts",
     "Body",
     "Stopped",
     "WriteGate",
     "backoff_delay",
+    "is_throttling",
     "is_transient_answer",
     "read_step",
     "slow_body_reason",
@@ -29,6 +32,11 @@ __all__ = [
 
 BACKOFF_BASE_SECONDS = 0.2
 BACKOFF_CAP_SECONDS = 5.0
+# Attempts a range may spend on S3's throttling answers (SlowDown, 503, 429) for each of
+# its range_retries, counted apart from them (20 by default): the GETs already in flight
+# when S3 starts to throttle keep meeting it until the node's limit of GETs in flight has
+# come down, and none of them is broken.
+THROTTLE_RETRIES_PER_RETRY = 4
 
 # Error codes S3 sends with an answer that a later attempt may not get.
 _TRANSIENT_CODES = frozenset({"SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable"})
@@ -38,6 +46,31 @@ def backoff_delay(failures: int) -> float:
     """Full jitter: uniform in [0, min(cap, base x 2^(failures-1))]."""
     ceiling = min(BACKOFF_CAP_SECONDS, BACKOFF_BASE_SECONDS * 2 ** (failures - 1))
     return random.uniform(0, ceiling)
+
+
+class Attempts:
+    """One range's failed attempts, and how long to wait before the next one.
+
+    Both planes run a range the same way: an attempt, and after a transient
+    failure another one from the byte after the last good one, at most
+    ``retries`` extra times, each after a full-jitter backoff.
+    """
+
+    def __init__(self, retries: int) -> None:
+        self.retries = retries
+        self.failures = 0
+
+    def next_delay(self) -> float | None:
+        """Count a failure: the wait before another attempt, or None once retries are spent."""
+        self.failures += 1
+        if self.failures > self.retries:
+            return None
+        return backoff_delay(self.failures)
+
+
+def is_throttling(status: int, code: str) -> bool:
+    """Whether S3's answer asks for fewer requests (SlowDown, 503, 429)."""
+    return code == "SlowDown" or status in (429, 503)
 
 
 def is_transient_answer(status: int, code: str) -> bool:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import dataclasses
 import http.client
 import ipaddress
 import json
@@ -59,10 +60,12 @@ from typing import Any
 
 from agent.check.hashes import ChunkHasher
 from agent.source.pacing import (
+    THROTTLE_RETRIES_PER_RETRY,
+    Attempts,
     Body,
     Stopped,
     WriteGate,
-    backoff_delay,
+    is_throttling,
     is_transient_answer,
     slow_body_reason,
 )
@@ -540,29 +543,48 @@ class RangeWorker:
     def _attempts(self, run: JobRun) -> None:
         """Try the range until it is written, the retries are spent, or the pull stops."""
         job, gate = run.job, run.gate
-        failures = 0
+        attempts = Attempts(job.retries)
+        throttled = Attempts(THROTTLE_RETRIES_PER_RETRY * job.retries)
         try:
             while run.done < job.length:
                 try:
                     self._get(run)
                 except Transient as exc:
-                    failures += 1
-                    run.silent += float(exc.report.get("waited", 0.0))
+                    throttling = self._after_failure(run, exc.report)
+                    tried = attempts.failures + throttled.failures + 1
                     if run.silent >= job.first_byte_timeout - 0.5:
                         silence = {"kind": "silent", "waited": run.silent}
-                        self._end(job, {"attempts": failures} | silence)
+                        self._end(job, {"attempts": tried} | silence)
                         return
-                    if failures > job.retries:
-                        self._end(job, {"attempts": failures} | exc.report)
+                    delay = (throttled if throttling else attempts).next_delay()
+                    if delay is None:
+                        self._end(job, {"attempts": tried} | exc.report)
                         return
-                    if gate.stopped.wait(backoff_delay(failures)):
+                    if gate.stopped.wait(delay):
                         return
         except Stopped:
             return
         except Final as exc:
-            self._end(job, {"attempts": failures + 1} | exc.report)
+            tried = attempts.failures + throttled.failures + 1
+            self._end(job, {"attempts": tried} | exc.report)
             return
         self._progress.finish(job.id, {"done": job.id, "digest": run.hasher.digest().hex()})
+
+    def _after_failure(self, run: JobRun, report: dict[str, Any]) -> bool:
+        """What a transient failure tells beyond this range; whether S3 was throttling.
+
+        S3 asked the node to slow down: the daemon's limit of GETs in flight hears
+        it, and the attempt counts against the throttling budget, not the range's retries.
+        The job's address is unreachable: the next attempts resolve the name instead.
+        """
+        run.silent += float(report.get("waited", 0.0))
+        if report.get("kind") == "connect" and run.job.address:
+            run.job = dataclasses.replace(run.job, address="")
+        status, code = int(report.get("status", 0)), str(report.get("code", ""))
+        if report.get("kind") != "answer" or not is_throttling(status, code):
+            return False
+        self.send({"throttled": run.job.id, "code": code or str(status)})
+        return True
 
     def _get(self, run: JobRun) -> None:
         """One GET for the rest of the range, advancing ``run.done`` past every good byte."""

@@ -10,6 +10,7 @@ writing, workers that hold no credentials, and the environment it refuses.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import time
@@ -272,3 +273,29 @@ async def test_workers_hold_no_credentials(
     for environment in environments:
         names = {entry.split(b"=", 1)[0] for entry in environment if entry}
         assert names <= {b"PATH", b"PYTHONPATH"}, names
+
+
+async def test_slowdown_met_by_a_worker_halves_the_nodes_gets_in_flight(
+    tmp_path: Path,
+    s3_server: S3Server,
+    small_model: SampleModel,
+    proxy: FaultProxy,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A worker that meets S3's SlowDown tells the daemon before it retries: the node's
+    adaptive limit halves (logged as a back-off) and the pull still lands byte for byte."""
+    proxy.add(Fault.slow_down(key=small_model.prefix, times=3))
+    async with running_agent(
+        tmp_path, s3_server, proxy.endpoint_url, concurrency="auto", max_concurrency=8
+    ) as agent:
+        plane = agent.puller.plane("processes")
+        assert isinstance(plane, ProcessPlane)
+        before = plane.limit.limit
+        with caplog.at_level(logging.WARNING, logger="agent.source.concurrency"):
+            result = await agent.ensure(small_model.uri, PROCESSES)
+        after = plane.limit.statistics()
+    assert proxy.injected("slow_down") == 3
+    assert_identical(result, small_model)
+    assert after.throttled >= 1
+    assert after.limit <= before // 2
+    assert f"backing off, GETs in flight {before} -> {before // 2}" in caplog.text

@@ -2,11 +2,11 @@
 
 Every size gets its own ceiling (curl over the same objects) and s5cmd in the
 same round as its cold pull (prewarm with its defaults: nothing pinned), over
-each scheme, so "x ceiling" and "x s5cmd" compare like with like at each
-size. Per size and scheme the report gives wall time, MiB/s, the ratios, the daemon's CPU seconds per GiB (the daemon
-and its workers, its busiest thread, its event loop's thread) and its peak
-memory summed over its processes (RSS and PSS); across sizes, a least-squares
-fit of seconds on bytes.
+each scheme, so "x ceiling" and "x s5cmd" compare like with like at each size.
+Per size and scheme the report gives wall time, MiB/s, the ratios, the
+daemon's CPU seconds per GiB (the daemon and its workers, its busiest thread,
+its event loop's thread) and its peak memory summed over its processes (RSS
+and PSS); across sizes, a least-squares fit of seconds on bytes.
 """
 
 from __future__ import annotations

@@ -35,6 +35,9 @@ __all__ = [
     "PHASE_SECONDS",
     "REGISTRY",
     "REQUESTS",
+    "S3_GETS_IN_FLIGHT",
+    "S3_GETS_LIMIT",
+    "S3_THROTTLED",
     "StateCollector",
     "StateReading",
     "TierReading",
@@ -103,6 +106,21 @@ COMPILE_WATCH_LIMIT = Counter(
 COMPILE_WATCH_POLLING = Gauge(
     "prewarm_compile_watch_polling",
     "1 while the compile-cache watcher polls (the inotify watch limit was reached), else 0.",
+    registry=REGISTRY,
+)
+S3_GETS_LIMIT = Gauge(
+    "prewarm_s3_gets_limit",
+    "GETs the node may keep in flight now: the adaptive limit, found by measuring the link.",
+    registry=REGISTRY,
+)
+S3_GETS_IN_FLIGHT = Gauge(
+    "prewarm_s3_gets_in_flight",
+    "Ranged GETs in the range workers' hands now, all pulls together.",
+    registry=REGISTRY,
+)
+S3_THROTTLED = Counter(
+    "prewarm_s3_throttled",
+    "S3 answers asking for fewer requests (SlowDown, 503, 429) met by range workers.",
     registry=REGISTRY,
 )
 EVICTIONS = Counter(

@@ -33,6 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from agent.obs.metrics import S3_GETS_IN_FLIGHT, S3_GETS_LIMIT, S3_THROTTLED
+
 __all__ = ["GAIN", "HOLD_WINDOWS", "KEEP", "AdaptiveConcurrency", "ConcurrencyStatistics"]
 
 log = logging.getLogger(__name__)
@@ -92,6 +94,7 @@ class AdaptiveConcurrency:
         self._changed_at = clock()
         self._last_cut: float | None = None
         self._listeners: list[Callable[[], None]] = []
+        S3_GETS_LIMIT.set(self.limit)
 
     # -- what the plane tells it -----------------------------------------------------------
 
@@ -103,10 +106,12 @@ class AdaptiveConcurrency:
     def acquire(self) -> None:
         """One more GET in flight."""
         self.in_flight += 1
+        S3_GETS_IN_FLIGHT.set(self.in_flight)
 
     def release(self) -> None:
         """One GET fewer in flight; a window where the limit was not kept busy is void."""
         self.in_flight = max(0, self.in_flight - 1)
+        S3_GETS_IN_FLIGHT.set(self.in_flight)
 
     def add_bytes(self, count: int) -> None:
         """``count`` bytes arrived; judge the window once it is long enough."""
@@ -125,6 +130,7 @@ class AdaptiveConcurrency:
     def slow_down(self, reason: str) -> None:
         """S3 asked for fewer requests: halve the limit and hold it."""
         self.throttled += 1
+        S3_THROTTLED.inc()
         now = self._clock()
         if self._last_cut is not None and now - self._last_cut < WINDOW_SECONDS:
             return  # one cut per burst: the GETs already in flight are answered alike
@@ -211,5 +217,6 @@ class AdaptiveConcurrency:
             return
         log.debug("GETs in flight for the node: %d -> %d (%s)", self.limit, limit, self._phase)
         self.limit = limit
+        S3_GETS_LIMIT.set(limit)
         for wake in list(self._listeners):
             wake()

@@ -80,7 +80,8 @@ def metered_agent(start_agent: AgentFactory) -> tuple[RunningAgent, Meter]:
 def test_metrics_show_a_pull_and_a_hit(
     metered_agent: tuple[RunningAgent, Meter], small_model: SampleModel
 ) -> None:
-    """A cold pull then a hit show up in bytes, lookups, requests, phase timings and tier gauges."""
+    """A cold pull then a hit show up in bytes, lookups, requests, phase timings and tier gauges;
+    the node's adaptive limit of GETs is shown, with no GET left in flight after the pull."""
     agent, meter = metered_agent
     with Client(agent.socket_path) as client:
         client.ensure(small_model.uri)
@@ -98,6 +99,8 @@ def test_metrics_show_a_pull_and_a_hit(
     assert meter.now("prewarm_tier_models", tier="shm") == 1
     assert meter.now("prewarm_tier_budget_bytes", tier="shm") > total
     assert meter.now("prewarm_pulls_in_flight") == 0
+    assert meter.now("prewarm_s3_gets_limit") >= 4
+    assert meter.now("prewarm_s3_gets_in_flight") == 0
 
 
 def test_metrics_show_free_space_per_tier_and_the_process(

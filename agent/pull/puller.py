@@ -35,6 +35,7 @@ from agent.pull.staging import StagingFiles, open_staging, verify_before_publish
 from agent.source.interface import ObjectSource
 from agent.source.plane import DataPlane, plan_ranges
 from agent.source.plane_registry import DataPlanes
+from agent.source.process_plane import Resolver
 from agent.source.tuning import Tuning, node_gbps, tune
 from agent.store.catalog import Store
 from agent.store.records import CachedFile, CachedModel
@@ -56,7 +57,10 @@ class Puller:
         source: ObjectSource,
         settings: S3Settings,
         integrity: IntegritySettings | None = None,
+        *,
+        resolve: Resolver | None = None,
     ) -> None:
+        """``resolve``: how the S3 data plane learns the endpoint's addresses (DNS when None)."""
         self._store = store
         self._source = source
         self._settings = settings
@@ -65,7 +69,7 @@ class Puller:
         self._pulls: dict[str, tuple[DataPlane, Tuning, ScopedSource | None]] = {}
         self._tasks: asyncio.TaskGroup | None = None
         self._gbps = node_gbps(settings)
-        self._planes = DataPlanes(source, settings, gbps=self._gbps)
+        self._planes = DataPlanes(source, settings, gbps=self._gbps, resolve=resolve)
 
     async def __aenter__(self) -> Self:
         """Start the data planes (workers, clients) and the task group pulls run in."""

@@ -25,7 +25,7 @@ from agent._vocabulary import DataPlaneName
 from agent.source.aiobotocore_plane import AiobotocorePlane
 from agent.source.interface import ObjectSource
 from agent.source.plane import DataPlane
-from agent.source.process_plane import Presigner, ProcessPlane
+from agent.source.process_plane import Presigner, ProcessPlane, Resolver
 
 __all__ = ["DataPlanes"]
 
@@ -37,13 +37,21 @@ class DataPlanes:
     source is S3; leaving stops them.
     """
 
-    def __init__(self, source: ObjectSource, settings: S3Settings, *, gbps: float) -> None:
+    def __init__(
+        self,
+        source: ObjectSource,
+        settings: S3Settings,
+        *,
+        gbps: float,
+        resolve: Resolver | None = None,
+    ) -> None:
+        """``resolve``: how the processes plane learns the endpoint's addresses (DNS)."""
         self._source = source
         self._settings = settings
         self._in_loop = AiobotocorePlane(source)
         self._processes: ProcessPlane | None = None
         if isinstance(source, Presigner) and source.s3_settings is not None:
-            self._processes = ProcessPlane(settings, source, gbps=gbps)
+            self._processes = ProcessPlane(settings, source, gbps=gbps, resolve=resolve)
 
     async def __aenter__(self) -> Self:
         """Start the processes plane's workers (about 0.1 s now, not in the first pull)."""

@@ -41,7 +41,7 @@ import time
 import urllib.parse
 import urllib.request
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -71,7 +71,9 @@ from agent.source.tuning import (
 __all__ = [
     "Presigner",
     "ProcessPlane",
+    "Resolver",
     "WorkerPool",
+    "resolve_addresses",
     "stream_step",
     "worker_processes",
 ]
@@ -374,6 +376,10 @@ class WorkerPool:
         self._workers = [w for w in self._workers if w.alive]
 
 
+# How the plane learns the endpoint's addresses: (host, port) -> IP addresses.
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+
+
 @dataclass(slots=True)
 class _Shared:
     """What every copy of the plane shares (``with_source`` makes copies): the workers,
@@ -382,6 +388,7 @@ class _Shared:
     pool: WorkerPool
     limit: AdaptiveConcurrency
     ceiling: int
+    resolve: Resolver
     runs: set[_PullRun] = field(default_factory=set)
     addresses: dict[str, tuple[list[str], float]] = field(default_factory=dict)
     turn: itertools.count[int] = field(default_factory=itertools.count)
@@ -398,6 +405,7 @@ class ProcessPlane:
         source: Presigner,
         *,
         gbps: float,
+        resolve: Resolver | None = None,
         shared: _Shared | None = None,
     ) -> None:
         self._settings = settings
@@ -409,7 +417,8 @@ class ProcessPlane:
                 ceiling=ceiling,
                 floor=min(FLOOR_CONCURRENCY, ceiling),
             )
-            shared = _Shared(WorkerPool(worker_processes(settings, gbps=gbps)), limit, ceiling)
+            pool = WorkerPool(worker_processes(settings, gbps=gbps))
+            shared = _Shared(pool, limit, ceiling, resolve or resolve_addresses)
         self._shared = shared
         self._gbps = gbps
 
@@ -495,7 +504,8 @@ class ProcessPlane:
         known = self._shared.addresses.get(host)
         now = time.monotonic()
         if known is None or now - known[1] > ADDRESSES_SECONDS:
-            known = (await _resolve(host, parts.port, parts.scheme), now)
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            known = (await self._shared.resolve(host, port), now)
             self._shared.addresses[host] = known
         addresses = known[0]
         if not addresses:
@@ -726,13 +736,11 @@ def _is_ip(host: str) -> bool:
     return True
 
 
-async def _resolve(host: str, port: int | None, scheme: str) -> list[str]:
+async def resolve_addresses(host: str, port: int) -> list[str]:
     """Every address ``host`` resolves to now, in the resolver's order; [] when it does not."""
     loop = asyncio.get_running_loop()
     try:
-        answers = await loop.getaddrinfo(
-            host, port or (443 if scheme == "https" else 80), type=socket.SOCK_STREAM
-        )
+        answers = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as exc:
         log.debug("could not resolve %s (the workers will try): %s", host, exc)
         return []

@@ -1,8 +1,11 @@
-"""The two object sources the source-level tests run against, behind one fixture body."""
+"""Helpers of the source-level tests: the two object sources behind one fixture body, and
+the process environment given back after a test that points clients through it."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import contextlib
+import os
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
@@ -33,3 +36,18 @@ async def object_source(
     settings = S3Settings(endpoint_url=s3_server.endpoint_url, addressing_style="path")
     async with S3Source(settings) as s3:
         yield s3, bucket
+
+
+@contextlib.contextmanager
+def restored_environment() -> Iterator[None]:
+    """Give the process environment back as it was, whatever the block set or removed.
+
+    For helpers that point clients (botocore, the range workers) at a server by writing
+    ``os.environ`` directly, several variables at a time, outside ``monkeypatch``.
+    """
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

@@ -34,7 +34,7 @@ import threading
 import urllib.parse
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Literal, Self
+from typing import Literal
 
 from ._http_wire import (
     PIECE,
@@ -48,7 +48,7 @@ from ._http_wire import (
     reset,
     sized_body,
 )
-from ._process import Startable
+from ._loop_server import LoopThreadServer
 
 __all__ = ["Fault", "FaultKind", "FaultProxy"]
 
@@ -111,25 +111,22 @@ class Fault:
         return left and method == self.method and self.key in path
 
 
-class FaultProxy(Startable):
+class FaultProxy(LoopThreadServer):
     """Loopback HTTP proxy to ``upstream`` that injects the faults a test adds."""
+
+    _what = "fault proxy"
+    _thread_name = "fault-proxy"
 
     def __init__(self, upstream: str, *, host: str = "127.0.0.1", port: int = 0) -> None:
         parsed = urllib.parse.urlsplit(upstream)
         if parsed.scheme != "http" or not parsed.hostname:
             raise ValueError(f"FaultProxy forwards to plain http:// servers, not {upstream!r}.")
+        super().__init__(host, port)
         self._upstream = (parsed.hostname, parsed.port or 80)
-        self._host = host
-        self._port = port
         self._lock = threading.Condition()
         self._faults: list[Fault] = []
         self._injected: Counter[str] = Counter()
         self._forwarded = 0
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._ready = threading.Event()
-        self._failure: BaseException | None = None
 
     # -- rules -------------------------------------------------------------------------
 
@@ -172,82 +169,12 @@ class FaultProxy(Startable):
                     return fault
             return None
 
-    # -- lifecycle -----------------------------------------------------------------------
-
-    @property
-    def port(self) -> int:
-        """The port the proxy listens on, once start() has returned."""
-        if not self._port:
-            raise RuntimeError("The proxy has no port until start() has returned.")
-        return self._port
+    # -- where it listens ----------------------------------------------------------------
 
     @property
     def endpoint_url(self) -> str:
         """The URL to give an S3 client instead of the upstream's."""
         return f"http://{self._host}:{self.port}"
-
-    def start(self) -> Self:
-        """Listen on a loop of its own in a thread; returns once it accepts connections."""
-        if self._thread is not None:
-            raise RuntimeError("The proxy is already running.")
-        self._ready.clear()
-        self._failure = None
-        self._thread = threading.Thread(target=self._run, name="fault-proxy", daemon=True)
-        self._thread.start()
-        self._ready.wait()
-        if self._failure is not None:
-            self._thread.join()
-            self._thread = None
-            raise RuntimeError(f"The fault proxy could not start: {self._failure}") from (
-                self._failure
-            )
-        return self
-
-    def stop(self) -> None:
-        """Stop listening, cut every open connection and join the thread; idempotent."""
-        thread, loop, stop = self._thread, self._loop, self._stop
-        if thread is None:
-            return
-        if loop is not None and stop is not None:
-            with contextlib.suppress(RuntimeError):  # the loop already ended
-                loop.call_soon_threadsafe(stop.set)
-        thread.join()
-        self._thread = None
-
-    def close(self) -> None:
-        """Stop the proxy (the end of a ``with`` block)."""
-        self.stop()
-
-    def _run(self) -> None:
-        try:
-            asyncio.run(self._serve())
-        except BaseException as exc:  # reported to start(), which re-raises it
-            self._failure = exc
-            self._ready.set()
-
-    async def _serve(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
-        connections: set[asyncio.Task[None]] = set()
-
-        async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            task = asyncio.current_task()
-            assert task is not None
-            connections.add(task)
-            try:
-                await self._connection(reader, writer)
-            finally:
-                connections.discard(task)
-
-        server = await asyncio.start_server(accept, self._host, self._port)
-        self._port = server.sockets[0].getsockname()[1]
-        self._ready.set()
-        async with server:
-            await self._stop.wait()
-            server.close()
-            for task in list(connections):
-                task.cancel()
-            await asyncio.gather(*connections, return_exceptions=True)
 
     # -- one client connection -------------------------------------------------------------
 

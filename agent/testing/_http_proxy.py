@@ -37,7 +37,7 @@ import threading
 import urllib.parse
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Literal, Self
+from typing import Literal
 
 from ._http_wire import (
     PIECE,
@@ -48,7 +48,7 @@ from ._http_wire import (
     read_request,
     sized_body,
 )
-from ._process import Startable
+from ._loop_server import LoopThreadServer
 
 __all__ = ["HttpProxy", "ProxiedRequest"]
 
@@ -72,8 +72,11 @@ class ProxiedRequest:
     status: int
 
 
-class HttpProxy(Startable):
+class HttpProxy(LoopThreadServer):
     """A loopback forward proxy (CONNECT and absolute form) that records what it served."""
+
+    _what = "HTTP proxy"
+    _thread_name = "http-proxy"
 
     def __init__(
         self,
@@ -86,19 +89,13 @@ class HttpProxy(Startable):
     ) -> None:
         if not ipaddress.ip_address(host).is_loopback:
             raise ValueError(f"HttpProxy listens on loopback addresses only, not {host!r}.")
-        self._host = host
-        self._port = port
+        super().__init__(host, port)
         self._credentials = credentials
         self._expected = _basic(*credentials) if credentials else None
         self._hosts = {name.lower(): address for name, address in (hosts or {}).items()}
         self._max_connections = max_connections
         self._lock = threading.Lock()
         self._served: list[ProxiedRequest] = []
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._ready = threading.Event()
-        self._failure: BaseException | None = None
 
     # -- what it served ----------------------------------------------------------------
 
@@ -144,13 +141,6 @@ class HttpProxy(Startable):
     # -- where it listens ----------------------------------------------------------------
 
     @property
-    def port(self) -> int:
-        """The port the proxy listens on, once start() has returned."""
-        if not self._port:
-            raise RuntimeError("The proxy has no port until start() has returned.")
-        return self._port
-
-    @property
     def url(self) -> str:
         """The proxy's URL, without credentials (``http://127.0.0.1:port``)."""
         return f"http://{self._authority}"
@@ -168,75 +158,14 @@ class HttpProxy(Startable):
         host = f"[{self._host}]" if ":" in self._host else self._host
         return f"{host}:{self.port}"
 
-    # -- lifecycle -------------------------------------------------------------------------
-
-    def start(self) -> Self:
-        """Listen on a loop of its own in a thread; returns once it accepts connections."""
-        if self._thread is not None:
-            raise RuntimeError("The proxy is already running.")
-        self._ready.clear()
-        self._failure = None
-        self._thread = threading.Thread(target=self._run, name="http-proxy", daemon=True)
-        self._thread.start()
-        self._ready.wait()
-        if self._failure is not None:
-            self._thread.join()
-            self._thread = None
-            raise RuntimeError(f"The HTTP proxy could not start: {self._failure}") from (
-                self._failure
-            )
-        return self
-
-    def stop(self) -> None:
-        """Stop listening, cut every open connection and join the thread; idempotent."""
-        thread, loop, stop = self._thread, self._loop, self._stop
-        if thread is None:
-            return
-        if loop is not None and stop is not None:
-            with contextlib.suppress(RuntimeError):  # the loop already ended
-                loop.call_soon_threadsafe(stop.set)
-        thread.join()
-        self._thread = None
-
-    def close(self) -> None:
-        """Stop the proxy (the end of a ``with`` block)."""
-        self.stop()
-
-    def _run(self) -> None:
-        try:
-            asyncio.run(self._serve())
-        except BaseException as exc:  # reported to start(), which re-raises it
-            self._failure = exc
-            self._ready.set()
-
-    async def _serve(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
-        connections: set[asyncio.Task[None]] = set()
-
-        async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            task = asyncio.current_task()
-            assert task is not None
-            if len(connections) >= self._max_connections:
-                await _refuse(writer, 503, "Service Unavailable")
-                return
-            connections.add(task)
-            try:
-                await self._connection(reader, writer)
-            finally:
-                connections.discard(task)
-
-        server = await asyncio.start_server(accept, self._host, self._port)
-        self._port = server.sockets[0].getsockname()[1]
-        self._ready.set()
-        async with server:
-            await self._stop.wait()
-            server.close()
-            for task in list(connections):
-                task.cancel()
-            await asyncio.gather(*connections, return_exceptions=True)
-
     # -- one client connection -------------------------------------------------------------
+
+    async def _admit(self, writer: asyncio.StreamWriter, open_connections: int) -> bool:
+        """Turn a client away with a 503 while ``max_connections`` are served."""
+        if open_connections < self._max_connections:
+            return True
+        await _refuse(writer, 503, "Service Unavailable")
+        return False
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         upstream: tuple[str, int, _Stream] | None = None

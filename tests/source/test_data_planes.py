@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from source_helpers import restored_environment
 
 from agent import SourceUnavailable
 from agent._config import Settings
@@ -45,10 +46,8 @@ def _plane_params() -> list[Any]:
 def _restore_environment() -> Iterator[None]:
     # The tests point botocore at their server through the process environment;
     # give the next test the environment back.
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+    with restored_environment():
+        yield
 
 
 def _use_endpoint(s3: S3Server, endpoint: str) -> None:

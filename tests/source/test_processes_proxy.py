@@ -31,6 +31,7 @@ from types import MappingProxyType
 from typing import Any
 
 import pytest
+from source_helpers import restored_environment
 from test_data_planes import assert_identical, running_agent, sent_by
 
 from agent import SourceUnavailable
@@ -61,10 +62,8 @@ BLOB_BYTES = os.urandom(3 * 1024 * 1024 + 12_345)
 @pytest.fixture(autouse=True)
 def _restore_environment() -> Iterator[None]:
     # The proxy and endpoint variables are the process environment's; give it back.
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+    with restored_environment():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,10 @@ they keep the limit busy, and:
 
 - doubles the limit while the aggregate rate grows by more than ``GAIN``;
 - when doubling stops paying, steps back to the limit that gave the best rate,
-  then, if it never grew past where it started, tries smaller limits while the
-  rate holds within ``KEEP`` of the best (fewer streams cost less CPU and memory
-  for the same bytes);
+  then tries smaller limits, a quarter less each window, while the rate holds
+  within ``KEEP`` of the best: fewer streams cost less CPU and memory for the
+  same bytes, and where the client's CPU is the limit (TLS on a small node) they
+  move more;
 - holds for ``HOLD_WINDOWS`` windows, then probes upwards again, so a link that
   got faster (or a second pull with its own prefix) is found;
 - halves the limit when S3 answers SlowDown (or 503/429), and holds: S3 limits
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 # A doubling must raise the rate by this share to count as growth.
 GAIN = 0.10
 # A smaller limit is kept while its rate stays within this share of the best.
-KEEP = 0.05
+KEEP = 0.03
 # Windows to hold a settled limit (or one just cut by SlowDown) before probing again.
 HOLD_WINDOWS = 10
 # A window is judged once it is this long; the first SETTLE_SECONDS after a change are
@@ -87,7 +88,7 @@ class AdaptiveConcurrency:
         self._clock = clock
         self._phase: Phase = "grow"
         self._best: tuple[float, int] | None = None  # (bytes/s, limit)
-        self._grew = False
+        self._probing = False
         self._hold_left = 0
         self._window_start: float | None = None
         self._window_bytes = 0
@@ -162,8 +163,8 @@ class AdaptiveConcurrency:
         if self._phase == "hold":
             self._hold_left -= 1
             if self._hold_left <= 0 and self.limit < self.ceiling:
-                # A probe: grows from here or settles back, never trims.
-                self._phase, self._best, self._grew = "grow", (rate, self.limit), True
+                # A probe: grows from here, or settles back without trimming.
+                self._phase, self._best, self._probing = "grow", (rate, self.limit), True
                 self._set(min(self.ceiling, max(self.limit + 1, self.limit * 3 // 2)))
             return
         if self._phase == "grow":
@@ -174,17 +175,16 @@ class AdaptiveConcurrency:
     def _judge_growth(self, rate: float) -> None:
         best = self._best
         if best is None or rate > best[0] * (1 + GAIN):
-            self._best = (rate, self.limit)
+            self._best, self._probing = (rate, self.limit), False
             if self.limit >= self.ceiling:
                 self._settle(self.limit, rate, "the ceiling")
                 return
-            self._grew = best is not None
             self._set(min(self.ceiling, self.limit * 2))
             return
-        if self._grew or best[1] < self._start or best[1] <= self.floor:
+        if self._probing or best[1] <= self.floor:
             self._settle(best[1], best[0], "no more growth")
             return
-        # No growth past the start: the knee may lie below it; try fewer streams.
+        # Doubling stopped paying: from the best limit, try fewer GETs that move as much.
         self._phase = "trim"
         self._set(max(self.floor, best[1] * 3 // 4))
 

@@ -84,8 +84,8 @@ def test_auto_concurrency_on_the_processes_plane_adapts_and_a_pinned_one_does_no
         (1 * GiB, 25, 8 * MiB),  # small model: the 8 MiB floor
         (4 * GiB, 25, 9 * MiB),  # eight parts per planned stream, whole MiB
         (100 * GiB, 25, 64 * MiB),  # big model: the 64 MiB ceiling
-        (1 * GiB, 400, 18 * MiB),  # 50 GB/s in parts under half of 5,500 GETs/s per prefix
-        (140 * GB, 400, 18 * MiB),
+        (1 * GiB, 400, 48 * MiB),  # 50 GB/s in at most 1,000 GETs/s (the daemon's loop)
+        (140 * GB, 400, 48 * MiB),
         (600 * GB, 400, 64 * MiB),  # the 64 MiB ceiling still holds
     ],
 )
@@ -93,11 +93,12 @@ def test_parts_give_every_stream_several_and_keep_under_the_prefix_request_limit
     total: int, gbps: float, part: int
 ) -> None:
     """Auto part size: eight parts per planned stream, 8 to 64 MiB, in whole MiB, and never
-    so small that the node at full rate would ask S3 for over half its per-prefix GET rate."""
+    so small that the node at full rate would ask S3 for over half its per-prefix GET rate
+    or hand out over 1,000 GETs a second."""
     size = part_size(total, gbps)
     assert size == part
     assert size % MiB == 0
-    assert gbps * 1e9 / 8 / size <= 5500 * 0.5
+    assert gbps * 1e9 / 8 / size <= min(5500 * 0.5, 1000)
 
 
 def test_chunk_size_and_timeouts_come_from_config_unless_the_request_says() -> None:

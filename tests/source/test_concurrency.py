@@ -129,3 +129,14 @@ def test_every_change_wakes_the_subscribed_pulls() -> None:
     count = len(heard)
     limit.slow_down("SlowDown")
     assert len(heard) == count
+
+
+def test_after_growth_the_limit_trims_to_fewer_gets_that_move_as_much() -> None:
+    """A link full at 84 GETs of 3 MB/s (250 MB/s): doubling from 16 reaches 128, 256 moves
+    no more, and trimming from 128 keeps 96 (as fast) but not 72 (slower): fewer GETs cost
+    the node less CPU and memory for the same bytes."""
+    limit, clock = _limit(16)
+    link = Link(limit, clock, per_get=3 * MB, link=250 * MB)
+    link.run(14)
+    assert limit.limit == 96
+    assert limit.statistics().phase == "hold"

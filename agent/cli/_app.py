@@ -156,7 +156,10 @@ def pull(
     concurrency: Annotated[
         int | None,
         # Checked with the client's other pull options (agent._vocabulary).
-        typer.Option(help="Parallel streams if this starts a pull (default: the agent's)."),
+        typer.Option(
+            help="GETs in flight, pinned, if this starts a pull (default: the agent's, "
+            "found by measuring the link)."
+        ),
     ] = None,
     chunk_size: Annotated[
         int | None,

@@ -129,7 +129,12 @@ class AdaptiveConcurrency:
             self._judge(self._window_bytes / elapsed)
 
     def slow_down(self, reason: str) -> None:
-        """S3 asked for fewer requests: halve the limit and hold it."""
+        """S3 asked for fewer requests: halve the limit and hold it.
+
+        ``reason`` is S3's error code (or status): text from the wire, so only its
+        letters and digits reach the log.
+        """
+        reason = "".join(c for c in reason[:64] if c.isascii() and c.isalnum()) or "throttling"
         self.throttled += 1
         S3_THROTTLED.inc()
         now = self._clock()

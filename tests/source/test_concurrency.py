@@ -140,3 +140,16 @@ def test_after_growth_the_limit_trims_to_fewer_gets_that_move_as_much() -> None:
     link.run(14)
     assert limit.limit == 96
     assert limit.statistics().phase == "hold"
+
+
+def test_a_throttling_code_reaches_the_log_as_letters_and_digits_only(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """S3's error code is text from the wire: escapes, newlines and markup in it never reach
+    the daemon's log line, and a code with nothing printable is logged as throttling."""
+    limit, _clock = _limit(64)
+    with caplog.at_level(logging.WARNING, logger="agent.source.concurrency"):
+        limit.slow_down("Slow\x1b]8;;http://x\x07Down\n[/bold]")
+    assert "S3 answered Slow8httpxDownbold: backing off" in caplog.text
+    assert "\x1b" not in caplog.text
+    assert "\n[" not in caplog.text

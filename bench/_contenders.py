@@ -41,6 +41,7 @@ from ._threads import ThreadCpu
 __all__ = [
     "Context",
     "RunResult",
+    "curl_range_entries",
     "run_boto3",
     "run_ceiling",
     "run_child",
@@ -152,27 +153,40 @@ def run_child(
     )
 
 
-def run_ceiling(ctx: Context, model: BenchModel) -> RunResult:
-    """curl: parallel ranged GETs of every byte of the model, to /dev/null."""
-    curl = shutil.which("curl")
-    if curl is None:
-        raise RuntimeError("curl is not installed (apt-get install curl).")
+def curl_range_entries(
+    ctx: Context, model: BenchModel, chunk: int, *, retries: int = 0
+) -> list[str]:
+    """curl config entries: every byte of ``model`` as presigned ranged GETs to /dev/null,
+    each printing its status and size, trusting the server's CA where it has one.
+
+    ``retries``: curl's own retries (503 SlowDown among them, after 1 s, doubling).
+    """
     client = ctx.server.client(signature_version="s3v4")
     entries: list[str] = []
     for key, size in model.objects:
         url = client.generate_presigned_url(
             "get_object", Params={"Bucket": model.bucket, "Key": key}, ExpiresIn=3600
         )
-        for start in range(0, size, ctx.chunk):
-            end = min(size, start + ctx.chunk) - 1
+        for start in range(0, size, chunk):
+            end = min(size, start + chunk) - 1
             # Options reset at each "next", so every transfer carries its own.
-            entries.append(
-                f'url = "{url}"\nrange = "{start}-{end}"\noutput = "/dev/null"\n'
-                f'fail\nwrite-out = "%{{http_code}} %{{size_download}}\\n"\n'
-            )
+            entry = f'url = "{url}"\nrange = "{start}-{end}"\noutput = "/dev/null"\n'
+            entry += 'fail\nwrite-out = "%{http_code} %{size_download}\\n"\n'
+            if retries:
+                entry += f"retry = {retries}\n"
+            if ctx.server.ca_bundle is not None:
+                entry += f'cacert = "{ctx.server.ca_bundle}"\n'
+            entries.append(entry)
     client.close()
-    if ctx.server.ca_bundle is not None:
-        entries = [f'{entry}cacert = "{ctx.server.ca_bundle}"\n' for entry in entries]
+    return entries
+
+
+def run_ceiling(ctx: Context, model: BenchModel) -> RunResult:
+    """curl: parallel ranged GETs of every byte of the model, to /dev/null."""
+    curl = shutil.which("curl")
+    if curl is None:
+        raise RuntimeError("curl is not installed (apt-get install curl).")
+    entries = curl_range_entries(ctx, model, ctx.chunk)
     with tempfile.NamedTemporaryFile("w", dir=ctx.scratch, suffix=".curl") as config:
         config.write("next\n".join(entries))
         config.flush()

@@ -42,6 +42,7 @@ from ._contenders import (
     STREAMER_LOW_SPEED_LIMIT,
     STREAMER_REQUEST_TIMEOUT_MS,
     Context,
+    curl_range_entries,
     run_child,
     s5cmd_binary,
 )
@@ -152,21 +153,8 @@ def curl_ranges(
     curl = shutil.which("curl")
     if curl is None:
         raise RuntimeError("curl is not installed (apt-get install curl).")
-    client = ctx.server.client(signature_version="s3v4")
-    entries: list[str] = []
-    for key, size in model.objects:
-        url = client.generate_presigned_url(
-            "get_object", Params={"Bucket": model.bucket, "Key": key}, ExpiresIn=3600
-        )
-        for start in range(0, size, chunk):
-            end = min(size, start + chunk) - 1
-            entry = f'url = "{url}"\nrange = "{start}-{end}"\noutput = "/dev/null"\n'
-            # 503 SlowDown is one of the answers --retry retries (after 1 s, doubling).
-            entry += 'fail\nretry = 8\nwrite-out = "%{http_code} %{size_download}\\n"\n'
-            if ctx.server.ca_bundle is not None:
-                entry += f'cacert = "{ctx.server.ca_bundle}"\n'
-            entries.append(entry)
-    client.close()
+    # 503 SlowDown is one of the answers curl's --retry retries (after 1 s, doubling).
+    entries = curl_range_entries(ctx, model, chunk, retries=8)
     with tempfile.NamedTemporaryFile("w", dir=ctx.scratch, suffix=".curl") as config:
         config.write("next\n".join(entries))
         config.flush()

@@ -157,8 +157,8 @@ def pull(
         int | None,
         # Checked with the client's other pull options (agent._vocabulary).
         typer.Option(
-            help="GETs in flight, pinned, if this starts a pull (default: the agent's, "
-            "found by measuring the link)."
+            help="GETs in flight, pinned, if this starts a pull; unset, the agent grows them "
+            "until the link is full (default: the agent's)."
         ),
     ] = None,
     chunk_size: Annotated[

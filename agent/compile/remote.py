@@ -122,10 +122,11 @@ class RemoteCompileCaches:
             )
         except ObjectTooLarge as exc:
             raise IntegrityError(
-                f"The compile-cache {name} of {key} is unreadable ({exc}); the next upload "
-                "for this key replaces it.",
+                f"The compile-cache {name} of {key} is too large to read ({exc}). No upload "
+                f"replaces it; delete s3://{self._uri.bucket}/{self._object(key, name)} "
+                "to start the key afresh.",
                 path=name,
-                check="pointer",
+                check="size",
             ) from exc
         return None if stored is None else (stored.data, stored.etag)
 
@@ -229,6 +230,9 @@ class RemoteCompileCaches:
         try:
             manifest = await self.read_manifest(key)
         except IntegrityError as exc:
+            if exc.check == "size":
+                # Not read whole: replacing it would drop every other node's files.
+                raise
             log.warning("replacing the unreadable compile-cache manifest of %s: %s", key, exc)
             head = await self._source.head_object(
                 self._uri.bucket, self._object(key, MANIFEST_NAME)

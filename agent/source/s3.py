@@ -51,6 +51,8 @@ __all__ = ["S3Source", "SourceSilent", "SourceUnreachable"]
 # The endpoint botocore uses when none is configured.
 _AWS_S3 = "https://s3.amazonaws.com"
 # A conditional PUT that lost to another writer (409: two conditional writes at once).
+# Bytes asked of a small object's body per read.
+_BODY_READ = 1024 * 1024
 _LOST_RACE_CODES = frozenset({"PreconditionFailed", "412", "ConditionalRequestConflict", "409"})
 
 
@@ -293,8 +295,7 @@ class S3Source:
         except _Missing:
             return None
         async with self._answer(doing, bucket=bucket), response["Body"] as body:
-            # One byte past the cap tells "too large" without reading the rest.
-            data: bytes = await body.read(max_bytes + 1)
+            data = await _read_to_end(body, max_bytes + 1)
         if len(data) > max_bytes:
             raise ObjectTooLarge(
                 f"s3://{bucket}/{key} holds more than the {max_bytes} bytes expected of it.",
@@ -440,3 +441,20 @@ class _BodyReader:
         except Exception as exc:
             raise self._source._translate(exc, f"reading {self._where}") from exc
         return data
+
+
+async def _read_to_end(body: Any, limit: int) -> bytes:
+    """A body's bytes up to ``limit`` (one past the caller's cap tells "too large").
+
+    One ``read(n)`` returns what has arrived so far, not n bytes: a body bigger
+    than a few network reads would come back cut short and look like garbage.
+    """
+    pieces: list[bytes] = []
+    got = 0
+    while got < limit:
+        piece: bytes = await body.read(min(limit - got, _BODY_READ))
+        if not piece:
+            break
+        pieces.append(piece)
+        got += len(piece)
+    return b"".join(pieces)

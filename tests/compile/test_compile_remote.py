@@ -171,14 +171,44 @@ async def test_an_archive_over_the_threshold_goes_up_in_parts(tmp_path: Path) ->
     assert await _restore(remote, tmp_path) == {"inductor/big.so"}
 
 
-@pytest.mark.parametrize("body", [b"not json", b" " * (MANIFEST_MAX_BYTES + 1)])
-async def test_an_unreadable_manifest_is_reported_then_replaced_by_the_next_upload(
-    remote: RemoteCompileCaches, source: tuple[ObjectSource, str], tmp_path: Path, body: bytes
+async def test_a_garbage_manifest_is_reported_then_replaced_by_the_next_upload(
+    remote: RemoteCompileCaches, source: tuple[ObjectSource, str], tmp_path: Path
 ) -> None:
-    """Garbage or an oversized manifest reads as IntegrityError; an upload replaces it."""
+    """A manifest read whole that is not JSON reads as IntegrityError; an upload replaces it."""
     objects, bucket = source
-    await objects.put_object(bucket, MANIFEST, body)
+    await objects.put_object(bucket, MANIFEST, b"not json")
     with pytest.raises(IntegrityError, match="unreadable"):
         await remote.read_manifest(KEY)
     assert await _upload(remote, _node(tmp_path, "a", "a.so"), tmp_path)
     assert await _restore(remote, tmp_path) == {"inductor/a.so"}
+
+
+async def test_a_manifest_too_large_to_read_is_never_replaced_by_an_upload(
+    remote: RemoteCompileCaches, source: tuple[ObjectSource, str], tmp_path: Path
+) -> None:
+    """A manifest over the cap refuses the push, naming the object to delete, and stays as is:
+    a node that could not read it whole must not drop the files it lists."""
+    objects, bucket = source
+    body = b" " * (MANIFEST_MAX_BYTES + 1)
+    await objects.put_object(bucket, MANIFEST, body)
+    with pytest.raises(IntegrityError, match="too large to read") as refused:
+        await _upload(remote, _node(tmp_path, "a", "a.so"), tmp_path)
+    assert f"s3://{bucket}/{MANIFEST}" in str(refused.value)
+    stored = await objects.get_object(bucket, MANIFEST, max_bytes=MANIFEST_MAX_BYTES + 1)
+    assert stored is not None and stored.data == body
+
+
+async def test_a_manifest_of_thousands_of_files_is_read_whole_and_kept_by_the_next_push(
+    remote: RemoteCompileCaches, tmp_path: Path
+) -> None:
+    """A manifest far bigger than one network read (3,000 files) reads whole on another
+    node, whose push then adds its file to the 3,000 instead of replacing them."""
+    names = [f"k{number:04d}.py" for number in range(3000)]
+    assert await _upload(remote, _node(tmp_path, "one", *names, size=16), tmp_path)
+    manifest = await remote.read_manifest(KEY)
+    assert manifest is not None and len(manifest.to_bytes()) > 128_000
+    assert await _upload(remote, _node(tmp_path, "two", "late.so"), tmp_path)
+    assert await _restore(remote, tmp_path / "restored") == {
+        *(f"inductor/{name}" for name in names),
+        "inductor/late.so",
+    }

@@ -195,7 +195,8 @@ async def test_a_manifest_too_large_to_read_is_never_replaced_by_an_upload(
         await _upload(remote, _node(tmp_path, "a", "a.so"), tmp_path)
     assert f"s3://{bucket}/{MANIFEST}" in str(refused.value)
     stored = await objects.get_object(bucket, MANIFEST, max_bytes=MANIFEST_MAX_BYTES + 1)
-    assert stored is not None and stored.data == body
+    assert stored is not None
+    assert stored.data == body
 
 
 async def test_a_manifest_of_thousands_of_files_is_read_whole_and_kept_by_the_next_push(
@@ -206,7 +207,8 @@ async def test_a_manifest_of_thousands_of_files_is_read_whole_and_kept_by_the_ne
     names = [f"k{number:04d}.py" for number in range(3000)]
     assert await _upload(remote, _node(tmp_path, "one", *names, size=16), tmp_path)
     manifest = await remote.read_manifest(KEY)
-    assert manifest is not None and len(manifest.to_bytes()) > 128_000
+    assert manifest is not None
+    assert len(manifest.to_bytes()) > 128_000
     assert await _upload(remote, _node(tmp_path, "two", "late.so"), tmp_path)
     assert await _restore(remote, tmp_path / "restored") == {
         *(f"inductor/{name}" for name in names),

@@ -194,7 +194,9 @@ class WorkerPool:
 
     async def _spawn(self, index: int) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        argv = [sys.executable, "-s", "-m", "agent.source.range_worker"]
+        # -P: "-m" would put the working directory first on the module path, and a
+        # module planted there (argparse.py) would run as root in every worker.
+        argv = [sys.executable, "-s", "-P", "-m", "agent.source.range_worker"]
         try:
             process = await asyncio.to_thread(
                 subprocess.Popen,
@@ -203,6 +205,7 @@ class WorkerPool:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 env=_worker_environment(),
+                cwd="/",
             )
         except BaseException:
             parent.close()

@@ -275,6 +275,27 @@ async def test_workers_hold_no_credentials(
         assert names <= {b"PATH", b"PYTHONPATH"}, names
 
 
+async def test_a_module_planted_in_the_daemons_working_directory_never_runs_in_a_worker(
+    tmp_path: Path,
+    s3_server: S3Server,
+    small_model: SampleModel,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A daemon started from a directory another user can write: an ``argparse.py`` planted
+    there is not imported by the range workers (they would run it as root), and they pull."""
+    planted = tmp_path / "writable-by-anyone"
+    planted.mkdir()
+    marker = tmp_path / "planted-code-ran"
+    (planted / "argparse.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    monkeypatch.chdir(planted)
+    async with running_agent(tmp_path, s3_server, s3_server.endpoint_url) as agent:
+        result = await agent.ensure(small_model.uri, PROCESSES)
+        pids = (await _pool(agent.puller)).pids()
+    assert pids
+    assert_identical(result, small_model)
+    assert not marker.exists()
+
+
 async def test_slowdown_met_by_a_worker_halves_the_nodes_gets_in_flight(
     tmp_path: Path,
     s3_server: S3Server,

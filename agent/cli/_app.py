@@ -19,6 +19,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from agent._exceptions import printable
 from agent._version import __version__
 from agent._vocabulary import DataPlaneName, TierName
 from agent.client import Client, EnsureOptions, InvalidRequest, ModelHandle
@@ -67,9 +68,7 @@ def _parse_size(text: str) -> int:
 
 
 def _stdout() -> Console:
-    # Off a terminal, rich assumes 80 columns and would wrap or cut table
-    # cells; tables only take the width they need, so a wide page is safe.
-    return Console(highlight=False, width=None if sys.stdout.isatty() else 400)
+    return render.console()
 
 
 def _client_name() -> str:
@@ -107,7 +106,7 @@ class _Bar:
         files = f"{event.files_done}/{event.files_total} files" if event.files_total else ""
         self._progress.update(
             self._task,
-            description=event.phase,
+            description=printable(event.phase),
             completed=event.bytes_done,
             total=event.bytes_total or None,
             files=files,
@@ -115,16 +114,16 @@ class _Bar:
 
 
 def _pull_with_bar(client: Client, uri: str, options: EnsureOptions) -> ModelHandle:
-    console = Console(stderr=True)
+    console = render.console(stderr=True)
     if not console.is_terminal:
         # Logs and pipes get the summary line only, not bar frames.
         return client.ensure(uri, **options)
     progress = Progress(
-        TextColumn("{task.description:<8}"),
+        TextColumn("{task.description:<8}", markup=False),
         BarColumn(),
         DownloadColumn(binary_units=True),
         render.BinarySpeedColumn(),
-        TextColumn("{task.fields[files]}"),
+        TextColumn("{task.fields[files]}", markup=False),
         TimeRemainingColumn(),
         console=console,
         # The bar goes away when the pull ends; the summary line stays.

@@ -47,7 +47,7 @@ KeyArgument = Annotated[
 
 
 def _stdout() -> Console:
-    return Console(highlight=False, width=None if sys.stdout.isatty() else 400)
+    return render.console()
 
 
 def _when(moment: datetime | None) -> str:

@@ -58,7 +58,6 @@ from types import FrameType
 from typing import Annotated, NoReturn
 
 import typer
-from rich.console import Console
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -67,6 +66,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from agent._exceptions import printable
 from agent._units import human_bytes
 from agent._vocabulary import TierName
 from agent.client import (
@@ -247,7 +247,7 @@ def exec_command(
         handle = _lease_model(
             stack, client, model, wait_seconds=wait_for_agent_seconds, fallback=fallback
         )
-        sys.stderr.write(f"prewarm: {render.pull_summary(handle, cached_only=cached_only)}\n")
+        _say(render.pull_summary(handle, cached_only=cached_only).plain)
         env, watch = _compile_env(stack, client, launch, handle)
         # The lease stays held (ExitStack) until the child has exited.
         code = run_child(substitute(command, str(handle.path)), env, watch)
@@ -306,9 +306,10 @@ def _lease_model(
     except AgentUnavailable as exc:
         if not fallback:
             _fail(f"{exc} (--fallback would run the command against {model.uri})", EXIT_NO_AGENT)
-        sys.stderr.write(
-            f"prewarm: warning: {exc}\nprewarm: warning: --fallback: running the command "
-            f"against {model.uri} itself; this pod downloads the model on its own.\n"
+        _say(f"warning: {exc}")
+        _say(
+            f"warning: --fallback: running the command against {model.uri} itself; "
+            "this pod downloads the model on its own."
         )
         raise typer.Exit(
             run_child(substitute(model.command, model.uri), dict(os.environ))
@@ -379,9 +380,9 @@ def _key_parts(launch: _Launch, handle: ModelHandle, env: Mapping[str, str]) -> 
     fields.setdefault("model_key", handle.key)
     if "torch_version" in fields:
         return key_parts_from(None, **fields)
-    sys.stderr.write(
-        "prewarm: note: the command's Python was not found or has no torch; the compile key "
-        "uses the versions of prewarm's own Python.\n"
+    _say(
+        "note: the command's Python was not found or has no torch; the compile key "
+        "uses the versions of prewarm's own Python."
     )
     try:
         return detect_key_parts(**fields)
@@ -411,16 +412,14 @@ def _compile_cache(
             parts, client_name=launch.client_name, publish_on_ready=launch.ready_wait is not None
         )
     except PrewarmError as exc:
-        sys.stderr.write(
-            f"prewarm: warning: no compile cache ({exc}); the command compiles cold.\n"
-        )
+        _say(f"warning: no compile cache ({exc}); the command compiles cold.")
         return None
     how = f"restored in {cache.restore_seconds:.2f} s" if cache.restored else "local"
     if cache.restore_note:
         how = f"new: {cache.restore_note}"
         nearest = _nearest(client, cache)
         how += f"; {nearest.summary}" if nearest else ""
-    sys.stderr.write(f"prewarm: compile cache {cache.key[:12]} ({how}) -> {cache.path}\n")
+    _say(f"compile cache {cache.key[:12]} ({how}) -> {cache.path}")
     return cache
 
 
@@ -445,7 +444,7 @@ def _share_precompiled_headers(
     try:
         private = Path(tempfile.mkdtemp(prefix="prewarm-", dir=base))
     except OSError as exc:  # a read-only or missing TMPDIR: the headers stay where they were
-        sys.stderr.write(f"prewarm: note: precompiled headers are not kept: {exc.strerror}\n")
+        _say(f"note: precompiled headers are not kept: {exc.strerror}")
         return
     stack.callback(shutil.rmtree, private, ignore_errors=True)
     link = private / ("torchinductor_" + _UNSAFE_IN_USER.sub("_", _user())) / PRECOMPILED_HEADERS
@@ -454,7 +453,7 @@ def _share_precompiled_headers(
         link.parent.mkdir(mode=0o700)
         link.symlink_to(target, target_is_directory=True)
     except OSError as exc:
-        sys.stderr.write(f"prewarm: note: precompiled headers are not kept: {exc.strerror}\n")
+        _say(f"note: precompiled headers are not kept: {exc.strerror}")
     env["TMPDIR"] = str(private)
 
 
@@ -479,7 +478,7 @@ def _report_ready(client: Client, cache: CompileCacheHandle, launch: _Launch) ->
     try:
         ready = client.compile_ready(cache.key, client_name=launch.client_name)
     except PrewarmError as exc:
-        sys.stderr.write(f"prewarm: warning: could not report the engine ready: {exc}\n")
+        _say(f"warning: could not report the engine ready: {exc}")
         return
     upload = ready.upload
     if upload.uploaded:
@@ -487,9 +486,7 @@ def _report_ready(client: Client, cache: CompileCacheHandle, launch: _Launch) ->
     else:
         published = f"not uploaded: {upload.skipped_reason}"
     why = f"; {ready.nearest.summary}" if ready.nearest else ""
-    sys.stderr.write(
-        f"prewarm: compile cache {cache.key[:12]}: {ready.verdict.describe()}{why}; {published}\n"
-    )
+    _say(f"compile cache {cache.key[:12]}: {ready.verdict.describe()}{why}; {published}")
     sys.stderr.flush()
 
 
@@ -514,10 +511,10 @@ def run_child(argv: list[str], env: dict[str, str], watch: ReadyWatch | None = N
             # not a second time from the terminal.
             child = subprocess.Popen(argv, env=env, process_group=0)
         except FileNotFoundError:
-            sys.stderr.write(f"prewarm: {argv[0]}: command not found\n")
+            _say(f"{argv[0]}: command not found")
             return EXIT_NOT_FOUND
         except PermissionError as exc:
-            sys.stderr.write(f"prewarm: {argv[0]}: cannot run it: {exc.strerror}\n")
+            _say(f"{argv[0]}: cannot run it: {exc.strerror}")
             return EXIT_CANNOT_RUN
         for signum in pending:
             child.send_signal(signum)
@@ -525,9 +522,9 @@ def run_child(argv: list[str], env: dict[str, str], watch: ReadyWatch | None = N
             watch.start()
         returncode = child.wait()
         if watch is not None and not watch.child_exited(returncode):
-            sys.stderr.write(
-                f"prewarm: the command exited with status {returncode} before it was ready; "
-                "its compile artifacts are not uploaded.\n"
+            _say(
+                f"the command exited with status {returncode} before it was ready; "
+                "its compile artifacts are not uploaded."
             )
     finally:
         for signum, handler in previous.items():
@@ -543,27 +540,33 @@ def _default_name(command: Sequence[str]) -> str:
 
 def _say_waiting(why: str) -> None:
     # The wait's bound and the flag that sets it are in the pod's log, in case it runs out.
-    sys.stderr.write(
-        f"prewarm: the agent is not serving yet ({why}); waiting for it "
-        "(--wait-for-agent / PREWARM_WAIT_FOR_AGENT)\n"
+    _say(
+        f"the agent is not serving yet ({why}); waiting for it "
+        "(--wait-for-agent / PREWARM_WAIT_FOR_AGENT)"
     )
     sys.stderr.flush()
 
 
+def _say(text: str) -> None:
+    """One line on stderr for the pod's log, "prewarm: " first; text from the agent, S3 or
+    the command line is escaped, so it cannot move the cursor or open a link."""
+    sys.stderr.write(f"prewarm: {printable(text)}\n")
+
+
 def _fail(message: str, code: int) -> NoReturn:
-    sys.stderr.write(f"prewarm: error: {message}\n")
+    _say(f"error: {message}")
     raise typer.Exit(code)
 
 
 @contextlib.contextmanager
 def _progress_display(uri: str) -> Iterator[Callable[[PullProgress], None]]:
     """A progress callback: a bar on a terminal, a line per step in a pod's log."""
-    console = Console(stderr=True)
+    console = render.console(stderr=True)
     if not console.is_terminal:
         yield _ProgressLines(uri)
         return
     progress = Progress(
-        TextColumn("{task.description:<8}"),
+        TextColumn("{task.description:<8}", markup=False),
         BarColumn(),
         DownloadColumn(binary_units=True),
         render.BinarySpeedColumn(),
@@ -576,7 +579,7 @@ def _progress_display(uri: str) -> Iterator[Callable[[PullProgress], None]]:
     def update(event: PullProgress) -> None:
         progress.update(
             task,
-            description=event.phase,
+            description=printable(event.phase),
             completed=event.bytes_done,
             total=event.bytes_total or None,
         )
@@ -604,5 +607,5 @@ class _ProgressLines:
                 f" {human_bytes(event.bytes_done)} of "
                 f"{human_bytes(event.bytes_total)} ({tenth * 10}%)"
             )
-        sys.stderr.write(f"prewarm: {self._uri}: {event.phase}{done}\n")
+        _say(f"{self._uri}: {event.phase}{done}")
         sys.stderr.flush()

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
-from rich.console import Group, RenderableType
+from rich.console import Console, Group, RenderableType
 from rich.progress import ProgressColumn, Task
 from rich.table import Table
 from rich.text import Text
@@ -33,6 +35,8 @@ from agent.client import (
 
 __all__ = [
     "BinarySpeedColumn",
+    "InertConsole",
+    "console",
     "evict_summary",
     "filters_text",
     "gc_summary",
@@ -51,6 +55,38 @@ _EPOCH = datetime.fromtimestamp(0, UTC)
 _KEY_WIDTH = 12
 # Enough of a lease id to tell leases apart and to grep the agent's log for.
 _LEASE_ID_WIDTH = 8
+
+
+class InertConsole(Console):
+    """A console that shows every string it is handed as inert text.
+
+    Each string printed or put in a table cell goes through ``render_str``:
+    here it is escaped and never read as markup or emoji, so a tenant's key part
+    holding ``[/bold]`` neither breaks the table nor becomes an OSC 8 link, and
+    an ESC in a file name reaches the terminal as ``\\x1b``.
+    """
+
+    def render_str(self, text: str, **options: Any) -> Text:
+        """``text`` escaped, as plain text whatever the caller asked."""
+        options["markup"] = False
+        options["emoji"] = False
+        return super().render_str(printable(text), **options)
+
+
+def console(*, stderr: bool = False) -> Console:
+    """The CLI's console on stdout (or stderr): inert text, no highlighting.
+
+    Off a terminal rich assumes 80 columns and would wrap or cut table cells;
+    tables only take the width they need, so a wide page is safe there.
+    """
+    stream = sys.stderr if stderr else sys.stdout
+    return InertConsole(
+        stderr=stderr,
+        highlight=False,
+        markup=False,
+        emoji=False,
+        width=None if stream.isatty() else 400,
+    )
 
 
 def plain(value: object) -> Text:

@@ -187,3 +187,27 @@ def test_why_finds_a_key_another_node_uploaded_and_compact_makes_its_archives_on
     assert len(json.loads(manifest["Body"].read())["archives"]) == 1
     again = json.loads(_ok(prewarm("compact", old.key, "--json", socket=second.socket_path)))
     assert (again["compacted"], again["skipped_reason"]) == (False, "it has one archive already")
+
+
+@pytest.mark.slow  # three CLI runs, each a fresh interpreter
+def test_a_tenants_key_parts_reach_the_terminal_as_literal_text(
+    start_agent: AgentFactory,
+) -> None:
+    """Key parts holding rich markup (``[/bold]``, ``[link=...]``) are listed and shown as the
+    literal text they are: exit 0 (not a MarkupError), no OSC 8 link, no style applied."""
+    agent = start_agent()
+    socket = agent.socket_path
+    with Client(socket) as client:
+        handle = client.compile_cache(
+            torch_version="2.13.0",
+            model_key="[/bold]",
+            gpu_name="[bold red]GPU",
+            extras={"note": "[link=http://evil]click[/link]"},
+        )
+    listed = _ok(prewarm("ls", socket=socket))
+    shown = _ok(prewarm("show", handle.key[:10], socket=socket))
+    for out in (listed, shown):
+        assert "\x1b" not in out
+        assert "[/bold]" in out
+        assert "[bold red]GPU" in out
+    assert "[link=http://evil]click[/link]" in shown

@@ -17,6 +17,7 @@ import pytest
 from agent_helpers import AgentFactory, RunningAgent, cache_entries
 from google.protobuf.message import Message
 from rich.console import Console
+from rich.table import Table
 
 from agent._exceptions import MESSAGE_LIMIT, InvalidRequest, quoted
 from agent._proto.prewarm.v1 import prewarm_pb2 as pb
@@ -266,6 +267,23 @@ def test_the_cli_shows_agent_values_escaped_and_never_as_markup(view: str) -> No
     assert "\\x1b" in text
     if view == "show":
         assert "[link=http://evil]click[/link]" in text
+
+
+def test_the_cli_console_prints_every_string_escaped_and_never_as_markup() -> None:
+    """On a colour terminal, the console every command prints with shows a string or a table
+    cell holding markup and ESC as literal text: no hyperlink, no cursor movement, no error."""
+    out = io.StringIO()
+    console = render.InertConsole(file=out, width=400, force_terminal=True, highlight=False)
+    table = Table("part")
+    table.add_row("[/bold] \x1b[2J")
+    console.print("[link=http://evil]click[/link] \x1b]8;;http://evil\x07x")
+    console.print(table)
+    text = out.getvalue()
+    assert "[link=http://evil]click[/link]" in text
+    assert "[/bold]" in text
+    assert "\x1b]8" not in text
+    assert "\x1b[2J" not in text
+    assert "\\x1b[2J" in text
 
 
 _LONG_PART = "a" * 250

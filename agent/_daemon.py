@@ -70,6 +70,25 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
     node, tenants = access_rules.tenants_from_settings(settings)
     notifier = SystemdNotifier.from_environment()
     store = await _open_store(settings.tiers, notifier)
+    try:
+        await _serve_store(
+            settings, store, node=node, tenants=tenants, notifier=notifier, stop=stop
+        )
+    finally:
+        store.close()
+    log.info("stopped")
+
+
+async def _serve_store(
+    settings: Settings,
+    store: Store,
+    *,
+    node: access_rules.Tenant,
+    tenants: dict[str, access_rules.Tenant],
+    notifier: SystemdNotifier,
+    stop: asyncio.Event,
+) -> None:
+    """Serve from the opened store until ``stop`` is set, then drain."""
     api = _api_server(settings, node, tenants)
     api.claim()
     raise_descriptor_limit(api.connection_capacity)
@@ -116,7 +135,6 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
                 grace=settings.shutdown_grace_seconds,
                 pulls_in_flight=len(puller.flights()),
             )
-    log.info("stopped")
 
 
 def _stop_on_signals() -> asyncio.Event:

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from agent_helpers import AgentFactory, ProcessFactory, RunningAgent, small_tmpfs
+from store_helpers import close_open_stores
 
 from agent.testing import (
     AgentProcess,
@@ -56,6 +57,13 @@ def _longest_files_first(items: list[pytest.Item]) -> None:
     slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
     tests = Counter(item.path for item in items)
     items.sort(key=lambda item: (-slow[item.path], -tests[item.path], str(item.path)))
+
+
+@pytest.fixture(autouse=True)
+def _stores_let_go() -> Iterator[None]:
+    """Every store a test opened with ``open_store`` lets go of its roots when the test ends."""
+    yield
+    close_open_stores()
 
 
 @pytest.fixture(scope="session")

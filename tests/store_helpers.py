@@ -21,11 +21,21 @@ def key_of(number: int) -> str:
     return f"{number:032x}"
 
 
+# The store last opened on each tmp_path: opening another there is a restart, so the
+# earlier one lets go of the roots' locks first, as a process that ended would.
+_OPEN_STORES: dict[Path, Store] = {}
+
+
 async def open_store(tmp_path: Path, budget: str = "10MiB") -> Store:
-    """A store with both tiers under ``tmp_path``, each with ``budget`` and no reserve."""
+    """A store with both tiers under ``tmp_path``, each with ``budget`` and no reserve; the
+    store opened there before (an earlier "process") is closed first."""
+    earlier = _OPEN_STORES.pop(tmp_path, None)
+    if earlier is not None:
+        earlier.close()
     roots: dict[TierName, Path] = {"shm": tmp_path / "shm", "disk": tmp_path / "disk"}
     store = Store(roots, {tier: TierBudget(budget=budget, reserve="0") for tier in roots})
     await store.open()
+    _OPEN_STORES[tmp_path] = store
     return store
 
 
@@ -57,3 +67,9 @@ async def publish(
     """Stage and publish snapshot ``number``; later numbers are more recently used."""
     staging, model = stage(store, number, mib, tier=tier)
     return await store.publish(staging, model)
+
+
+def close_open_stores() -> None:
+    """Close every store ``open_store`` opened (a test's end: its roots are let go)."""
+    while _OPEN_STORES:
+        _OPEN_STORES.popitem()[1].close()

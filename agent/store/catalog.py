@@ -33,7 +33,7 @@ from agent.store.layout import (
     unpublish,
     write_usage,
 )
-from agent.store.reconcile import scan_tiers
+from agent.store.reconcile import Found, scan_tiers
 from agent.store.records import (
     CachedModel,
     ExtraUsage,
@@ -80,12 +80,15 @@ class Store:
         # Bytes reserved by pulls in progress, by key (their staging directories).
         self._in_flight: dict[str, tuple[TierName, int]] = {}
         self._extra: dict[TierName, ExtraUsage] = {}
+        # Descriptors holding each root's exclusive lock while the store is open.
+        self._locks: Found | None = None
 
     # -- start-up ------------------------------------------------------------------
 
     async def open(self) -> None:
         """Create the tier layout and rebuild the index from disk."""
         found = await asyncio.to_thread(scan_tiers, self._roots, self._traverse_group)
+        self._locks = found
         self._names = found.names
         self._entries = {model.key: _Entry(model, usage) for model, usage in found.published}
         self._leftovers = {leftover.key: leftover for leftover in found.leftovers}
@@ -93,6 +96,12 @@ class Store:
             "store ready",
             extra={"models": len(self._entries), "resumable_pulls": len(self._leftovers)},
         )
+
+    def close(self) -> None:
+        """Let go of the tier roots (their locks): another agent may open them now."""
+        if self._locks is not None:
+            self._locks.release()
+            self._locks = None
 
     # -- queries ---------------------------------------------------------------------
 

@@ -57,6 +57,13 @@ class Found:
     published: list[tuple[CachedModel, Usage]]
     leftovers: list[Leftover]
     names: dict[TierName, SnapshotNames]
+    # A descriptor per root holding its exclusive lock, open while the agent serves.
+    locks: list[int]
+
+    def release(self) -> None:
+        """Close the roots' descriptors, which lets another agent take them."""
+        while self.locks:
+            os.close(self.locks.pop())
 
 
 def scan_tiers(roots: Mapping[TierName, Path], group: int | None = None) -> Found:
@@ -65,9 +72,19 @@ def scan_tiers(roots: Mapping[TierName, Path], group: int | None = None) -> Foun
     ``group`` is the traverse group (see ``prepare_root``). Raises
     UnsafeTierRoot when a root is not the agent's alone.
     """
-    found = Found(published=[], leftovers=[], names={})
-    for root in roots.values():
-        prepare_root(root, LAYOUT, group)  # every root, before anything in one is touched
+    found = Found(published=[], leftovers=[], names={}, locks=[])
+    try:
+        for root in roots.values():
+            # Every root, locked, before anything in one is touched.
+            found.locks.append(prepare_root(root, LAYOUT, group))
+        _scan(roots, found)
+    except BaseException:
+        found.release()
+        raise
+    return found
+
+
+def _scan(roots: Mapping[TierName, Path], found: Found) -> None:
     for tier, root in roots.items():
         for doomed in trash_dir(root).iterdir():
             remove_tree(doomed)  # a link is unlinked, never followed
@@ -78,7 +95,6 @@ def scan_tiers(roots: Mapping[TierName, Path], group: int | None = None) -> Foun
         found.leftovers.extend(_scan_staging(tier, root, keys, secret))
         found.published.extend(published)
         found.names[tier] = names
-    return found
 
 
 def _scan_published(

@@ -27,6 +27,7 @@ directory at the top is the agent's alone (0700) and so is every file (0600).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import grp
 import logging
 import os
@@ -43,6 +44,7 @@ from agent.store.claim import claim_root
 __all__ = [
     "JOURNAL_KEY_NAME",
     "RootLayout",
+    "TierRootInUse",
     "UnsafeTierRoot",
     "journal_key",
     "prepare_root",
@@ -65,6 +67,11 @@ PRIVATE_DIR_MODE, PRIVATE_FILE_MODE = 0o700, 0o600
 
 class UnsafeTierRoot(PrewarmError):
     """A tier root, or a directory in it, could be written by someone other than the agent."""
+
+
+class TierRootInUse(PrewarmError):
+    """Another agent holds the tier root: two daemons on one cache would evict each other's
+    snapshots and hand out paths the other removed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,13 +102,17 @@ def traverse_group_id(group: str) -> int | None:
         ) from None
 
 
-def prepare_root(root: Path, layout: RootLayout, group: int | None = None) -> None:
+def prepare_root(root: Path, layout: RootLayout, group: int | None = None) -> int:
     """Create ``root`` and its layout, check that the agent alone owns them, set who may see what.
 
     ``group`` (a gid; None for none) is the traverse group: the only group
     that may pass through the root. Raises UnsafeTierRoot naming the path and
     what to do when a root, one of its top-level directories or an ancestor is
-    not safe.
+    not safe, and TierRootInUse when another agent holds it.
+
+    Returns a descriptor of the root holding its exclusive lock, taken before
+    anything in it changes: the agent keeps it open while it serves, so a second
+    daemon pointed at the same root stops here, before it sweeps a thing.
     """
     root = Path.cwd() / root  # an absolute root stays as it is
     _check_links_on_the_way(root.parent)
@@ -116,6 +127,7 @@ def prepare_root(root: Path, layout: RootLayout, group: int | None = None) -> No
         raise _refusal(root, "is a symlink or not a directory") from exc
     try:
         _check_owned(fd, root)
+        _lock(fd, root)
         # Closed while its entries are set: a root an older agent left open stays shut
         # until nothing in it is readable by others.
         os.fchmod(fd, PRIVATE_DIR_MODE)
@@ -127,9 +139,25 @@ def prepare_root(root: Path, layout: RootLayout, group: int | None = None) -> No
         for entry in entries:
             _prepare_entry(fd, root, entry, layout=layout, group=group)
         _open_for_traversal(fd, group)
-    finally:
+        journal_key(root)
+    except BaseException:
         os.close(fd)
-    journal_key(root)
+        raise
+    return fd
+
+
+def _lock(fd: int, root: Path) -> None:
+    """Take the root's exclusive lock (released when the holder's descriptor closes or its
+    process dies, so a crashed agent never leaves it held)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise TierRootInUse(
+            f"Another prewarm agent is serving the tier root {root}: two agents on one cache "
+            "would evict each other's snapshots. Stop the other agent (systemctl status "
+            "prewarmd; a DaemonSet pod on the same host path), or give this one other tier "
+            "roots."
+        ) from None
 
 
 def _claim(root: Path) -> None:

@@ -7,6 +7,8 @@ would have created to nobody (65534) or by leaving it group/world-writable.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,11 +16,15 @@ from store_helpers import MiB, open_store
 
 from agent._snapshot import Snapshot, SourceObject, snapshot_key
 from agent._uri import parse_uri
+from agent._vocabulary import TierName
 from agent.check.hashes import ChunkHasher
+from agent.client import Client
 from agent.pull.staging import open_staging
+from agent.store.catalog import Store
 from agent.store.journal import DATA_DIR, Journal, JournalHeader
-from agent.store.roots import JOURNAL_KEY_NAME, UnsafeTierRoot, journal_key
-from agent.testing import AgentProcess, AgentStartupError, S3Server
+from agent.store.layout import trash_dir
+from agent.store.roots import JOURNAL_KEY_NAME, TierRootInUse, UnsafeTierRoot, journal_key
+from agent.testing import AgentProcess, AgentStartupError, S3Server, SampleModel
 
 NOBODY = 65534
 
@@ -197,3 +203,51 @@ def test_the_daemon_refuses_a_planted_root_with_exit_1_and_the_reason_in_its_log
         assert f"Refusing to use {agent.shm_root}: it is owned by uid {NOBODY}" in agent.log_text()
     finally:
         agent.close()
+
+
+async def test_a_second_store_on_the_same_roots_is_refused_before_it_touches_them(
+    tmp_path: Path,
+) -> None:
+    """While one store holds the roots, another opening them stops with TierRootInUse naming
+    the root, and empties nothing (the first's trash keeps its entry); once the first lets
+    go, the roots open."""
+    first = await open_store(tmp_path)
+    kept = trash_dir(tmp_path / "shm") / "being-removed"
+    kept.write_bytes(b"the first agent's")
+    roots: dict[TierName, Path] = {"shm": tmp_path / "shm", "disk": tmp_path / "disk"}
+    with pytest.raises(TierRootInUse, match=f"serving the tier root {tmp_path / 'shm'}"):
+        await Store(roots).open()
+    assert kept.read_bytes() == b"the first agent's"
+    first.close()
+    second = Store(roots)
+    await second.open()
+    second.close()
+    assert not kept.exists()
+
+
+def test_a_second_daemon_on_the_same_roots_exits_1_and_the_first_keeps_serving(
+    s3_server: S3Server, small_model: SampleModel
+) -> None:
+    """prewarmd started on a serving agent's tier roots with a socket of its own exits 1 saying
+    another agent serves them; the first agent's snapshot stays and is still a hit."""
+    agent = AgentProcess(env=s3_server.env()).start()
+    try:
+        with Client(agent.socket_path) as client:
+            handle = client.ensure(small_model.uri)
+        other = agent.root / "other.sock"
+        second = subprocess.run(
+            [sys.executable, "-m", "agent", "--socket", str(other)],
+            env=agent.env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        with Client(agent.socket_path) as client:
+            again = client.ensure(small_model.uri)
+    finally:
+        agent.close()
+    assert second.returncode == 1, second.stderr
+    assert f"Another prewarm agent is serving the tier root {agent.shm_root}" in second.stderr
+    assert again.path == handle.path
+    assert again.hit

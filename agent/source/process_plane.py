@@ -55,7 +55,14 @@ from agent.source.interface import RangeReadError
 from agent.source.pacing import read_step
 from agent.source.plane import ByteRange, ProgressSink, RangeSink
 from agent.source.proxies import proxy_for
-from agent.source.range_worker import MAX_MESSAGE, GetJob, decode, encode, job_message
+from agent.source.range_worker import (
+    HEARTBEAT_SECONDS,
+    MAX_MESSAGE,
+    GetJob,
+    decode,
+    encode,
+    job_message,
+)
 from agent.source.s3_errors import (
     answer_error,
     broken_off_error,
@@ -85,6 +92,9 @@ _AWS_S3 = "https://s3.amazonaws.com"
 PRESIGN_SECONDS = 3600
 # How long a worker may take to cut its bodies and say "stopped" before it is killed.
 STOP_GRACE_SECONDS = 10.0
+# How long a worker with ranges in hand may send nothing (it says "alive" every
+# HEARTBEAT_SECONDS) before it is taken for frozen, killed, and its ranges handed on.
+STALL_SECONDS = 15.0
 _pull_ids = itertools.count(1)
 _job_ids = itertools.count(1)
 
@@ -159,6 +169,8 @@ class Worker:
     jobs: set[int] = field(default_factory=set)
     stops: dict[int, asyncio.Future[None]] = field(default_factory=dict)
     alive: bool = True
+    # When the agent last heard from it (time.monotonic()).
+    heard: float = field(default_factory=time.monotonic)
     # One sender at a time: a second one waiting for room would replace the first's writer.
     sending: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -166,9 +178,17 @@ class Worker:
 class WorkerPool:
     """``size`` range-worker processes, started together and replaced when one dies."""
 
-    def __init__(self, size: int, *, stop_grace: float = STOP_GRACE_SECONDS) -> None:
+    def __init__(
+        self,
+        size: int,
+        *,
+        stop_grace: float = STOP_GRACE_SECONDS,
+        stall_seconds: float = STALL_SECONDS,
+    ) -> None:
         self.size = size
         self.stop_grace = stop_grace
+        self.stall_seconds = stall_seconds
+        self._stall_check: asyncio.TimerHandle | None = None
         self._workers: list[Worker] = []
         self._handlers: dict[int, _PullRun] = {}  # job id -> the pull it belongs to
         self._tls: dict[str, object] | None = None
@@ -191,6 +211,8 @@ class WorkerPool:
             self._tls = tls
         while len(self.workers) < self.size:
             await self._spawn(len(self._workers))
+        if self._stall_check is None:
+            self._check_stalls()
 
     async def _spawn(self, index: int) -> None:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -226,6 +248,8 @@ class WorkerPool:
     async def submit(self, worker: Worker, job: GetJob, fd: int, run: _PullRun) -> None:
         """Send ``job`` (and the file's descriptor) to ``worker``; ``run`` hears its answers."""
         self._handlers[job.id] = run
+        if not worker.jobs:
+            worker.heard = time.monotonic()  # its silence counts from its first range
         worker.jobs.add(job.id)
         try:
             await self._send(worker, job_message(job), fd)
@@ -261,6 +285,8 @@ class WorkerPool:
     async def aclose(self) -> None:
         """Close every worker's socket (they exit at once) and wait for them; kill stragglers."""
         self._closed = True
+        if self._stall_check is not None:
+            self._stall_check.cancel()
         for worker in self._workers:
             if worker.alive:
                 self._detach(worker)
@@ -290,6 +316,21 @@ class WorkerPool:
                     finally:
                         loop.remove_writer(worker.sock.fileno())
 
+    def _check_stalls(self) -> None:
+        """Kill each worker that holds ranges and has been silent past ``stall_seconds``;
+        its ranges go back to their pulls, as a dead worker's do. Runs every second."""
+        now = time.monotonic()
+        for worker in self.workers:
+            silent = now - worker.heard
+            if worker.jobs and silent > self.stall_seconds:
+                self._lose(
+                    worker,
+                    f"it sent nothing for {silent:.0f} s with {len(worker.jobs)} ranges in "
+                    "hand (stopped or stuck); killed, its ranges go to other workers",
+                )
+        loop = asyncio.get_running_loop()
+        self._stall_check = loop.call_later(HEARTBEAT_SECONDS, self._check_stalls)
+
     def _on_readable(self, worker: Worker) -> None:
         while worker.alive:
             try:
@@ -299,6 +340,7 @@ class WorkerPool:
             except OSError as exc:
                 self._lose(worker, f"its socket failed: {exc}")
                 return
+            worker.heard = time.monotonic()
             for fd in fds:  # a worker sends none; never keep one
                 os.close(fd)
             if not data:
@@ -311,6 +353,13 @@ class WorkerPool:
                 return
 
     def _dispatch(self, worker: Worker, message: dict[str, Any]) -> None:
+        if "done" in message or "failed" in message:
+            self._job_ended(worker, message)
+        elif "alive" not in message:  # "alive" says only that it was heard (noted)
+            self._notice(worker, message)
+
+    def _notice(self, worker: Worker, message: dict[str, Any]) -> None:
+        """A worker's message other than a job's end: a stop settled, S3 throttling, bytes."""
         if "stopped" in message:
             future = worker.stops.pop(int(message["stopped"]), None)
             if future is not None and not future.done():
@@ -327,6 +376,9 @@ class WorkerPool:
                 if progressing is not None:  # else a job of a pull that ended
                     progressing.on_progress(int(job_text), int(count))
             return
+        raise ValueError(f"unknown message {sorted(message)[:4]}")
+
+    def _job_ended(self, worker: Worker, message: dict[str, Any]) -> None:
         job = int(message.get("done") or message.get("failed") or 0)
         run = self._handlers.get(job)
         if run is None:

@@ -70,13 +70,16 @@ from agent.source.pacing import (
     slow_body_reason,
 )
 
-__all__ = ["USER_AGENT", "GetJob", "Proxy", "decode", "encode", "main"]
+__all__ = ["HEARTBEAT_SECONDS", "USER_AGENT", "GetJob", "Proxy", "decode", "encode", "main"]
 
 # O_DIRECT writes need block-aligned offsets, lengths and memory: 4 KiB covers both
 # 512-byte and 4 KiB logical blocks.
 DIRECT_ALIGNMENT = 4096
 # How often a worker tells the daemon how many bytes its jobs wrote.
 PROGRESS_SECONDS = 0.1
+# How often a worker says it is alive, bytes or not: the daemon kills one that falls
+# silent with ranges in hand (stopped, or stuck outside Python), and hands them on.
+HEARTBEAT_SECONDS = 1.0
 # Sent with every GET, so a server's log tells this plane apart from the others.
 USER_AGENT = "prewarm-processes"
 MAX_MESSAGE = 64 * 1024
@@ -420,6 +423,7 @@ class RangeWorker:
 
     def serve(self) -> None:
         """Take messages until the daemon closes the socket."""
+        threading.Thread(target=self._beat, name="heartbeat", daemon=True).start()
         while True:
             data, fds, _flags, _address = socket.recv_fds(self._control, MAX_MESSAGE, 4)
             if not data:
@@ -431,6 +435,15 @@ class RangeWorker:
     def send(self, message: dict[str, Any]) -> None:
         with self._send_lock:
             self._control.send(encode(message))
+
+    def _beat(self) -> None:
+        """Say "alive" every HEARTBEAT_SECONDS until the daemon's socket is gone."""
+        while True:
+            time.sleep(HEARTBEAT_SECONDS)
+            try:
+                self.send({"alive": 1})
+            except OSError:
+                return
 
     def _handle(self, message: dict[str, Any], fds: list[int]) -> None:
         if "get" in message:

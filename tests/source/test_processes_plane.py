@@ -230,6 +230,29 @@ async def test_a_worker_that_does_not_answer_stop_is_killed_before_the_pull_retu
     assert published(tmp_path) == []
 
 
+async def test_a_frozen_worker_is_killed_and_its_ranges_finish_on_another(
+    tmp_path: Path, s3_server: S3Server, small_model: SampleModel, proxy: FaultProxy
+) -> None:
+    """A worker SIGSTOPped with a range in hand stops saying it is alive: after the pool's
+    stall bound it is killed and the pull (and whoever joined it) ends intact, rather than
+    hanging until someone sends SIGCONT."""
+    proxy.add(Fault.stall(after_bytes=10_000, key=small_model.prefix, times=1))
+    async with running_agent(
+        tmp_path, s3_server, proxy.endpoint_url, request_timeout_ms=60_000, worker_processes=1
+    ) as agent:
+        pool = await _pool(agent.puller)
+        pool.stall_seconds = 2.0
+        [frozen] = pool.pids()
+        pull = asyncio.create_task(agent.ensure(small_model.uri, PROCESSES))
+        await asyncio.to_thread(proxy.wait_injected, "stall")
+        os.kill(frozen, signal.SIGSTOP)
+        result = await asyncio.wait_for(pull, 30)
+        replaced = pool.pids()
+    assert_identical(result, small_model)
+    assert not _alive(frozen)
+    assert frozen not in replaced
+
+
 async def test_a_requesters_pull_is_presigned_with_the_requesters_keys(
     tmp_path: Path, s3_server: S3Server, small_model: SampleModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -481,3 +481,95 @@ def test_every_s3_call_the_source_makes_is_mapped_to_an_iam_action() -> None:
     assert calls == set(S3_CALLS)
     unused = {"delete_object"}
     assert {S3_CALLS[call] for call in set(S3_CALLS) - unused} == policy_actions()
+
+
+# -- node-readiness: its own node only -------------------------------------------------------
+
+READY_ACCOUNT = "system:serviceaccount:prewarm-system:prewarm-node-ready"
+NODE_NAME_EXTRA = "authentication.kubernetes.io/node-name"
+
+
+def _node(labels: dict[str, str], taints: list[str], *, cordoned: bool = False) -> dict[str, Any]:
+    spec: dict[str, Any] = {"taints": [{"key": k, "effect": "NoSchedule"} for k in taints]}
+    if cordoned:
+        spec["unschedulable"] = True
+    return {"metadata": {"name": "ip-10-0-0-1", "labels": labels}, "spec": spec}
+
+
+def _admission_denials(
+    old: dict[str, Any], new: dict[str, Any], *, user: str = READY_ACCOUNT, node: str = ""
+) -> list[str] | None:
+    """The messages of node-readiness.yaml's policy's failed validations for an update of
+    ``old`` to ``new`` by ``user`` whose token is bound to a pod on ``node`` (None: the policy
+    does not match the request), evaluated with a CEL interpreter as the API server would."""
+    import celpy  # the dev extra's; only these tests use it
+    from celpy.adapter import json_to_cel
+
+    policy = find(K8S / "node-readiness.yaml", "ValidatingAdmissionPolicy")["spec"]
+    env = celpy.Environment()
+
+    def run(expression: str, activation: dict[str, Any]) -> Any:
+        return env.program(env.compile(expression)).evaluate(activation)
+
+    extra = {NODE_NAME_EXTRA: [node]} if node else {}
+    activation: dict[str, Any] = {
+        "object": json_to_cel(new),
+        "oldObject": json_to_cel(old),
+        "request": json_to_cel({"userInfo": {"username": user, "extra": extra}}),
+    }
+    if not all(run(c["expression"], activation) for c in policy["matchConditions"]):
+        return None
+    variables = {v["name"]: run(v["expression"], activation) for v in policy["variables"]}
+    activation["variables"] = celpy.celtypes.MapType(
+        {celpy.celtypes.StringType(k): v for k, v in variables.items()}
+    )
+    return [v["message"] for v in policy["validations"] if not run(v["expression"], activation)]
+
+
+def test_the_readiness_account_may_mark_only_its_own_node_and_only_its_label_and_taint() -> None:
+    """The admission policy lets the readiness account add its label and drop its startup taint
+    on the node its pod runs on, and denies the same on another node, any other label or taint,
+    and a cordon; other users' updates are not its business."""
+    old = _node({"zone": "a"}, ["prewarm.io/agent-not-ready", "nvidia.com/gpu"])
+    marked = _node({"zone": "a", "prewarm.io/agent": "ready"}, ["nvidia.com/gpu"])
+    assert _admission_denials(old, marked, node="ip-10-0-0-1") == []
+    assert _admission_denials(old, marked, node="ip-10-0-0-2") == [
+        "prewarm-node-ready may change only the node its own pod runs on"
+    ]
+    assert _admission_denials(old, marked) == [
+        "prewarm-node-ready may change only the node its own pod runs on"
+    ]
+    relabelled = _node({"zone": "b"}, ["prewarm.io/agent-not-ready", "nvidia.com/gpu"])
+    untainted = _node({"zone": "a"}, ["prewarm.io/agent-not-ready"])
+    cordoned = _node({"zone": "a"}, ["prewarm.io/agent-not-ready", "nvidia.com/gpu"], cordoned=True)
+    assert _admission_denials(old, relabelled, node="ip-10-0-0-1") == [
+        "prewarm-node-ready may change only the prewarm.io/agent label"
+    ]
+    assert _admission_denials(old, untainted, node="ip-10-0-0-1") == [
+        "prewarm-node-ready may remove only the prewarm.io/agent-not-ready taint"
+    ]
+    assert _admission_denials(old, cordoned, node="ip-10-0-0-1") == [
+        "prewarm-node-ready may not cordon or uncordon a node"
+    ]
+    assert _admission_denials(old, cordoned, user="kubernetes-admin") is None
+    binding = find(K8S / "node-readiness.yaml", "ValidatingAdmissionPolicyBinding")["spec"]
+    assert (binding["policyName"], binding["validationActions"]) == ("prewarm-node-ready", ["Deny"])
+
+
+def test_the_readiness_token_reaches_only_the_container_that_calls_the_api() -> None:
+    """No token is automounted; a bound token is projected into mark-node alone, and the
+    container that waits for the agent runs as nobody in the socket group, not as the agent."""
+    pod = find(K8S / "node-readiness.yaml", "DaemonSet")["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    token = next(v for v in pod["volumes"] if v["name"] == "api-token")
+    assert {"serviceAccountToken"} <= {k for s in token["projected"]["sources"] for k in s}
+    containers = pod["initContainers"] + pod["containers"]
+    holders = [
+        c["name"] for c in containers for m in c.get("volumeMounts", []) if m["name"] == "api-token"
+    ]
+    assert holders == ["mark-node"]
+    wait = next(c for c in containers if c["name"] == "wait-for-agent")
+    assert (wait["securityContext"]["runAsUser"], wait["securityContext"]["runAsGroup"]) == (
+        65534,
+        GID,
+    )

@@ -229,6 +229,14 @@ class CompileCacheSettings(BaseModel):
     # How long a miss waits for S3 to list the other keys of its model (why-miss) before
     # it is explained with this node's keys alone.
     why_timeout_seconds: float = Field(default=5.0, gt=0, le=120)
+    # Ed25519 private key (PEM, mode 0600) this node signs its uploads with; unset: its
+    # uploads go unsigned, and nodes that require signatures will not restore them.
+    signing_key: Annotated[Path | None, BeforeValidator(_empty_to_none)] = None
+    # Public keys (PEM files, or directories of *.pub) whose signatures a restore trusts.
+    trusted_keys: list[Path] = Field(default_factory=list, max_length=256)
+    # Restore caches nobody signed (the migration from agents that did not sign). Off:
+    # a compile cache is code every node runs, and a refused one costs only a compile.
+    accept_unsigned: bool = False
 
 
 class MetricsSettings(BaseModel):
@@ -406,6 +414,14 @@ class TenantSocketSettings(BaseModel):
     # key directories and of the S3 prefix). Empty: the tenant's name. Tenants given
     # the same compile_domain share compile caches (and need the same group).
     compile_domain: str = ""
+    # Most of each tier this tenant's leases may hold (a fraction of the tier's ceiling),
+    # so a tenant that keeps re-leasing cannot keep the others out. "fair": an equal
+    # share, 1 / the number of tenant sockets.
+    tier_share: Annotated[float, Field(gt=0, le=1)] | Literal["fair"] = "fair"
+    # The domain's own signing key and trusted keys, in place of [compile_cache]'s
+    # (one key per tenant domain); unset: the node's.
+    compile_signing_key: Annotated[Path | None, BeforeValidator(_empty_to_none)] = None
+    compile_trusted_keys: list[Path] | None = Field(default=None, max_length=256)
     # Longest TTL a lease granted or renewed on this socket gets (longer asks are
     # clamped): a tenant's timed lease must not keep a snapshot for a day. Pods that
     # need longer hold their lease open on the lease socket (prewarm exec does).

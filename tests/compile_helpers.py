@@ -15,7 +15,9 @@ from store_helpers import open_store
 
 from agent._config import CompileCacheSettings, Settings, TierSettings
 from agent.compile.cache import CompileCaches
+from agent.compile.signing import Signing, Trust, load_signing_key, load_trusted_keys
 from agent.source.interface import ObjectSource
+from agent.testing import shared_keys
 
 BUCKET = "caches"
 
@@ -31,13 +33,27 @@ async def compile_node(
 ) -> AsyncIterator[CompileCaches]:
     """One node's compile caches under ``root``; ``shared`` points them at ``s3://caches/cc``
     in ``source``. ``settings`` are ``[compile_cache]`` settings; the quiet time (an hour by
-    default) keeps uploads to when a test asks."""
+    default) keeps uploads to when a test asks, and the nodes sign with and trust the tests'
+    shared key unless a test names keys."""
     store = await open_store(root, budget)
+    keys = shared_keys()
+    defaults = {
+        "quiet_seconds": 3600,
+        "signing_key": keys.private,
+        "trusted_keys": [keys.trusted],
+    }
     config = Settings(
         tiers=TierSettings(shm_root=root / "shm", disk_root=root / "disk"),
         compile_cache=CompileCacheSettings(
-            uri=f"s3://{BUCKET}/cc" if shared else None, **{"quiet_seconds": 3600, **settings}
+            uri=f"s3://{BUCKET}/cc" if shared else None, **{**defaults, **settings}
         ),
     )
     async with CompileCaches(config, store, source) as caches:
         yield caches
+
+
+def shared_signing(domain: str = "node") -> Signing:
+    """``domain``'s signatures as every test node has them: the shared key signs and is
+    trusted (for a test that reads or writes S3 beside the nodes)."""
+    keys = shared_keys()
+    return Signing(domain, load_signing_key(keys.private), Trust(load_trusted_keys([keys.trusted])))

@@ -85,6 +85,7 @@ def _table(caches: list[CompileCacheInfo]) -> Table:
         table.add_column(column, justify="right")
     table.add_column("last used", no_wrap=True)
     table.add_column("uploaded", no_wrap=True)
+    table.add_column("signed by", no_wrap=True)
     for c in caches:
         p = c.parts
         table.add_row(
@@ -99,6 +100,7 @@ def _table(caches: list[CompileCacheInfo]) -> Table:
             str(c.file_count),
             _when(c.last_used),
             _when(c.uploaded) if c.uploaded_digest else "no",
+            c.signed_by or ("unsigned" if c.uploaded_digest else "-"),
         )
     return table
 
@@ -119,6 +121,7 @@ def _detail(c: CompileCacheInfo) -> RenderableType:
         ("last launch", _verdict_line(c.last_verdict)),
         ("publish", "when a launch reports ready" if c.publish_on_ready else "when quiet"),
         ("uploaded", f"{_when(c.uploaded)} {c.uploaded_digest}" if c.uploaded_digest else "no"),
+        ("signed by", c.signed_by or ("unsigned" if c.uploaded_digest else "-")),
         ("engine", f"{p.engine} {p.engine_version}".strip()),
         ("torch", p.torch_version),
         ("triton", p.triton_version or "-"),

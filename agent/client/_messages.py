@@ -568,6 +568,7 @@ def _compile_info_from_proto(msg: pb.CompileCacheInfo) -> CompileCacheInfo:
         else None,
         publish_on_ready=msg.publish_on_ready,
         domain=msg.domain,
+        signed_by=msg.signed_by,
     )
 
 

@@ -350,6 +350,8 @@ class CompileCacheInfo:
     publish_on_ready: bool = False
     # The compile domain it belongs to (a tenant's, or "node").
     domain: str = ""
+    # The trusted key that signed what was last restored or uploaded ("": unsigned or none).
+    signed_by: str = ""
 
 
 @dataclass(frozen=True, slots=True)

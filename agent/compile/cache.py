@@ -47,6 +47,7 @@ from agent.compile.domains import (
     CacheRef,
     DomainSpec,
     Scope,
+    domain_signing,
     domain_specs,
     prepare_compile_root,
 )
@@ -54,6 +55,7 @@ from agent.compile.index import CacheIndex, CacheRecord, CompileCacheInfo, has_a
 from agent.compile.keys import KEY_LENGTH, CompileKeyParts, compile_key, engine_env, normalise_parts
 from agent.compile.lock import CompileLocks, LockEvent
 from agent.compile.remote import RemoteCompileCaches
+from agent.compile.signing import Signing
 from agent.compile.transfer import (
     CompactOutcome,
     CompileCacheTransfer,
@@ -160,6 +162,7 @@ class _Domain:
         source: ObjectSource,
         settings: CompileCacheSettings,
         *,
+        signing: Signing,
         room: Callable[[], int],
     ) -> None:
         self.name = spec.name
@@ -171,6 +174,7 @@ class _Domain:
                     source,
                     parse_uri(f"{parse_uri(uri)}{spec.name}/"),
                     why_timeout=settings.why_timeout_seconds,
+                    signing=signing,
                 ),
                 self.index,
                 room=room,
@@ -195,8 +199,11 @@ class CompileCaches:
         self._settings = settings.compile_cache
         self._store = store
         self._root = settings.tiers.disk_root / "compile"
+        signing = domain_signing(settings)
         self._domains = {
-            name: _Domain(spec, self._root, source, self._settings, room=self._room)
+            name: _Domain(
+                spec, self._root, source, self._settings, signing=signing[name], room=self._room
+            )
             for name, spec in domain_specs(settings).items()
         }
         self.locks = CompileLocks(self._settings.lock_wait_seconds)

@@ -38,6 +38,7 @@ from pathlib import Path
 from agent._config import ConfigError, Settings
 from agent._exceptions import InvalidRequest
 from agent._fs import remove_tree
+from agent.compile.signing import Signing, Trust, load_signing_key, load_trusted_keys
 
 __all__ = [
     "DOMAIN_DIR_MODE",
@@ -49,6 +50,7 @@ __all__ = [
     "CacheRef",
     "DomainSpec",
     "Scope",
+    "domain_signing",
     "domain_specs",
     "prepare_compile_root",
 ]
@@ -121,6 +123,37 @@ def domain_specs(settings: Settings) -> dict[str, DomainSpec]:
                 f"socket_group ({shared!r}); give it the same group, or a domain of its own."
             )
     return {name: DomainSpec(name, _gid(group)) for name, group in groups.items()}
+
+
+def domain_signing(settings: Settings) -> dict[str, Signing]:
+    """Each domain's signing key and the keys its restores trust: a tenant socket's own
+    (``compile_signing_key``, ``compile_trusted_keys``) or else ``[compile_cache]``'s.
+
+    ConfigError when a key file is unsafe or not a key, or when sockets sharing a
+    domain name different keys for it.
+    """
+    node = settings.compile_cache
+    chosen: dict[str, tuple[Path | None, tuple[Path, ...]]] = {
+        NODE_DOMAIN: (node.signing_key, tuple(node.trusted_keys))
+    }
+    for entry in settings.access.sockets:
+        trusted = (
+            node.trusted_keys if entry.compile_trusted_keys is None else entry.compile_trusted_keys
+        )
+        mine = (entry.compile_signing_key or node.signing_key, tuple(trusted))
+        if chosen.setdefault(entry.domain, mine) != mine:
+            raise ConfigError(
+                f"[[access.sockets]] {entry.name!r} shares compile domain {entry.domain!r} with "
+                "another socket but names other signing or trusted keys; give them the same."
+            )
+    return {
+        domain: Signing(
+            domain,
+            load_signing_key(key) if key is not None else None,
+            Trust(load_trusted_keys(trusted), accept_unsigned=node.accept_unsigned),
+        )
+        for domain, (key, trusted) in chosen.items()
+    }
 
 
 def _gid(group: str) -> int:

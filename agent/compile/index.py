@@ -72,6 +72,8 @@ class CompileCacheInfo:
     publish_on_ready: bool = False
     # The compile domain it belongs to (agent.compile.domains).
     domain: str = ""
+    # The trusted key that signed what was last restored or uploaded ("": unsigned or none).
+    signed_by: str = ""
 
 
 @dataclass(slots=True)
@@ -88,6 +90,8 @@ class CacheRecord:
     baseline: SubCacheSizes = field(default_factory=dict)
     last_verdict: Verdict | None = None
     publish_on_ready: bool = False
+    # The trusted key that signed the manifest last restored or uploaded.
+    signed_by: str = ""
     bytes: int = 0
     file_count: int = 0
 
@@ -162,6 +166,7 @@ class CacheIndex:
             last_verdict=record.last_verdict,
             publish_on_ready=record.publish_on_ready,
             domain=self.root.name,
+            signed_by=record.signed_by,
         )
 
     async def sub_caches(self, key: str) -> SubCacheSizes:
@@ -351,6 +356,7 @@ def _write_meta(root: Path, key: str, record: CacheRecord) -> None:
         "baseline": {sub: list(pair) for sub, pair in record.baseline.items()},
         "last_verdict": record.last_verdict.to_json() if record.last_verdict else None,
         "publish_on_ready": record.publish_on_ready,
+        "signed_by": record.signed_by,
     }
     write_json_atomic(root / ".meta" / f"{key}.json", document)
 
@@ -377,6 +383,7 @@ def _read_meta(path: Path) -> CacheRecord:
             Verdict.from_json(document["last_verdict"]) if document.get("last_verdict") else None
         ),
         publish_on_ready=bool(document.get("publish_on_ready", False)),
+        signed_by=str(document.get("signed_by", ""))[:64],
     )
 
 

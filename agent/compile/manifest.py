@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,7 @@ __all__ = ["ArchiveEntry", "Manifest", "parse_legacy_pointer", "parse_manifest"]
 MANIFEST_FORMAT = 2
 LEGACY_POINTER_FORMAT = 1
 _MAX_ARCHIVES = 10_000
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,10 +52,14 @@ class ArchiveEntry:
     uploader: str
     # The files it holds; None for a legacy archive whose list was never recorded.
     files: tuple[FileFacts, ...] | None
+    # sha256 of the archive as stored (hex), checked before it is unpacked; "" in
+    # entries written before agents recorded it.
+    archive_sha256: str = ""
 
     def to_json(self) -> dict[str, Any]:
         """The entry as the manifest's JSON holds it."""
-        return {
+        extra = {"archive_sha256": self.archive_sha256} if self.archive_sha256 else {}
+        return extra | {
             "name": self.name,
             "digest": self.digest,
             "archive_bytes": self.archive_bytes,
@@ -78,6 +84,9 @@ class Manifest:
     # Archives a compaction took out of the list, and when: restores that read the
     # manifest before may still be reading them, so they are deleted only later.
     retired: tuple[tuple[str, float], ...] = ()
+    # The name of the trusted key whose signature the manifest was read with ("": unsigned
+    # or not read from S3). A manifest written back is signed by the writer's key.
+    signer: str = ""
     # Each listed path's facts as the newest archive holding it lists them.
     latest: Mapping[str, FileFacts] = field(init=False)
 
@@ -226,7 +235,15 @@ def _entry(document: dict[str, Any]) -> ArchiveEntry:
         uploaded=float(document["uploaded"]),
         uploader=str(document.get("uploader", "")),
         files=None if legacy else _files(files),
+        archive_sha256=_sha256(document.get("archive_sha256", "")),
     )
+
+
+def _sha256(value: object) -> str:
+    text = str(value)
+    if text and not _SHA256.fullmatch(text):
+        raise ValueError(f"archive_sha256 {text[:80]!r}")
+    return text
 
 
 def _retired(value: Any) -> tuple[tuple[str, float], ...]:

@@ -46,6 +46,7 @@ from agent.compile.keys import (
     parts_from_dict,
     parts_to_dict,
 )
+from agent.compile.signing import UNCHECKED, Signing
 from agent.source.interface import ObjectSource
 
 __all__ = ["ENTRY_MAX_BYTES", "MAX_KEYS_READ", "KeysFound", "RemoteKeyIndex", "model_id"]
@@ -87,10 +88,18 @@ class KeysFound:
 class RemoteKeyIndex:
     """The ``by-model`` entries under one compile domain's prefix in S3."""
 
-    def __init__(self, source: ObjectSource, uri: ModelUri, *, timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        source: ObjectSource,
+        uri: ModelUri,
+        *,
+        timeout: float = 5.0,
+        signing: Signing = UNCHECKED,
+    ) -> None:
         self._source = source
         self._uri = uri
         self._timeout = timeout
+        self._signing = signing
         self._lookup = asyncio.Lock()
         # model id -> (when looked up, what was found), oldest first.
         self._answers: OrderedDict[str, tuple[float, KeysFound]] = OrderedDict()
@@ -105,14 +114,24 @@ class RemoteKeyIndex:
             {"format": ENTRY_FORMAT, "key": key, "parts": parts_to_dict(canonical)},
             sort_keys=True,
         ).encode()
-        with contextlib.suppress(Conflict):  # already there: the same bytes
-            await self._source.put_object(
-                self._uri.bucket,
-                f"{self._directory(canonical)}{key}.json",
-                body,
-                content_type="application/json",
-                if_absent=True,
-            )
+        name = f"{self._directory(canonical)}{key}.json"
+        sealed = self._signing.seal(self._relative(name), body)
+        try:
+            await self._put(name, sealed, if_absent=True)
+        except Conflict:
+            # Already there: the same entry, unless someone planted one this domain does not
+            # trust there first, which the signed one replaces.
+            if await self._entry(name, key) is None:
+                await self._put(name, sealed, if_absent=False)
+
+    async def _put(self, name: str, body: bytes, *, if_absent: bool) -> None:
+        await self._source.put_object(
+            self._uri.bucket, name, body, content_type="application/json", if_absent=if_absent
+        )
+
+    def _relative(self, name: str) -> str:
+        """An object's name under the domain's prefix: the place its signature names."""
+        return name.removeprefix(self._uri.prefix)
 
     async def keys_like(self, parts: CompileKeyParts) -> KeysFound:
         """The keys S3 holds of ``parts``' model and engine, with their parts (at most
@@ -187,7 +206,7 @@ class RemoteKeyIndex:
             )
             if stored is None:
                 return None
-            document = json.loads(stored.data)
+            document = json.loads(self._signing.open(self._relative(name), stored.data).document)
             if not isinstance(document, dict) or document.get("format") != ENTRY_FORMAT:
                 raise InvalidRequest("not an index entry of a format this agent reads")
             if not isinstance(document.get("parts"), dict):

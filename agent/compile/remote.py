@@ -21,12 +21,19 @@ compile the same key at once end with the union. Archives over
 ``multipart_threshold`` bytes (5 GiB, S3's single-PUT limit) go up in parts.
 Everything goes through the source interface (agent.source.interface), so this
 runs unchanged over the in-memory source.
+
+The manifest (and each by-model entry) is stored sealed by the node's signing
+key and opened only with a key the domain trusts (agent.compile.signing); it
+records each archive's sha256 as stored, which ``download`` checks, so a
+restoring node unpacks nothing a trusted key did not vouch for.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import hashlib
 import logging
 import socket
 import time
@@ -45,6 +52,7 @@ from agent.compile.manifest import (
     parse_manifest,
 )
 from agent.compile.model_index import RemoteKeyIndex
+from agent.compile.signing import UNCHECKED, Signing
 from agent.source.interface import ObjectSource, ObjectTooLarge
 
 __all__ = ["ArchiveGone", "DeltaPacker", "RemoteCompileCaches", "UploadOutcome", "archive_entry"]
@@ -92,13 +100,35 @@ class RemoteCompileCaches:
         multipart_threshold: int = MULTIPART_THRESHOLD,
         part_size: int = PART_SIZE,
         why_timeout: float = 5.0,
+        signing: Signing = UNCHECKED,
     ) -> None:
         self._source = source
         self._uri = uri
         self._multipart_threshold = multipart_threshold
         self._part_size = part_size
+        self._signing = signing
         # The keys of each model uploaded under this prefix, for why-miss.
-        self.keys = RemoteKeyIndex(source, uri, timeout=why_timeout)
+        self.keys = RemoteKeyIndex(source, uri, timeout=why_timeout, signing=signing)
+
+    @property
+    def domain(self) -> str:
+        """The compile domain whose prefix this is (as its signatures name it)."""
+        return self._signing.domain
+
+    @property
+    def signer(self) -> str:
+        """The name of the key this node signs with ("" when it does not sign)."""
+        return self._signing.key.name if self._signing.key else ""
+
+    def unsigned_refusal(self) -> str:
+        """Why this node does not write to S3 ("" when it may): without a signing key its
+        uploads would be unsigned, which nodes that require signatures never restore."""
+        if self._signing.key is None and not self._signing.trust.accept_unsigned:
+            return (
+                "this node has no signing key (compile_cache.signing_key) and signatures are "
+                "required, so no node would restore what it uploads"
+            )
+        return ""
 
     def uri_of(self, key: str) -> str:
         """The S3 URI of ``key``'s prefix."""
@@ -111,9 +141,15 @@ class RemoteCompileCaches:
         """Every archive of ``key`` (a legacy pointer read as one); None when nothing was."""
         stored = await self._get(key, MANIFEST_NAME, MANIFEST_MAX_BYTES)
         if stored is not None:
-            return parse_manifest(key, stored[0], stored[1])
+            opened = self._signing.open(f"{key}/{MANIFEST_NAME}", stored[0])
+            manifest = parse_manifest(key, opened.document, stored[1])
+            return dataclasses.replace(manifest, signer=opened.signer)
         legacy = await self._get(key, LEGACY_POINTER_NAME, LEGACY_POINTER_MAX_BYTES)
-        return parse_legacy_pointer(key, legacy[0]) if legacy is not None else None
+        if legacy is None:
+            return None
+        # Older agents never signed: their pointer is restored only where unsigned is accepted.
+        opened = self._signing.open(f"{key}/{LEGACY_POINTER_NAME}", legacy[0])
+        return parse_legacy_pointer(key, opened.document)
 
     async def _get(self, key: str, name: str, cap: int) -> tuple[bytes, str] | None:
         try:
@@ -144,18 +180,26 @@ class RemoteCompileCaches:
                 path=name,
                 check="size",
             )
+        digest = hashlib.sha256()
         with dest.open("wb") as out:
-            if not head.size:
-                return
-            try:
-                # Pinned to the ETag just read: an archive replaced meanwhile fails the read.
-                async with self._source.open_range(
-                    bucket, name, etag=head.etag, start=0, length=head.size
-                ) as reader:
-                    while chunk := await reader.read(_READ_BLOCK):
-                        await asyncio.to_thread(out.write, chunk)
-            except SourceChanged as exc:
-                raise ArchiveGone(f"{name} was replaced while it was read.") from exc
+            if head.size:
+                try:
+                    # Pinned to the ETag just read: an archive replaced meanwhile fails the read.
+                    async with self._source.open_range(
+                        bucket, name, etag=head.etag, start=0, length=head.size
+                    ) as reader:
+                        while chunk := await reader.read(_READ_BLOCK):
+                            await asyncio.to_thread(_write_hashed, out, digest, chunk)
+                except SourceChanged as exc:
+                    raise ArchiveGone(f"{name} was replaced while it was read.") from exc
+        if entry.archive_sha256 and digest.hexdigest() != entry.archive_sha256:
+            raise IntegrityError(
+                f"s3://{bucket}/{name} is not the archive its manifest lists (sha256 "
+                f"{digest.hexdigest()[:16]}..., listed {entry.archive_sha256[:16]}...): it was "
+                "replaced in S3 after it was uploaded. Nothing of it is unpacked.",
+                path=name,
+                check="digest",
+            )
 
     async def upload(
         self,
@@ -166,12 +210,14 @@ class RemoteCompileCaches:
     ) -> UploadOutcome:
         """Add the ``local`` files S3 lacks (by path and content) to ``key``'s manifest."""
         uri = self.uri_of(key)
+        if refusal := self.unsigned_refusal():
+            return UploadOutcome(False, uri, refusal)
         manifest = await self._manifest_for_update(key, parts)
         wanted = manifest.lacking(local)
         if not wanted:
             return UploadOutcome(False, uri, "S3 already has this content")
         archive, packed = await pack_delta(wanted)
-        entry = archive_entry(packed)
+        entry = archive_entry(packed, await asyncio.to_thread(_sha256_of, archive))
         await self._put_archive(key, entry.name, archive, packed.archive_bytes)
         for _ in range(_MERGE_ATTEMPTS):
             merged = manifest.with_archive(entry)
@@ -197,8 +243,10 @@ class RemoteCompileCaches:
         in S3, listed as retired, for ``sweep`` to delete once no restore that
         read the old manifest can still be reading them.
         """
+        if self.unsigned_refusal():
+            return False
         archive, packed = union
-        entry = archive_entry(packed)
+        entry = archive_entry(packed, await asyncio.to_thread(_sha256_of, archive))
         await self._put_archive(key, entry.name, archive, packed.archive_bytes)
         compacted = manifest.compacted(entry, time.time())
         if await self._switch_manifest(key, compacted.to_bytes(), manifest.etag or None):
@@ -265,7 +313,7 @@ class RemoteCompileCaches:
             await self._source.put_object(
                 self._uri.bucket,
                 self._object(key, MANIFEST_NAME),
-                body,
+                self._signing.seal(f"{key}/{MANIFEST_NAME}", body),
                 content_type="application/json",
                 if_match=etag,
                 if_absent=not etag,
@@ -275,8 +323,9 @@ class RemoteCompileCaches:
         return True
 
 
-def archive_entry(packed: PackResult) -> ArchiveEntry:
-    """The manifest entry of an archive packed now on this node, named by its files' digest."""
+def archive_entry(packed: PackResult, archive_sha256: str) -> ArchiveEntry:
+    """The manifest entry of an archive packed now on this node, named by its files' digest;
+    ``archive_sha256`` is the archive file's own."""
     return ArchiveEntry(
         name=f"artifacts/{packed.digest.removeprefix(DIGEST_PREFIX)[:32]}.tar.zst",
         digest=packed.digest,
@@ -286,7 +335,21 @@ def archive_entry(packed: PackResult) -> ArchiveEntry:
         uploaded=time.time(),
         uploader=socket.gethostname(),
         files=packed.files,
+        archive_sha256=archive_sha256,
     )
+
+
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while block := handle.read(_READ_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_hashed(out: Any, digest: Any, chunk: bytes) -> None:
+    digest.update(chunk)
+    out.write(chunk)
 
 
 async def _file_parts(path: Path, part_size: int) -> AsyncIterator[bytes]:

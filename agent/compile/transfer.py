@@ -51,7 +51,8 @@ from agent.compile.keys import (
 from agent.compile.manifest import Manifest
 from agent.compile.model_index import KeysFound
 from agent.compile.remote import ArchiveGone, RemoteCompileCaches
-from agent.obs.metrics import COMPILE_CACHE_PHASE_SECONDS
+from agent.compile.signing import SignatureRefused
+from agent.obs.metrics import COMPILE_CACHE_PHASE_SECONDS, COMPILE_SIGNATURES_REFUSED
 
 __all__ = [
     "CompactOutcome",
@@ -98,6 +99,7 @@ class Fetched:
         record.uploaded_digest = self.digest
         record.uploaded = self.manifest.uploaded
         record.restored = True
+        record.signed_by = self.manifest.signer
         return record
 
 
@@ -159,6 +161,16 @@ class CompileCacheTransfer:
         try:
             async with asyncio.timeout(timeout):
                 fetched = await self.fetch(key)
+        except SignatureRefused as exc:
+            COMPILE_SIGNATURES_REFUSED.labels(self._remote.domain, exc.reason).inc()
+            log.warning(
+                "refused the compile cache %s in S3 (%s): %s",
+                key,
+                exc.reason,
+                exc,
+                extra={"key": key, "reason": exc.reason},
+            )
+            return PodRestore(None, 0.0, f"refused: {exc}")
         except IntegrityError as exc:
             log.warning("refused the compile-cache archive of %s: %s", key, exc, extra={"key": key})
             return PodRestore(None, 0.0, f"refused the archive in S3: {exc}")
@@ -236,21 +248,9 @@ class CompileCacheTransfer:
             current = await asyncio.to_thread(content_digest, directory, group, foreign)
         except ChangedDuringPack as exc:
             return PushOutcome(False, uri, "", 0, f"still being written ({exc})")
-        if foreign:
-            log.warning(
-                "compile cache %s: %d files not uploaded: they are not of the domain's group "
-                "or have other hard links, so they came from outside the domain (first: %s)",
-                key,
-                len(foreign),
-                quoted(foreign[0]),
-                extra={"key": key},
-            )
-        if current.file_count == 0:
-            return PushOutcome(False, uri, current.digest, 0, "no artifacts yet")
-        if current.digest == record.uploaded_digest:
-            return PushOutcome(
-                False, uri, current.digest, 0, "unchanged since the last upload or restore"
-            )
+        _warn_foreign(key, foreign)
+        if skipped := self._skip_reason(current, record):
+            return PushOutcome(False, uri, current.digest, 0, skipped)
         started = time.monotonic()
         archives: list[Path] = []
         local = frozenset(facts[0] for facts in current.files)
@@ -274,6 +274,8 @@ class CompileCacheTransfer:
                 await asyncio.shield(asyncio.to_thread(archive.unlink, missing_ok=True))
         # Uploaded or found already there: either way S3 now holds this content.
         record.uploaded_digest, record.uploaded = current.digest, time.time()
+        if outcome.manifest is not None:
+            record.signed_by = self._remote.signer
         await self._index.save(key, record, strict=False)
         sent = outcome.manifest.archives[-1].archive_bytes if outcome.manifest else 0
         if outcome.uploaded:
@@ -282,6 +284,17 @@ class CompileCacheTransfer:
             await self._index_key(key, record)
             await self._tidy(key, outcome.manifest)
         return PushOutcome(outcome.uploaded, outcome.uri, current.digest, sent, outcome.reason)
+
+    def _skip_reason(self, current: PackResult, record: CacheRecord) -> str:
+        """Why ``key`` is not uploaded now ("" when it is): nothing to send, no key to sign
+        with where signatures are required, or S3 has this content already."""
+        if current.file_count == 0:
+            return "no artifacts yet"
+        if refusal := self._remote.unsigned_refusal():
+            return refusal
+        if current.digest == record.uploaded_digest:
+            return "unchanged since the last upload or restore"
+        return ""
 
     async def _index_key(self, key: str, record: CacheRecord) -> None:
         """List the key under its model in S3, so other nodes' misses can name it.
@@ -373,6 +386,18 @@ class CompileCacheTransfer:
     async def _discard(self, fetched: Fetched | None) -> None:
         if fetched is not None:
             await self._index.discard(fetched.staging)
+
+
+def _warn_foreign(key: str, foreign: list[str]) -> None:
+    if foreign:
+        log.warning(
+            "compile cache %s: %d files not uploaded: they are not of the domain's group "
+            "or have other hard links, so they came from outside the domain (first: %s)",
+            key,
+            len(foreign),
+            quoted(foreign[0]),
+            extra={"key": key},
+        )
 
 
 def _not_compactable(manifest: Manifest | None) -> str:

@@ -61,6 +61,7 @@ def _info(info: CompileCacheInfo) -> pb.CompileCacheInfo:
         uploaded_digest=info.uploaded_digest,
         restored=info.restored,
         publish_on_ready=info.publish_on_ready,
+        signed_by=info.signed_by,
     )
     if info.uploaded:
         message.uploaded.CopyFrom(timestamp_to_proto(info.uploaded))

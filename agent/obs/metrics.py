@@ -28,6 +28,7 @@ __all__ = [
     "COMPILE_CACHE_PHASE_SECONDS",
     "COMPILE_KEYS_REFUSED",
     "COMPILE_LAUNCHES",
+    "COMPILE_SIGNATURES_REFUSED",
     "COMPILE_WATCH_LIMIT",
     "COMPILE_WATCH_POLLING",
     "EVICTIONS",
@@ -95,6 +96,14 @@ COMPILE_KEYS_REFUSED = Counter(
     "New compile-cache keys refused because their domain already held "
     "compile_cache.max_keys_per_domain keys, by domain.",
     ["domain"],
+    registry=REGISTRY,
+)
+COMPILE_SIGNATURES_REFUSED = Counter(
+    "prewarm_compile_signatures_refused",
+    "Compile caches in S3 not restored because no trusted key signed them, by domain and "
+    "reason: unsigned, unknown-key (signed by a key the domain does not trust), "
+    "bad-signature (changed after signing, or moved from another key or domain).",
+    ["domain", "reason"],
     registry=REGISTRY,
 )
 COMPILE_WATCH_LIMIT = Counter(

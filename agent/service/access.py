@@ -100,6 +100,8 @@ class Tenant:
     # Whose compile caches this socket's requests get (agent.compile.domains); the
     # node's socket sees every domain and makes its caches in "node".
     compile_domain: str = ""
+    # Most of a tier's ceiling this socket's leases may hold; None: no share (the node's).
+    tier_share: float | None = None
 
     def allows(self, uri: ModelUri) -> bool:
         """Whether both the node's sources and this socket's own allow ``uri``."""
@@ -189,6 +191,7 @@ def tenants_from_settings(settings: Settings) -> tuple[Tenant, dict[str, Tenant]
             requester_scoped=s.requester_scoped,
             max_lease_seconds=s.max_lease_seconds,
             compile_domain=s.domain,
+            tier_share=1 / len(access.sockets) if s.tier_share == "fair" else s.tier_share,
         )
         for s in access.sockets
     }

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from agent._config import Settings
-from agent._exceptions import Conflict, NotFound
+from agent._exceptions import Conflict, NoSpace, NotFound
 from agent._snapshot import Snapshot
 from agent._uri import parse_uri, refuse_whole_bucket
 from agent._version import __version__
@@ -111,7 +111,9 @@ class AgentService:
         clock.resolved()
         bind_request(key=found.key)
         if request.lease is not None:
-            self._leases.check_room(request.grantee)  # before any pull, not after it
+            # Before any pull, not after it.
+            self._leases.check_room(request.grantee)
+            self._check_share(request, found)
         # The claim keeps this snapshot from eviction from before a pull publishes it
         # until this request has its lease and its handle has been sent.
         with self._leases.claim(found.key):
@@ -121,6 +123,27 @@ class AgentService:
                 return
             async for event in self._pull(request, found, clock, scoped=scoped):
                 yield event
+
+    def _check_share(self, request: EnsureRequest, snapshot: Snapshot) -> None:
+        """NoSpace when leasing ``snapshot`` would take the requester's socket past its share
+        of the tier (``tier_share``): its other leased snapshots there, plus this one."""
+        requester = request.requester
+        share = requester.tenant.tier_share if requester is not None else None
+        held = self._leases.keys_of(request.grantee)
+        if requester is None or share is None or snapshot.key in held:
+            return
+        cached = self._store.get(snapshot.key)
+        tier = cached.tier if cached is not None else (request.tier or self.default_tier)
+        models = [self._store.get(key) for key in held]
+        held_bytes = sum(m.total_bytes for m in models if m is not None and m.tier == tier)
+        cap = int(share * self._store.limits(tier).ceiling())
+        if held_bytes + snapshot.total_bytes > cap:
+            raise NoSpace(
+                f"Socket {requester.name!r} holds {held_bytes} bytes of leased snapshots on "
+                f"the {tier} tier, and {snapshot.total_bytes} more would take it past its "
+                f"share of the tier ({share:.0%}, {cap} bytes; [[access.sockets]] tier_share). "
+                "Release leases it no longer uses, then ask again."
+            )
 
     def _check(self, request: EnsureRequest) -> bool:
         """Refuse what no S3 call is needed to refuse; whether a pull would be scoped.

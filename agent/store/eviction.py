@@ -204,12 +204,20 @@ class Evictor:
         for tier in tiers:
             limits = self._store.limits(tier)
             protected = [c for c in self._candidates(tier) if c.protected]
-            pinned = ", ".join(c.key[:12] for c in protected[:5]) or "none"
+            # Which snapshots are held goes to the admin's log only: the refusal reaches
+            # whichever tenant asked, and the keys are other tenants' business.
+            log.warning(
+                "no room on %s for %s: leased or pinned there: %s",
+                tier,
+                snapshot.key,
+                ", ".join(c.key[:12] for c in protected) or "none",
+            )
             parts.append(
                 f"Tier {tier}: budget {_gib(limits.budget_bytes)}, "
                 f"{_gib(self._store.used_bytes(tier))} used, {_gib(limits.fs_free_bytes)} free "
                 f"with {_gib(limits.reserve_bytes)} kept in reserve; "
-                f"{_gib(sum(c.size for c in protected))} leased or pinned ({pinned})."
+                f"{_gib(sum(c.size for c in protected))} leased or pinned "
+                f"({len(protected)} snapshots)."
             )
         parts.append(
             "Free space (`prewarm ls`, `prewarm evict --force`), raise the tier's budget, "

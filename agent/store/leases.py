@@ -340,6 +340,11 @@ class LeaseTable:
         records = (self._records[i] for i in self._by_key.get(key, ()))
         return sorted(records, key=lambda r: (r.acquired, r.id))
 
+    def keys_of(self, grantee: str) -> set[str]:
+        """The snapshots ``grantee`` (a socket) holds a live lease on."""
+        self._purge()
+        return {record.key for record in self._records.values() if record.grantee == grantee}
+
     def leased_keys(self) -> set[str]:
         """Snapshot keys that at least one live lease is on."""
         self._purge()

@@ -17,6 +17,9 @@
 - ``FaultProxy``: a loopback HTTP proxy in front of an S3 server that answers
   requests matching a ``Fault`` rule with a 500, a 503 SlowDown, a reset, a
   truncated body or a stalled one.
+- ``make_keys`` / ``SigningKeys``: an Ed25519 key pair laid out as the agent
+  reads compile-cache signing keys; every test agent signs with and trusts a
+  shared pair (``shared_keys``).
 - ``HttpProxy``: a loopback forward proxy (CONNECT tunnels and absolute-form
   requests, optionally demanding credentials) that records each
   ``ProxiedRequest`` it served.
@@ -33,6 +36,7 @@ from ._memory_source import MemorySource, RangeRead
 from ._models import SampleModel, make_safetensors_model, upload_directory, upload_model
 from ._s3server import CONTROL_PATH, RecordedRequest, S3Server, S3ServerError
 from ._sdnotify import NotifyMessage, NotifySocket
+from ._signing import SigningKeys, make_keys, sealed_with_shared_key, shared_keys, unsealed
 
 __all__ = [
     "CONTROL_PATH",
@@ -53,7 +57,12 @@ __all__ = [
     "S3Server",
     "S3ServerError",
     "SampleModel",
+    "SigningKeys",
+    "make_keys",
     "make_safetensors_model",
+    "sealed_with_shared_key",
+    "shared_keys",
+    "unsealed",
     "upload_directory",
     "upload_model",
 ]

@@ -7,12 +7,14 @@ paths; ``AgentHome`` is that layout, once.
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
 from ._process import Startable, purge_tree, read_log
+from ._signing import shared_keys
 
-__all__ = ["AgentHome"]
+__all__ = ["AgentHome", "signing_env"]
 
 
 class AgentHome(Startable):
@@ -48,7 +50,7 @@ class AgentHome(Startable):
             "PREWARM_TIERS__SHM_ROOT": str(self.shm_root),
             "PREWARM_TIERS__DISK_ROOT": str(self.disk_root),
             "PREWARM_CONFIG": str(self.config_path),
-        }
+        } | signing_env()
 
     def log_text(self) -> str:
         """Everything in ``agent.log``, across restarts."""
@@ -58,3 +60,13 @@ class AgentHome(Startable):
         """Remove the root if this object made it (read-only snapshots included)."""
         if self._owns_root:
             purge_tree(self.root)
+
+
+def signing_env() -> dict[str, str]:
+    """Signed compile caches, as every test agent has them: the shared key signs and is
+    trusted (agent.testing._signing), so two test agents restore each other's caches."""
+    keys = shared_keys()
+    return {
+        "PREWARM_COMPILE_CACHE__SIGNING_KEY": str(keys.private),
+        "PREWARM_COMPILE_CACHE__TRUSTED_KEYS": json.dumps([str(keys.trusted)]),
+    }

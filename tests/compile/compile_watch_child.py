@@ -23,7 +23,7 @@ from agent._config import CompileCacheSettings, Settings, TierSettings
 from agent.compile.cache import CompileCaches
 from agent.compile.keys import CompileKeyParts
 from agent.obs.metrics import REGISTRY
-from agent.testing import MemorySource
+from agent.testing import MemorySource, shared_keys
 
 BUCKET = "caches"
 ATTACKER = CompileKeyParts(torch_version="2.13.0", model_key="attacker")
@@ -79,9 +79,15 @@ async def main(root: Path, limit: int) -> dict[str, object]:
     logging.getLogger("agent.compile").setLevel(logging.DEBUG)
     source = UploadSignal()
     store = await open_store(root)
+    keys = shared_keys()
     settings = Settings(
         tiers=TierSettings(shm_root=root / "shm", disk_root=root / "disk"),
-        compile_cache=CompileCacheSettings(uri=f"s3://{BUCKET}/cc", quiet_seconds=0.5),
+        compile_cache=CompileCacheSettings(
+            uri=f"s3://{BUCKET}/cc",
+            quiet_seconds=0.5,
+            signing_key=keys.private,
+            trusted_keys=[keys.trusted],
+        ),
     )
     async with CompileCaches(settings, store, source) as caches:
         attacker = await caches.ensure(ATTACKER)

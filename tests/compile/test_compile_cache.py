@@ -39,7 +39,7 @@ from agent.client import (
     detect_key_parts,
 )
 from agent.compile.archive import content_digest
-from agent.testing import InProcessAgent, S3Server, SampleModel
+from agent.testing import InProcessAgent, S3Server, SampleModel, unsealed
 
 PROBE = Path(__file__).with_name("compile_probe.py")
 UPLOAD_DEADLINE = 90.0
@@ -85,7 +85,7 @@ def _pointer(s3_client: Any, bucket: str, key: str) -> dict[str, Any] | None:
         body = s3_client.get_object(Bucket=bucket, Key=f"compile/node/{key}/manifest.json")["Body"]
     except s3_client.exceptions.NoSuchKey:
         return None
-    document: dict[str, Any] = json.loads(body.read())
+    document: dict[str, Any] = unsealed(body.read())
     return document
 
 

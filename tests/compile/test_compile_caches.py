@@ -22,7 +22,7 @@ from agent._exceptions import Conflict, IntegrityError, InvalidRequest, NotFound
 from agent.compile.archive import content_digest
 from agent.compile.cache import CacheRef
 from agent.compile.keys import CompileKeyParts, compile_key, sub_cache_dirs
-from agent.testing import MemorySource
+from agent.testing import MemorySource, sealed_with_shared_key, unsealed
 
 PARTS = CompileKeyParts(torch_version="2.13.0", model_key="in-process")
 KEY = compile_key(PARTS)
@@ -43,7 +43,7 @@ def _fill(directory: Path, seed: int = 1) -> None:
 
 
 def _manifest(source: MemorySource) -> dict[str, Any]:
-    document: dict[str, Any] = json.loads(source.objects[BUCKET][f"cc/node/{KEY}/manifest.json"])
+    document: dict[str, Any] = unsealed(source.objects[BUCKET][f"cc/node/{KEY}/manifest.json"])
     return document
 
 
@@ -163,7 +163,9 @@ async def test_pull_refuses_a_manifest_whose_parts_hash_to_another_key(
         await first.push(KEY)
     manifest = _manifest(source)
     manifest["parts"] = {**manifest["parts"], "model_key": "another"}
-    source.objects[BUCKET][f"cc/node/{KEY}/manifest.json"] = json.dumps(manifest).encode()
+    source.objects[BUCKET][f"cc/node/{KEY}/manifest.json"] = sealed_with_shared_key(
+        f"node/{KEY}/manifest.json", json.dumps(manifest).encode()
+    )
 
     async with node(tmp_path / "b", source) as second:
         with pytest.raises(IntegrityError, match="unusable key parts"):

@@ -11,14 +11,13 @@ process, with MemorySource as S3 (its ``reads`` record every ranged GET).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from compile_helpers import BUCKET
+from compile_helpers import BUCKET, shared_signing
 from compile_helpers import compile_node as node
 
 from agent._exceptions import Conflict
@@ -26,7 +25,7 @@ from agent._uri import parse_uri
 from agent.compile.keys import CompileKeyParts, compile_key
 from agent.compile.remote import RemoteCompileCaches
 from agent.compile.transfer import COMPACT_AFTER_ARCHIVES
-from agent.testing import MemorySource
+from agent.testing import MemorySource, unsealed
 
 PARTS = CompileKeyParts(torch_version="2.13.0", model_key="compaction")
 KEY = compile_key(PARTS)
@@ -34,7 +33,7 @@ PREFIX = f"cc/node/{KEY}/"
 
 
 def _manifest(source: MemorySource) -> dict[str, Any]:
-    document: dict[str, Any] = json.loads(source.objects[BUCKET][PREFIX + "manifest.json"])
+    document: dict[str, Any] = unsealed(source.objects[BUCKET][PREFIX + "manifest.json"])
     return document
 
 
@@ -95,7 +94,9 @@ async def test_retired_archives_are_deleted_only_once_their_grace_is_over(
         for number in range(COMPACT_AFTER_ARCHIVES + 1):
             (path / "inductor" / f"kernel-{number}.so").write_bytes(os.urandom(1000))
             await first.push(KEY)
-    remote = RemoteCompileCaches(source, parse_uri(f"s3://{BUCKET}/cc/node/"))
+    remote = RemoteCompileCaches(
+        source, parse_uri(f"s3://{BUCKET}/cc/node/"), signing=shared_signing()
+    )
     manifest = await remote.read_manifest(KEY)
     assert manifest is not None
     retired = [name for name, _ in manifest.retired]

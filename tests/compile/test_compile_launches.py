@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from agent_helpers import AgentFactory
 
-from agent.testing import SampleModel
+from agent.testing import SampleModel, unsealed
 
 CHILD = str(Path(__file__).with_name("exec_ready_child.py"))
 MEGACACHE_PROBE = str(Path(__file__).with_name("megacache_probe.py"))
@@ -109,7 +109,7 @@ def test_the_cache_is_uploaded_once_the_health_url_answers_and_the_verdict_is_pr
     assert "inductor +1 files" in verdict, verdict
     assert "uploaded" in verdict
     (manifest_key,) = _manifests(s3_client, bucket)
-    manifest = json.loads(s3_client.get_object(Bucket=bucket, Key=manifest_key)["Body"].read())
+    manifest = unsealed(s3_client.get_object(Bucket=bucket, Key=manifest_key)["Body"].read())
     assert manifest["file_count"] == 1
     _, rest = launcher.communicate("exit\n", timeout=60)
     assert launcher.returncode == 0, rest

@@ -7,7 +7,6 @@ or miss; and only then is the key uploaded (merged into the manifest).
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from agent.compile.cache import COMPILE_MISS_PARTS
 from agent.compile.keys import CompileKeyParts, compile_key
 from agent.compile.verdict import Verdict, judge
 from agent.obs.metrics import COMPILE_LAUNCHES
-from agent.testing import MemorySource
+from agent.testing import MemorySource, unsealed
 
 PARTS = CompileKeyParts(torch_version="2.13.0", model_key="verdicts")
 KEY = compile_key(PARTS)
@@ -63,7 +62,7 @@ async def test_cold_then_restored_then_new_shape_give_miss_hit_partial_miss(
     assert "triton +1 files" in partial.verdict.describe()
     assert info.last_verdict is not None
     assert info.last_verdict.verdict == "partial miss"
-    manifest = json.loads(source.objects[BUCKET][MANIFEST])
+    manifest = unsealed(source.objects[BUCKET][MANIFEST])
     assert manifest["file_count"] == 2  # the partial miss was merged, not overwritten
 
 

@@ -25,7 +25,7 @@ from agent_helpers import AgentFactory, when_logged
 
 from agent._exceptions import AccessDenied, NoSpace, NotFound
 from agent.client import Client, CompileKeyParts, Progress
-from agent.testing import Fault, FaultProxy, InProcessAgent, S3Server, SampleModel
+from agent.testing import Fault, FaultProxy, InProcessAgent, S3Server, SampleModel, unsealed
 from agent.testing._process import purge_tree
 
 PARTS = CompileKeyParts(torch_version="2.13.0", model_key="shared-model")
@@ -264,7 +264,7 @@ def test_files_moved_or_linked_in_from_outside_the_domain_are_never_uploaded(
             os.link(outside, mine.path / "inductor" / "ab" / "linked.so")
         assert a.push_compile_cache(mine.key).uploaded
     body = s3_client.get_object(Bucket=bucket, Key=f"cc/team-a/{mine.key}/manifest.json")["Body"]
-    listed = [f[0] for archive in json.load(body)["archives"] for f in archive["files"]]
+    listed = [f[0] for archive in unsealed(body.read())["archives"] for f in archive["files"]]
     assert listed == ["inductor/ab/own.so"]
 
 

@@ -13,15 +13,16 @@ import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 from agent_helpers import AgentFactory
 
-from agent._exceptions import AccessDenied, NotFound
+from agent._exceptions import AccessDenied, NoSpace, NotFound
 from agent._uri import parse_uri
 from agent.client import Client, LeaseGrant
 from agent.pull.resolver import resolve
-from agent.testing import MemorySource, SampleModel
+from agent.testing import MemorySource, SampleModel, make_safetensors_model, upload_model
 from agent.testing._process import purge_tree
 
 # As many include globs as a request may carry, each near the 1,024-byte cap, written to
@@ -134,3 +135,45 @@ def test_a_tenants_lease_ttl_is_capped_by_its_max_lease_seconds(
 def _seconds_left(lease: LeaseGrant) -> float:
     assert lease.expires is not None
     return (lease.expires - datetime.now(UTC)).total_seconds()
+
+
+def _models(s3_client: Any, bucket: str, root: Path, count: int) -> list[SampleModel]:
+    """``count`` different 9 MiB single-shard models in ``bucket``."""
+    made = []
+    for number in range(count):
+        directory = root / f"m{number}"
+        tensors = make_safetensors_model(directory, total_bytes=9 * 2**20, shards=1, seed=number)
+        made.append(upload_model(s3_client, bucket, f"m{number}", directory, tensors=tensors))
+    return made
+
+
+def test_a_tenant_that_keeps_leasing_gets_its_share_and_another_still_gets_room(
+    start_agent: AgentFactory, s3_client: Any, bucket: str, tmp_path: Path, short_dir: Path
+) -> None:
+    """Two tenants on a 20 MiB tier (fair share: half each): A holds one 9 MiB model leased and
+    is refused a second (RESOURCE_EXHAUSTED naming its share), while B gets its model leased
+    beside A's; a refusal for a full tier names no one's snapshots; A gets room again once it
+    releases."""
+    first, second, third = _models(s3_client, bucket, tmp_path, 3)
+    a_socket, b_socket = short_dir / "a.sock", short_dir / "b.sock"
+    agent = start_agent(
+        '[tiers]\nshm_budget = "20MiB"\n'
+        f'[[access.sockets]]\nname = "team-a"\npath = "{a_socket}"\n'
+        f'[[access.sockets]]\nname = "team-b"\npath = "{b_socket}"\n'
+    )
+    with Client(a_socket) as a, Client(b_socket) as b, Client(agent.socket_path) as node:
+        handle = a.ensure(first.uri, lease=True, tier="shm")
+        held = handle.lease
+        assert held is not None
+        with pytest.raises(NoSpace) as refused:
+            a.ensure(second.uri, lease=True, tier="shm")
+        message = str(refused.value)
+        assert "past its share of the tier (50%" in message
+        assert "tier_share" in message
+        assert b.ensure(third.uri, lease=True, tier="shm").lease is not None
+        with pytest.raises(NoSpace) as full:
+            node.ensure(second.uri, lease=True, tier="shm", strict_tier=True)
+        assert "No tier can hold" in str(full.value)
+        assert handle.key[:12] not in str(full.value)
+        a.release_lease(held.id)
+        assert a.ensure(second.uri, lease=True, tier="shm").lease is not None

@@ -69,8 +69,11 @@ async def test_leased_and_pinned_snapshots_are_never_victims(tmp_path: Path) -> 
     assert [v.key for v in victims] == [c]
 
 
-async def test_no_space_when_only_protected_snapshots_could_go(tmp_path: Path) -> None:
-    """NoSpace names the tier's budget and what is leased; nothing is evicted on the way."""
+async def test_no_space_when_only_protected_snapshots_could_go(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """NoSpace names the tier's budget and how much is leased, not whose snapshots (the
+    refusal reaches whichever tenant asked): their keys go to the log; nothing is evicted."""
     store = await open_store(tmp_path)
     keys = await _three(store)
     leases = _leases()
@@ -78,7 +81,9 @@ async def test_no_space_when_only_protected_snapshots_could_go(tmp_path: Path) -
         leases.grant(key)
     with pytest.raises(NoSpace, match=r"Tier shm: budget 0\.01 GiB") as info:
         _evictor(store, leases).place(_snapshot(9, 3), "shm", strict=False)
-    assert keys[0][:12] in str(info.value)
+    assert "leased or pinned (3 snapshots)" in str(info.value)
+    assert not [key for key in keys if key[:12] in str(info.value)]
+    assert keys[0][:12] in caplog.text
     assert [m.key for m in store.models()] == keys
 
 

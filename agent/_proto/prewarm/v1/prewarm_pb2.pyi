@@ -1012,6 +1012,7 @@ class CompileCacheInfo(_message.Message):
     LAST_VERDICT_FIELD_NUMBER: _builtins.int
     PUBLISH_ON_READY_FIELD_NUMBER: _builtins.int
     DOMAIN_FIELD_NUMBER: _builtins.int
+    SIGNED_BY_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     path: _builtins.str
     bytes: _builtins.int
@@ -1023,6 +1024,10 @@ class CompileCacheInfo(_message.Message):
     """Uploaded only when a launch reports ready (see EnsureCompileCacheRequest)."""
     domain: _builtins.str
     """The compile domain it belongs to: the tenant socket's compile_domain, or "node"."""
+    signed_by: _builtins.str
+    """The trusted key (its file name) that signed what was last restored or uploaded;
+    empty when that was unsigned (compile_cache.accept_unsigned) or nothing was.
+    """
     @_builtins.property
     def parts(self) -> Global___CompileKeyParts: ...
     @_builtins.property
@@ -1051,10 +1056,11 @@ class CompileCacheInfo(_message.Message):
         last_verdict: Global___CompileVerdict | None = ...,
         publish_on_ready: _builtins.bool = ...,
         domain: _builtins.str = ...,
+        signed_by: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "last_used", b"last_used", "last_verdict", b"last_verdict", "parts", b"parts", "uploaded", b"uploaded"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "created", b"created", "domain", b"domain", "file_count", b"file_count", "key", b"key", "last_used", b"last_used", "last_verdict", b"last_verdict", "parts", b"parts", "path", b"path", "publish_on_ready", b"publish_on_ready", "restored", b"restored", "uploaded", b"uploaded", "uploaded_digest", b"uploaded_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "created", b"created", "domain", b"domain", "file_count", b"file_count", "key", b"key", "last_used", b"last_used", "last_verdict", b"last_verdict", "parts", b"parts", "path", b"path", "publish_on_ready", b"publish_on_ready", "restored", b"restored", "signed_by", b"signed_by", "uploaded", b"uploaded", "uploaded_digest", b"uploaded_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

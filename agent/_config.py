@@ -229,6 +229,10 @@ class CompileCacheSettings(BaseModel):
     # How long a miss waits for S3 to list the other keys of its model (why-miss) before
     # it is explained with this node's keys alone.
     why_timeout_seconds: float = Field(default=5.0, gt=0, le=120)
+    # A key is uploaded at most once this often (a push or the watcher sooner waits): tiny
+    # changes pushed again and again would each cost an archive PUT and, every few, a
+    # compaction that downloads them all.
+    min_upload_interval_seconds: float = Field(default=60.0, ge=0, le=86400)
     # Ed25519 private key (PEM, mode 0600) this node signs its uploads with; unset: its
     # uploads go unsigned, and nodes that require signatures will not restore them.
     signing_key: Annotated[Path | None, BeforeValidator(_empty_to_none)] = None

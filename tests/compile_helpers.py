@@ -33,12 +33,14 @@ async def compile_node(
 ) -> AsyncIterator[CompileCaches]:
     """One node's compile caches under ``root``; ``shared`` points them at ``s3://caches/cc``
     in ``source``. ``settings`` are ``[compile_cache]`` settings; the quiet time (an hour by
-    default) keeps uploads to when a test asks, and the nodes sign with and trust the tests'
-    shared key unless a test names keys."""
+    default) keeps uploads to when a test asks, uploads are not paced, and the nodes sign with
+    and trust the tests' shared key unless a test names keys."""
     store = await open_store(root, budget)
     keys = shared_keys()
     defaults = {
         "quiet_seconds": 3600,
+        # Tests push again and again on purpose; the pacing has tests of its own.
+        "min_upload_interval_seconds": 0,
         "signing_key": keys.private,
         "trusted_keys": [keys.trusted],
     }

@@ -33,7 +33,7 @@ from agent._wire import (
 )
 from agent._wire import tier_to_proto as _wire_tier_to_proto
 
-from ._exceptions import InvalidRequest, PrewarmError
+from ._exceptions import IntegrityError, InvalidRequest, PrewarmError
 from ._models import (
     AgentStatus,
     CompileCacheHandle,
@@ -468,6 +468,37 @@ def status_from_proto(msg: pb.StatusResponse) -> AgentStatus:
     )
 
 
+def check_owner(handle: ModelHandle, owner: int) -> None:
+    """IntegrityError unless the snapshot at ``handle.path``, as this process sees it, and
+    each of its files belong to the agent (``owner``).
+
+    A pod whose mount of the tier root was made before the agent claimed a root another
+    user planted still sees the planter's directory at the handed path; its files would be
+    the planter's. A path this process cannot see at all is left to the caller.
+    """
+    directory = handle.path
+    paths = [directory, *(directory / entry.path for entry in handle.files)]
+    for path in paths:
+        try:
+            found = os.lstat(path).st_uid
+        except FileNotFoundError:
+            if path == directory:
+                return
+            found = -1
+        except OSError:
+            return  # not this process's to see (permissions): the engine's open will say
+        if found != owner:
+            whose = f"uid {found}" if found >= 0 else "nobody (it is missing)"
+            raise IntegrityError(
+                f"{path} belongs to {whose}, not to the prewarm agent (uid {owner}): this "
+                "process does not see the agent's tier root (a directory another user made "
+                "before the agent claimed it, mounted earlier?). Nothing of it was used; "
+                "restart the pod so it mounts the agent's root.",
+                path=str(path),
+                check="owner",
+            )
+
+
 class EnsureReader:
     """Reads EnsureModel's events: progress to the caller's callback, then the handle."""
 
@@ -481,6 +512,8 @@ class EnsureReader:
         kind = event.WhichOneof("event")
         if kind == "handle":
             self._handle = _handle_from_proto(event.handle)
+            if event.handle.HasField("owner_uid"):
+                check_owner(self._handle, event.handle.owner_uid)
         elif kind == "progress" and self._progress is not None:
             self._progress(_progress_from_proto(event.progress))
         # An empty event (a newer agent's kind this client does not know) is skipped.

@@ -179,6 +179,7 @@ class _Domain:
                 self.index,
                 room=room,
                 restore_timeout=settings.restore_timeout_seconds,
+                min_upload_interval=settings.min_upload_interval_seconds,
             )
             if uri
             else None
@@ -199,6 +200,8 @@ class CompileCaches:
         self._settings = settings.compile_cache
         self._store = store
         self._root = settings.tiers.disk_root / "compile"
+        # Uploads put off until their key may go up again (min_upload_interval_seconds).
+        self._later: set[asyncio.TimerHandle] = set()
         signing = domain_signing(settings)
         self._domains = {
             name: _Domain(
@@ -251,6 +254,8 @@ class CompileCaches:
         tb: TracebackType | None,
     ) -> None:
         self.locks.close()
+        for timer in self._later:
+            timer.cancel()
         await self._watcher.__aexit__(exc_type, exc, tb)
 
     # -- queries -------------------------------------------------------------------------------
@@ -702,8 +707,12 @@ class CompileCaches:
                 return
         if outcome.uploaded:
             log.info("uploaded compile cache %s to %s", ref, outcome.uri, extra={"key": key})
-        else:
-            log.debug("compile cache %s not uploaded: %s", ref, outcome.skipped_reason)
+            return
+        log.debug("compile cache %s not uploaded: %s", ref, outcome.skipped_reason)
+        if wait := domain.transfer.upload_wait(key):
+            # Too soon after the last upload: the watcher reports the key again then.
+            timer = asyncio.get_running_loop().call_later(wait, self._watcher.touch, text)
+            self._later.add(timer)
 
     async def _drop(self, ref: CacheRef, reason: str) -> None:
         await self._domains[ref.domain].index.remove(ref.key)

@@ -135,13 +135,16 @@ class CompileCacheTransfer:
         *,
         room: Callable[[], int],
         restore_timeout: float,
-        compact_after: int = COMPACT_AFTER_ARCHIVES,
-        retired_grace: float = RETIRED_GRACE_SECONDS,
+        min_upload_interval: float = 0.0,
     ) -> None:
         self._remote = remote
         self._index = index
-        self._compact_after = compact_after
-        self._retired_grace = retired_grace
+        self._compact_after = COMPACT_AFTER_ARCHIVES
+        self._retired_grace = RETIRED_GRACE_SECONDS
+        self._min_upload_interval = min_upload_interval
+        # When each key was last uploaded, and last compacted after an upload (monotonic).
+        self._uploaded_at: dict[str, float] = {}
+        self._compacted_at: dict[str, float] = {}
         # Bytes the disk can still take: an archive that unpacks to more is refused.
         self._room = room
         self._restore_timeout = restore_timeout
@@ -249,7 +252,7 @@ class CompileCacheTransfer:
         except ChangedDuringPack as exc:
             return PushOutcome(False, uri, "", 0, f"still being written ({exc})")
         _warn_foreign(key, foreign)
-        if skipped := self._skip_reason(current, record):
+        if skipped := self._skip_reason(key, current, record):
             return PushOutcome(False, uri, current.digest, 0, skipped)
         started = time.monotonic()
         archives: list[Path] = []
@@ -279,21 +282,36 @@ class CompileCacheTransfer:
         await self._index.save(key, record, strict=False)
         sent = outcome.manifest.archives[-1].archive_bytes if outcome.manifest else 0
         if outcome.uploaded:
+            self._uploaded_at[key] = time.monotonic()
             COMPILE_CACHE_PHASE_SECONDS.labels("upload").observe(time.monotonic() - started)
         if outcome.manifest is not None:
             await self._index_key(key, record)
             await self._tidy(key, outcome.manifest)
         return PushOutcome(outcome.uploaded, outcome.uri, current.digest, sent, outcome.reason)
 
-    def _skip_reason(self, current: PackResult, record: CacheRecord) -> str:
+    def upload_wait(self, key: str) -> float:
+        """Seconds before ``key`` may be uploaded again (0: now)."""
+        last = self._uploaded_at.get(key)
+        if last is None:
+            return 0.0
+        return max(0.0, last + self._min_upload_interval - time.monotonic())
+
+    def _skip_reason(self, key: str, current: PackResult, record: CacheRecord) -> str:
         """Why ``key`` is not uploaded now ("" when it is): nothing to send, no key to sign
-        with where signatures are required, or S3 has this content already."""
+        with where signatures are required, S3 has this content already, or the key was
+        uploaded too recently."""
         if current.file_count == 0:
             return "no artifacts yet"
         if refusal := self._remote.unsigned_refusal():
             return refusal
         if current.digest == record.uploaded_digest:
             return "unchanged since the last upload or restore"
+        if wait := self.upload_wait(key):
+            return (
+                f"uploaded less than {self._min_upload_interval:g} s ago; a key is uploaded at "
+                "most that often (compile_cache.min_upload_interval_seconds), and this one "
+                f"goes up in {wait:.0f} s"
+            )
         return ""
 
     async def _index_key(self, key: str, record: CacheRecord) -> None:
@@ -312,13 +330,18 @@ class CompileCacheTransfer:
             )
 
     async def _tidy(self, key: str, manifest: Manifest) -> None:
-        """After an upload: compact a key past ``compact_after`` archives, delete old retirees.
+        """After an upload: compact a key past ``compact_after`` archives (at most once per
+        ``retired_grace``), delete old retirees.
 
         Neither is the upload's business to fail: a failure is logged, and the
         next upload of the key tries again.
         """
+        last = self._compacted_at.get(key)
+        # Once per key per retired grace at most: each compaction downloads every archive.
+        due = last is None or time.monotonic() - last >= self._retired_grace
         try:
-            if len(manifest.archives) > self._compact_after:
+            if len(manifest.archives) > self._compact_after and due:
+                self._compacted_at[key] = time.monotonic()
                 await self.compact(key)
             elif manifest.retired_before(time.time() - self._retired_grace):
                 await self._sweep_now(key)

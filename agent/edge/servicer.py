@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator
 
 import grpc
@@ -313,6 +314,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
             ),
             resolved_offline=result.resolved_offline,
             resumed_bytes=result.resumed_bytes,
+            owner_uid=os.geteuid(),
         )
         if result.lease is not None:
             handle.lease.CopyFrom(self._lease(result.lease))

@@ -88,8 +88,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _AWS_S3 = "https://s3.amazonaws.com"
-# A presigned GET outlives any one range's attempts by far; a new one is signed per range.
-PRESIGN_SECONDS = 3600
+# How long a presigned GET is valid: a URL that leaks (a worker's memory, a proxy's log)
+# fetches the object until then. Signed again per object once half of it is gone, so
+# each range's attempts (bounded by the first-byte and low-speed deadlines) fit easily.
+PRESIGN_SECONDS = 900
 # How long a worker may take to cut its bodies and say "stopped" before it is killed.
 STOP_GRACE_SECONDS = 10.0
 # How long a worker with ranges in hand may send nothing (it says "alive" every

@@ -8,7 +8,9 @@ it hands them the cache. Neither: the agent makes a fresh private directory
 beside it and swaps the two names in one ``renameat2(RENAME_EXCHANGE)``, so the
 configured name is never free for an instant and nothing of the other user's
 is entered, followed or deleted. Their entry stays beside the root under
-``<root>.planted-<random>`` for the admin to inspect, and the log says so.
+``<root>.planted-<random>`` for the admin to inspect, and the log says so; it is
+made root's with mode 000, so a pod that mounted it before the swap (a hostPath
+made early) reads nothing of it.
 
 Swapping another user's entry in a sticky directory takes root (or
 CAP_FOWNER). An agent without it refuses to start, naming the step that can
@@ -96,6 +98,7 @@ def claim_root(root: Path, owner: int) -> Claim:
                 f"{root} was made by uid {stranger}, and only root may move it aside in "
                 f"{root.parent}",
             ) from exc
+        _close_off(parent, aside, stranger)
         return Claim(root, moved=root.parent / aside, planted_by=stranger)
     finally:
         os.close(parent)
@@ -153,6 +156,33 @@ def _swap_in_fresh(parent: int, name: str, owner: int) -> str:
         os.rmdir(aside, dir_fd=parent)  # still the fresh, empty directory
         raise
     return aside
+
+
+def _close_off(parent: int, name: str, planter: int) -> None:
+    """Make the planted entry, now at ``name``, unusable where it is: root's, mode 000.
+
+    A pod whose mount of the root was made before the swap still sees this very
+    directory at the path the agent hands out; closed off, it can read nothing
+    the planter put there. Only the planter's own directory or single-link file is
+    touched (opened without following a link, checked after opening): whatever
+    else was renamed into its place meanwhile is left alone. Its contents are
+    never entered.
+    """
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(name, flags, dir_fd=parent)
+    except OSError:
+        return  # a link (ELOOP), or gone: nothing here a mount could still show
+    try:
+        info = os.fstat(fd)
+        ours_to_close = stat.S_ISDIR(info.st_mode) or (
+            stat.S_ISREG(info.st_mode) and info.st_nlink == 1
+        )
+        if info.st_uid == planter and ours_to_close:
+            os.fchown(fd, 0, 0)
+            os.fchmod(fd, 0)
+    finally:
+        os.close(fd)
 
 
 def _renameat2_exchange(parent: int, first: str, second: str) -> None:

@@ -257,8 +257,8 @@ async def test_a_requesters_pull_is_presigned_with_the_requesters_keys(
     tmp_path: Path, s3_server: S3Server, small_model: SampleModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A flight with a source of its own (a requester's keys) on the processes plane: every
-    ranged GET the workers send is presigned (SigV4, If-Match signed) with the requester's key
-    id, none with the node's.
+    ranged GET the workers send is presigned (SigV4, If-Match signed, valid 15 minutes) with the
+    requester's key id, none with the node's.
 
     (moto cannot enforce IAM on presigned GETs, so the signature's key id is the proof.)
     """
@@ -280,8 +280,10 @@ async def test_a_requesters_pull_is_presigned_with_the_requesters_keys(
     assert gets
     assert {sent_by(r.user_agent) for r in gets} == {"processes"}
     assert all("X-Amz-Credential=AKIAREQUESTER%2F" in r.query for r in gets), gets[0].query
-    # SigV4 with If-Match signed in: the URL can only fetch this version of the object.
+    # SigV4 with If-Match signed in: the URL can only fetch this version of the object,
+    # and only for 15 minutes should it leak.
     assert all("X-Amz-SignedHeaders=host%3Bif-match" in r.query for r in gets), gets[0].query
+    assert all("X-Amz-Expires=900&" in r.query + "&" for r in gets), gets[0].query
 
 
 async def test_workers_hold_no_credentials(

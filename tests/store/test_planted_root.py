@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.client import Client
+from agent.client import Client, IntegrityError
 from agent.testing import AgentProcess, S3Server, SampleModel
 
 NOBODY = 65534
@@ -103,7 +103,8 @@ def test_a_root_another_user_made_first_is_moved_aside_and_the_agent_starts(
 ) -> None:
     """Another user's directory (with a file and a link to /etc in it) or link at the shm root:
     the agent starts, serves a pull from a root of its own, and the planted entry sits beside it
-    untouched; after a restart the root is the agent's and its cache is kept."""
+    with its contents untouched (a directory made root's, mode 000); after a restart the root is
+    the agent's and its cache is kept."""
     root = shared / "prewarm"
     _plant(root, kind)
     planted = _tree(root)
@@ -121,6 +122,8 @@ def test_a_root_another_user_made_first_is_moved_aside_and_the_agent_starts(
             0o711,
         )
         moved = _planted_beside(root)
+        if kind == "directory":  # closed off where it is: root's, mode 000, contents as made
+            planted["."] = (0, 0o000, "")
         assert _tree(moved) == planted
         assert f"{moved}" in agent.log_text()
         agent.restart()
@@ -137,8 +140,8 @@ def test_claim_roots_prepares_a_shared_root_for_an_agent_that_is_not_root(
     """`prewarmd --claim-roots --owner UID`, run as root before an unprivileged agent starts
     (the systemd unit's and the DaemonSet's first step): a planted shm root is moved aside and
     the root is a fresh private directory of that uid (the agent opens it to traversal when it
-    starts); a disk root under a private parent is left for the agent to make. Exit 0, one line
-    per root on stderr."""
+    starts) and the planted one is root's, mode 000; a disk root under a private parent is left
+    for the agent to make. Exit 0, one line per root on stderr."""
     root = shared / "prewarm"
     _plant(root, "directory")
     disk = tmp_path / "disk"
@@ -159,6 +162,68 @@ def test_claim_roots_prepares_a_shared_root_for_an_agent_that_is_not_root(
     assert result.returncode == 0, result.stderr
     info = root.lstat()
     assert (info.st_uid, stat.S_IMODE(info.st_mode)) == (AGENT_USER, 0o700)
-    assert _planted_beside(root).lstat().st_uid == NOBODY
+    planted = _planted_beside(root).lstat()
+    assert (planted.st_uid, stat.S_IMODE(planted.st_mode)) == (0, 0o000)  # closed off in place
     assert not disk.exists()
     assert f"moved {root}" in result.stderr
+
+
+READ_AS_NOBODY = r"""
+import sys
+try:
+    print(open(sys.argv[1]).read())
+except PermissionError:
+    print("refused")
+"""
+
+
+def test_a_view_of_the_planted_root_made_before_the_claim_shows_nothing_of_it(
+    s3_server: S3Server, shared: Path
+) -> None:
+    """A pod that mounted the planted directory before the agent moved it aside keeps that very
+    directory at the root's path; once the agent has claimed the root, a non-root reader of it
+    (here the planter's own uid) gets nothing: the directory is root's with mode 000."""
+    root = shared / "prewarm"
+    _plant(root, "directory")
+    agent = AgentProcess(env=s3_server.env())
+    agent.shm_root = root
+    try:
+        agent.start()
+        view = _planted_beside(root) / "mine.txt"  # the same inode a pod's mount shows
+        assert SYSTEM_PYTHON is not None
+        read = subprocess.run(
+            [SYSTEM_PYTHON, "-I", "-c", READ_AS_NOBODY, str(view)],
+            user=NOBODY,
+            group=NOBODY,
+            extra_groups=[],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+            cwd="/",
+        )
+    finally:
+        agent.close()
+    assert read.stdout.strip() == "refused"
+
+
+def test_a_client_refuses_a_snapshot_path_the_agent_does_not_own(
+    s3_server: S3Server, small_model: SampleModel
+) -> None:
+    """The handle names the agent's uid; a client that finds the snapshot directory owned by
+    someone else at the handed path (a planted root mounted before the claim) raises
+    IntegrityError naming the owner instead of handing back a path to load."""
+    agent = AgentProcess(env=s3_server.env())
+    try:
+        agent.start()
+        with Client(agent.socket_path) as client:
+            handle = client.ensure(small_model.uri)
+            os.chown(handle.path, NOBODY, NOBODY)
+            with pytest.raises(
+                IntegrityError, match=f"belongs to uid {NOBODY}, not to the prewarm agent"
+            ):
+                client.ensure(small_model.uri)
+            os.chown(handle.path, 0, 0)
+            assert client.ensure(small_model.uri).hit
+    finally:
+        agent.close()

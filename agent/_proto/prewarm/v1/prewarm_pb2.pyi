@@ -332,6 +332,7 @@ class ModelHandle(_message.Message):
     RESOLVED_OFFLINE_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
     RESUMED_BYTES_FIELD_NUMBER: _builtins.int
+    OWNER_UID_FIELD_NUMBER: _builtins.int
     uri: _builtins.str
     key: _builtins.str
     path: _builtins.str
@@ -347,6 +348,11 @@ class ModelHandle(_message.Message):
     """
     resumed_bytes: _builtins.int
     """Bytes that a resumed pull did not have to fetch again."""
+    owner_uid: _builtins.int
+    """The agent's uid, which owns the snapshot's directory and files. A client that
+    finds another owner at the path is not looking at the agent's tier root (a
+    directory planted before the agent claimed it) and refuses it.
+    """
     @_builtins.property
     def files(self) -> _containers.RepeatedCompositeFieldContainer[Global___FileEntry]: ...
     @_builtins.property
@@ -369,12 +375,15 @@ class ModelHandle(_message.Message):
         resolved_offline: _builtins.bool = ...,
         lease: Global___Lease | None = ...,
         resumed_bytes: _builtins.int = ...,
+        owner_uid: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "timings", b"timings"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_owner_uid", b"_owner_uid", "lease", b"lease", "owner_uid", b"owner_uid", "timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["files", b"files", "hit", b"hit", "key", b"key", "lease", b"lease", "path", b"path", "resolved_offline", b"resolved_offline", "resumed_bytes", b"resumed_bytes", "tier", b"tier", "timings", b"timings", "total_bytes", b"total_bytes", "uri", b"uri"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_owner_uid", b"_owner_uid", "files", b"files", "hit", b"hit", "key", b"key", "lease", b"lease", "owner_uid", b"owner_uid", "path", b"path", "resolved_offline", b"resolved_offline", "resumed_bytes", b"resumed_bytes", "tier", b"tier", "timings", b"timings", "total_bytes", b"total_bytes", "uri", b"uri"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__owner_uid: _TypeAlias = _typing.Literal["owner_uid"]  # noqa: Y015
+    _WhichOneofArgType__owner_uid: _TypeAlias = _typing.Literal["_owner_uid", b"_owner_uid"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__owner_uid) -> _WhichOneofReturnType__owner_uid | None: ...
 
 Global___ModelHandle: _TypeAlias = ModelHandle  # noqa: Y015
 

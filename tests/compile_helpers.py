@@ -6,8 +6,10 @@ sharing one source are several of these, each under its own root.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ from agent._config import CompileCacheSettings, Settings, TierSettings
 from agent.compile.cache import CompileCaches
 from agent.compile.signing import Signing, Trust, load_signing_key, load_trusted_keys
 from agent.source.interface import ObjectSource
-from agent.testing import shared_keys
+from agent.testing import MemorySource, shared_keys
 
 BUCKET = "caches"
 
@@ -59,3 +61,35 @@ def shared_signing(domain: str = "node") -> Signing:
     trusted (for a test that reads or writes S3 beside the nodes)."""
     keys = shared_keys()
     return Signing(domain, load_signing_key(keys.private), Trust(load_trusted_keys([keys.trusted])))
+
+
+@dataclass
+class ManifestWrites(MemorySource):
+    """The in-memory store, letting a test wait for the n-th manifest write of any key."""
+
+    written: int = 0
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    async def put_object(
+        self,
+        bucket: str,
+        key: str,
+        body: bytes,
+        *,
+        content_type: str = "application/octet-stream",
+        if_match: str | None = None,
+        if_absent: bool = False,
+    ) -> str:
+        etag = await super().put_object(
+            bucket, key, body, content_type=content_type, if_match=if_match, if_absent=if_absent
+        )
+        if key.endswith("/manifest.json"):
+            async with self.changed:
+                self.written += 1
+                self.changed.notify_all()
+        return etag
+
+    async def manifests(self, count: int) -> None:
+        """Return once ``count`` manifest writes have happened."""
+        async with self.changed:
+            await self.changed.wait_for(lambda: self.written >= count)

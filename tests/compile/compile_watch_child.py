@@ -17,42 +17,18 @@ import logging
 import sys
 from pathlib import Path
 
+from compile_helpers import ManifestWrites
 from store_helpers import open_store
 
 from agent._config import CompileCacheSettings, Settings, TierSettings
 from agent.compile.cache import CompileCaches
 from agent.compile.keys import CompileKeyParts
 from agent.obs.metrics import REGISTRY
-from agent.testing import MemorySource, shared_keys
+from agent.testing import shared_keys
 
 BUCKET = "caches"
 ATTACKER = CompileKeyParts(torch_version="2.13.0", model_key="attacker")
 VICTIM = CompileKeyParts(torch_version="2.13.0", model_key="victim")
-
-
-class UploadSignal(MemorySource):
-    """The in-memory store, telling the test when a key's manifest is written."""
-
-    def __init__(self) -> None:
-        super().__init__(objects={BUCKET: {}})
-        self.manifest_written = asyncio.Event()
-
-    async def put_object(
-        self,
-        bucket: str,
-        key: str,
-        body: bytes,
-        *,
-        content_type: str = "application/octet-stream",
-        if_match: str | None = None,
-        if_absent: bool = False,
-    ) -> str:
-        etag = await super().put_object(
-            bucket, key, body, content_type=content_type, if_match=if_match, if_absent=if_absent
-        )
-        if key.endswith("/manifest.json"):
-            self.manifest_written.set()
-        return etag
 
 
 class Log(logging.Handler):
@@ -77,7 +53,7 @@ async def main(root: Path, limit: int) -> dict[str, object]:
     log = Log()
     logging.getLogger().addHandler(log)
     logging.getLogger("agent.compile").setLevel(logging.DEBUG)
-    source = UploadSignal()
+    source = ManifestWrites(objects={BUCKET: {}})
     store = await open_store(root)
     keys = shared_keys()
     settings = Settings(
@@ -103,7 +79,7 @@ async def main(root: Path, limit: int) -> dict[str, object]:
             kernel.parent.mkdir()
             kernel.write_bytes(b"compiled" * 1024)
             async with asyncio.timeout(30):
-                await source.manifest_written.wait()
+                await source.manifests(1)
         except TimeoutError:
             pass
     return {

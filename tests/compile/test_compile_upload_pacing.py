@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from compile_helpers import BUCKET
+from compile_helpers import BUCKET, ManifestWrites
 from compile_helpers import compile_node as node
 
 from agent.compile.keys import CompileKeyParts, compile_key
@@ -54,7 +53,7 @@ async def test_the_watcher_uploads_a_key_put_off_by_the_interval_once_it_is_over
 ) -> None:
     """A change the watcher reports while its key may not go up yet is uploaded when the
     interval ends, without another change to report it."""
-    source = _Watched(objects={BUCKET: {}})
+    source = ManifestWrites(objects={BUCKET: {}})
     async with node(tmp_path, source, quiet_seconds=0.2, min_upload_interval_seconds=1.0) as caches:
         path = (await caches.ensure(PARTS)).info.path
         (path / "inductor" / "a.so").write_bytes(os.urandom(100))
@@ -78,35 +77,3 @@ async def test_a_key_is_compacted_at_most_once_per_retired_grace(tmp_path: Path)
             assert (await caches.push(KEY)).uploaded
     # One union after the first COMPACT_AFTER_ARCHIVES + 1, then one archive per upload.
     assert _archives(source) == 1 + COMPACT_AFTER_ARCHIVES + 1
-
-
-@dataclass
-class _Watched(MemorySource):
-    """MemorySource that lets a test wait for the n-th manifest write."""
-
-    written: int = 0
-    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
-
-    async def put_object(
-        self,
-        bucket: str,
-        key: str,
-        body: bytes,
-        *,
-        content_type: str = "application/octet-stream",
-        if_match: str | None = None,
-        if_absent: bool = False,
-    ) -> str:
-        etag = await super().put_object(
-            bucket, key, body, content_type=content_type, if_match=if_match, if_absent=if_absent
-        )
-        if key.endswith("/manifest.json"):
-            async with self.changed:
-                self.written += 1
-                self.changed.notify_all()
-        return etag
-
-    async def manifests(self, count: int) -> None:
-        """Return once ``count`` manifest writes have happened."""
-        async with self.changed:
-            await self.changed.wait_for(lambda: self.written >= count)

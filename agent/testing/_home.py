@@ -14,7 +14,7 @@ from pathlib import Path
 from ._process import Startable, purge_tree, read_log
 from ._signing import shared_keys
 
-__all__ = ["AgentHome", "signing_env"]
+__all__ = ["AgentHome", "compile_cache_env"]
 
 
 class AgentHome(Startable):
@@ -50,7 +50,7 @@ class AgentHome(Startable):
             "PREWARM_TIERS__SHM_ROOT": str(self.shm_root),
             "PREWARM_TIERS__DISK_ROOT": str(self.disk_root),
             "PREWARM_CONFIG": str(self.config_path),
-        } | signing_env()
+        } | compile_cache_env()
 
     def log_text(self) -> str:
         """Everything in ``agent.log``, across restarts."""
@@ -62,11 +62,13 @@ class AgentHome(Startable):
             purge_tree(self.root)
 
 
-def signing_env() -> dict[str, str]:
-    """Signed compile caches, as every test agent has them: the shared key signs and is
-    trusted (agent.testing._signing), so two test agents restore each other's caches."""
+def compile_cache_env() -> dict[str, str]:
+    """The compile-cache settings every test agent has: the shared key signs and is trusted
+    (agent.testing._signing), so two test agents restore each other's caches; uploads are not
+    paced, since tests push again and again on purpose (the pacing has tests of its own)."""
     keys = shared_keys()
     return {
         "PREWARM_COMPILE_CACHE__SIGNING_KEY": str(keys.private),
         "PREWARM_COMPILE_CACHE__TRUSTED_KEYS": json.dumps([str(keys.trusted)]),
+        "PREWARM_COMPILE_CACHE__MIN_UPLOAD_INTERVAL_SECONDS": "0",
     }

@@ -43,7 +43,7 @@ from agent._exceptions import PrewarmError
 from agent.obs.logs import JsonFormatter, RequestContextFilter
 
 from ._daemon import AgentStartupError, AgentTimeouts
-from ._home import signing_env
+from ._home import compile_cache_env
 from ._process import purge_tree
 
 __all__ = ["InProcessAgent"]
@@ -140,7 +140,7 @@ class InProcessAgent:
                 "PREWARM_TIERS__DISK_ROOT": str(self.disk_root),
                 "PREWARM_CONFIG": str(self.config_path),
             }
-            | signing_env()
+            | compile_cache_env()
         )
         return env
 

@@ -396,6 +396,33 @@ class AccessLimits(BaseModel):
     max_concurrent_pulls: int = Field(default=0, ge=0)
 
 
+class ModelSignatureSettings(BaseModel):
+    """A signature the models of some sources must carry to be published (OpenSSF
+    model signing; the signatures extra)."""
+
+    model_config = {"extra": "forbid"}
+
+    # The sources it applies to (the patterns of [access] sources).
+    sources: SourcePatterns
+    # "key": the publisher's elliptic-curve public key (PEM) in public_key;
+    # "certificate": the chain (PEM files) its signing certificate must chain to.
+    method: Literal["key", "certificate"] = "key"
+    public_key: Annotated[Path | None, BeforeValidator(_empty_to_none)] = None
+    certificates: list[Path] = Field(default_factory=list, max_length=16)
+    # The signature's file name in the model's prefix.
+    signature: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,255}$")] = "model.sig"
+
+    @model_validator(mode="after")
+    def _has_what_its_method_needs(self) -> ModelSignatureSettings:
+        if not self.sources:
+            raise ValueError("a model signature needs the sources it applies to")
+        if self.method == "key" and self.public_key is None:
+            raise ValueError('method "key" needs public_key (the publisher\'s PEM public key)')
+        if self.method == "certificate" and not self.certificates:
+            raise ValueError('method "certificate" needs certificates (the chain, PEM files)')
+        return self
+
+
 class TenantSocketSettings(BaseModel):
     """One tenant's socket: whoever can open it is that tenant."""
 
@@ -455,6 +482,8 @@ class AccessSettings(BaseModel):
     # Allowed sources for every socket, manifests and compile caches. Empty allows any
     # source (the old behaviour; the daemon warns at start).
     sources: SourcePatterns = Field(default_factory=list)
+    # Sources whose models must carry a verified signature before they are published.
+    model_signatures: list[ModelSignatureSettings] = Field(default_factory=list, max_length=64)
     # Largest request message the sockets accept.
     max_request_bytes: ByteSize = Field(default=ByteSize(256 * 1024), ge=1024, le=4 * 1024**2)
     # Connections each gRPC socket (the API socket, each tenant's) keeps open at once;

@@ -27,6 +27,7 @@ from agent._exceptions import PrewarmError
 from agent._fs import blocking_ancestor
 from agent._malloc import return_large_buffers
 from agent._version import __version__
+from agent.check.signatures import signature_rules
 from agent.compile.cache import NODE_SCOPE, CompileCaches, Scope
 from agent.compile.domains import domain_specs
 from agent.compile.keys import CompileKeyParts
@@ -99,7 +100,9 @@ async def _serve_store(
 
     async with (
         S3Source(settings.s3) as source,
-        Puller(store, source, settings.s3, settings.integrity) as puller,
+        Puller(
+            store, source, settings.s3, settings.integrity, signatures=signature_rules(settings)
+        ) as puller,
         # Before the service starts: compile caches count in the disk budget.
         CompileCaches(settings, store, source) as compile_caches,
         # Leases held before a restart, back before any hello and any eviction.

@@ -11,8 +11,9 @@ escaped and shortened (agent._exceptions.quoted), never raw.
 
 from __future__ import annotations
 
+import fnmatch
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from agent._exceptions import InvalidRequest, UnsafeObjectKey, quoted
@@ -26,6 +27,7 @@ __all__ = [
     "parse_uri",
     "refuse_whole_bucket",
     "safe_relative_path",
+    "uri_matches",
     "valid_bucket_name",
 ]
 
@@ -176,3 +178,20 @@ def _check_parts(path: str, *, what: str, exc: type[InvalidRequest], fix: str) -
                 f"{what} has a path component of {part_size} bytes, over the limit of "
                 f"{MAX_COMPONENT_BYTES} bytes a file name may have. {fix}"
             )
+
+
+def uri_matches(patterns: Sequence[str], uri: ModelUri) -> bool:
+    """Whether ``uri`` is among ``patterns`` (none: every URI is): a glob (``*?[``) is
+    matched against the whole URI, a plain prefix names a directory and all below it."""
+    if not patterns:
+        return True
+    text = str(uri)
+    return any(_pattern_matches(pattern, text) for pattern in patterns)
+
+
+def _pattern_matches(pattern: str, uri: str) -> bool:
+    if any(c in pattern for c in "*?["):
+        return fnmatch.fnmatchcase(uri, pattern)
+    # A plain prefix names a directory: it and everything below it.
+    directory = pattern.rstrip("/") + "/"
+    return uri.startswith(directory) or uri == pattern

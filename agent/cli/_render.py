@@ -235,6 +235,7 @@ def model_detail(info: ModelInfo) -> RenderableType:
         ("hits", str(info.hit_count)),
         ("pinned", "yes" if info.pinned else "no"),
         ("leases", str(len(info.leases))),
+        ("signature", info.verified_by or "not asked for"),
     ]
     if info.include:
         rows.append(("include", " ".join(info.include)))

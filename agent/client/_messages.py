@@ -370,6 +370,7 @@ def _handle_from_proto(msg: pb.ModelHandle) -> ModelHandle:
         resolved_offline=msg.resolved_offline,
         lease=lease_from_proto(msg.lease) if msg.HasField("lease") else None,
         resumed_bytes=msg.resumed_bytes,
+        verified_by=msg.verified_by,
     )
 
 
@@ -390,6 +391,7 @@ def model_info_from_proto(msg: pb.ModelInfo) -> ModelInfo:
         exclude=tuple(msg.exclude),
         leases=tuple(_lease_info_from_proto(lease) for lease in msg.leases),
         pinned=msg.pinned,
+        verified_by=msg.verified_by,
     )
 
 

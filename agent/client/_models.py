@@ -165,6 +165,8 @@ class ModelHandle:
     lease: LeaseGrant | None = None
     # Bytes that a resumed pull did not have to fetch again.
     resumed_bytes: int = 0
+    # What verified the model's signature before it was published ("": none was asked for).
+    verified_by: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +201,8 @@ class ModelInfo:
     leases: tuple[LeaseInfo, ...] = ()
     # Pinned snapshots are never evicted by pressure.
     pinned: bool = False
+    # What verified the model's signature before it was published ("": none was asked for).
+    verified_by: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -283,6 +283,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
             exclude=model.exclude,
             leases=[_lease_info(lease) for lease in self._service.leases_for(model.key, requester)],
             pinned=usage.pinned,
+            verified_by=model.verified_by,
         )
         if with_files:
             info.files.extend(_files(model))
@@ -315,6 +316,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
             resolved_offline=result.resolved_offline,
             resumed_bytes=result.resumed_bytes,
             owner_uid=os.geteuid(),
+            verified_by=model.verified_by,
         )
         if result.lease is not None:
             handle.lease.CopyFrom(self._lease(result.lease))

@@ -30,6 +30,7 @@ from agent._exceptions import PrewarmError, SourceUnavailable
 from agent._snapshot import Snapshot
 from agent._vocabulary import DataPlaneName, PullOptions, TierName
 from agent.check.hashes import check_object_checksum
+from agent.check.signatures import SignatureRule
 from agent.pull.flight import Flight
 from agent.pull.staging import StagingFiles, open_staging, verify_before_publish
 from agent.source.interface import ObjectSource
@@ -59,12 +60,15 @@ class Puller:
         integrity: IntegritySettings | None = None,
         *,
         resolve: Resolver | None = None,
+        signatures: tuple[SignatureRule, ...] = (),
     ) -> None:
-        """``resolve``: how the S3 data plane learns the endpoint's addresses (DNS when None)."""
+        """``resolve``: how the S3 data plane learns the endpoint's addresses (DNS when None);
+        ``signatures``: which sources' models must carry a verified signature."""
         self._store = store
         self._source = source
         self._settings = settings
         self._integrity = integrity or IntegritySettings()
+        self._signatures = signatures
         self._flights: dict[str, Flight] = {}
         self._pulls: dict[str, tuple[DataPlane, Tuning, ScopedSource | None]] = {}
         self._tasks: asyncio.TaskGroup | None = None
@@ -236,11 +240,12 @@ class Puller:
             flight.timings = replace(flight.timings, download=downloaded - started)
             flight.set_phase("verify")
             digests = await self._verify(flight, staging, source)
+            verified_by = await self._check_signature(flight, staging)
             verified = time.monotonic()
             flight.timings = replace(flight.timings, verify=verified - downloaded)
             flight.set_phase("publish")
             staging.close()
-            model = await self._store.publish(root, _model_for(flight, digests, chunk))
+            model = await self._store.publish(root, _model_for(flight, digests, chunk, verified_by))
             flight.timings = replace(flight.timings, publish=time.monotonic() - verified)
             flight.set_phase("done")
             log.info("published %s as %s", snapshot.uri, snapshot.key)
@@ -260,6 +265,13 @@ class Puller:
         if self._integrity.s3_checksums:
             await self._check_s3_checksums(flight, staging, source)
         return staging.file_digests()
+
+    async def _check_signature(self, flight: Flight, staging: StagingFiles) -> str:
+        """Verify the model's signature where a rule asks for one; what verified it."""
+        rule = next((r for r in self._signatures if r.applies_to(flight.snapshot.uri)), None)
+        if rule is None:
+            return ""
+        return await asyncio.to_thread(rule.verify, staging.data_dir)
 
     async def _check_s3_checksums(
         self, flight: Flight, staging: StagingFiles, source: ObjectSource
@@ -285,7 +297,9 @@ class Puller:
         self._planes.choose(options.data_plane)
 
 
-def _model_for(flight: Flight, digests: dict[str, str], chunk_size: int) -> CachedModel:
+def _model_for(
+    flight: Flight, digests: dict[str, str], chunk_size: int, verified_by: str
+) -> CachedModel:
     snapshot = flight.snapshot
     return CachedModel(
         key=snapshot.key,
@@ -300,4 +314,5 @@ def _model_for(flight: Flight, digests: dict[str, str], chunk_size: int) -> Cach
         exclude=snapshot.exclude,
         created=time.time(),
         hash_chunk_size=chunk_size,
+        verified_by=verified_by,
     )

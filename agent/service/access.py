@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fnmatch
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from agent._config import AccessLimits, Settings
 from agent._exceptions import AccessDenied, SourceUnavailable
 from agent._snapshot import Snapshot
-from agent._uri import ModelUri, parse_uri
+from agent._uri import ModelUri, parse_uri, uri_matches
 from agent.pull.snapshot_limits import LimitExceeded, SnapshotLimit
 from agent.source.interface import ObjectSource
 
@@ -105,7 +104,7 @@ class Tenant:
 
     def allows(self, uri: ModelUri) -> bool:
         """Whether both the node's sources and this socket's own allow ``uri``."""
-        return _matches(self.node_sources, uri) and _matches(self.sources, uri)
+        return uri_matches(self.node_sources, uri) and uri_matches(self.sources, uri)
 
     def lease_ttl(self, requested: float | None, default: float) -> float | None:
         """The TTL a lease asked for on this socket gets: clamped to ``max_lease_seconds``.
@@ -276,21 +275,6 @@ async def _check_reads(source: ObjectSource, keys: RequesterKeys, snapshot: Snap
             for task in heads:
                 task.cancel()
             await asyncio.gather(*heads, return_exceptions=True)
-
-
-def _matches(patterns: Sequence[str], uri: ModelUri) -> bool:
-    if not patterns:
-        return True
-    text = str(uri)
-    return any(_pattern_matches(pattern, text) for pattern in patterns)
-
-
-def _pattern_matches(pattern: str, uri: str) -> bool:
-    if any(c in pattern for c in "*?["):
-        return fnmatch.fnmatchcase(uri, pattern)
-    # A plain prefix names a directory: it and everything below it.
-    directory = pattern.rstrip("/") + "/"
-    return uri.startswith(directory) or uri == pattern
 
 
 def _echo(value: object) -> str:

@@ -298,6 +298,7 @@ def read_manifest(path: Path, *, tier: TierName, root: Path, names: SnapshotName
         exclude=tuple(document["exclude"]),
         created=float(document["created"]),
         hash_chunk_size=int(document.get("hash_chunk_size", 0)),
+        verified_by=str(document.get("verified_by", ""))[:512],
     )
 
 
@@ -310,6 +311,7 @@ def _manifest_document(model: CachedModel) -> dict[str, Any]:
         "exclude": list(model.exclude),
         "created": model.created,
         "hash_chunk_size": model.hash_chunk_size,
+        "verified_by": model.verified_by,
         "files": [
             {"path": f.path, "size": f.size, "etag": f.etag, "digest": f.digest}
             for f in model.files

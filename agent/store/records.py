@@ -46,6 +46,8 @@ class CachedModel:
     created: float
     # Bytes per hashed chunk of each file's digest (0: files carry no digest).
     hash_chunk_size: int = 0
+    # What verified the model's signature before it was published ("": none was asked for).
+    verified_by: str = ""
 
     @property
     def total_bytes(self) -> int:

@@ -333,6 +333,7 @@ class ModelHandle(_message.Message):
     LEASE_FIELD_NUMBER: _builtins.int
     RESUMED_BYTES_FIELD_NUMBER: _builtins.int
     OWNER_UID_FIELD_NUMBER: _builtins.int
+    VERIFIED_BY_FIELD_NUMBER: _builtins.int
     uri: _builtins.str
     key: _builtins.str
     path: _builtins.str
@@ -352,6 +353,10 @@ class ModelHandle(_message.Message):
     """The agent's uid, which owns the snapshot's directory and files. A client that
     finds another owner at the path is not looking at the agent's tier root (a
     directory planted before the agent claimed it) and refuses it.
+    """
+    verified_by: _builtins.str
+    """What verified the model's signature before it was published
+    ([[access.model_signatures]]); empty when no signature was asked for.
     """
     @_builtins.property
     def files(self) -> _containers.RepeatedCompositeFieldContainer[Global___FileEntry]: ...
@@ -376,10 +381,11 @@ class ModelHandle(_message.Message):
         lease: Global___Lease | None = ...,
         resumed_bytes: _builtins.int = ...,
         owner_uid: _builtins.int | None = ...,
+        verified_by: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_owner_uid", b"_owner_uid", "lease", b"lease", "owner_uid", b"owner_uid", "timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_owner_uid", b"_owner_uid", "files", b"files", "hit", b"hit", "key", b"key", "lease", b"lease", "owner_uid", b"owner_uid", "path", b"path", "resolved_offline", b"resolved_offline", "resumed_bytes", b"resumed_bytes", "tier", b"tier", "timings", b"timings", "total_bytes", b"total_bytes", "uri", b"uri"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_owner_uid", b"_owner_uid", "files", b"files", "hit", b"hit", "key", b"key", "lease", b"lease", "owner_uid", b"owner_uid", "path", b"path", "resolved_offline", b"resolved_offline", "resumed_bytes", b"resumed_bytes", "tier", b"tier", "timings", b"timings", "total_bytes", b"total_bytes", "uri", b"uri", "verified_by", b"verified_by"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__owner_uid: _TypeAlias = _typing.Literal["owner_uid"]  # noqa: Y015
     _WhichOneofArgType__owner_uid: _TypeAlias = _typing.Literal["_owner_uid", b"_owner_uid"]  # noqa: Y015
@@ -515,6 +521,7 @@ class ModelInfo(_message.Message):
     EXCLUDE_FIELD_NUMBER: _builtins.int
     LEASES_FIELD_NUMBER: _builtins.int
     PINNED_FIELD_NUMBER: _builtins.int
+    VERIFIED_BY_FIELD_NUMBER: _builtins.int
     uri: _builtins.str
     key: _builtins.str
     path: _builtins.str
@@ -523,6 +530,8 @@ class ModelInfo(_message.Message):
     file_count: _builtins.int
     hit_count: _builtins.int
     pinned: _builtins.bool
+    verified_by: _builtins.str
+    """What verified the model's signature before it was published; empty if none was asked."""
     @_builtins.property
     def created(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -552,10 +561,11 @@ class ModelInfo(_message.Message):
         exclude: _abc.Iterable[_builtins.str] | None = ...,
         leases: _abc.Iterable[Global___LeaseInfo] | None = ...,
         pinned: _builtins.bool = ...,
+        verified_by: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "last_used", b"last_used"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "exclude", b"exclude", "file_count", b"file_count", "files", b"files", "hit_count", b"hit_count", "include", b"include", "key", b"key", "last_used", b"last_used", "leases", b"leases", "path", b"path", "pinned", b"pinned", "tier", b"tier", "total_bytes", b"total_bytes", "uri", b"uri"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created", b"created", "exclude", b"exclude", "file_count", b"file_count", "files", b"files", "hit_count", b"hit_count", "include", b"include", "key", b"key", "last_used", b"last_used", "leases", b"leases", "path", b"path", "pinned", b"pinned", "tier", b"tier", "total_bytes", b"total_bytes", "uri", b"uri", "verified_by", b"verified_by"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

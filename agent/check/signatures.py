@@ -1,0 +1,139 @@
+"""Model signatures: a snapshot is published only if its publisher's signature verifies.
+
+prewarm proves that the bytes it caches are what S3 holds (ETag, If-Match, checksums,
+safetensors headers); a signature proves they are what the model's publisher signed.
+Per source pattern, ``[[access.model_signatures]]`` names the signature's file in the
+model's prefix (``model.sig`` by default) and how to verify it with the OpenSSF
+``model-signing`` package (the ``signatures`` extra):
+
+- ``key``: an elliptic-curve public key (PEM) the publisher signed with;
+- ``certificate``: the certificate chain (PEM files) the signing certificate must
+  chain to.
+
+The check runs on the staging directory, after the download and the integrity checks
+and before the snapshot is published: a model that fails is never published, and the
+error names the file that did not match. Verification hashes every file again
+(sha256, the signature format's digest), which the pull's own chunked xxh3 cannot
+stand in for.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from agent._config import ConfigError, ModelSignatureSettings, Settings
+from agent._exceptions import IntegrityError, quoted
+from agent._uri import ModelUri, uri_matches
+
+__all__ = ["SignatureRule", "signature_rules"]
+
+# model-signing's words for a file whose bytes differ: "Hash mismatch for 'w.bin'".
+_MISMATCH = re.compile(r"Hash mismatch for '([^']{1,1024})'")
+
+
+@dataclass(frozen=True, slots=True)
+class SignatureRule:
+    """One ``[[access.model_signatures]]`` entry: which sources, and whose signature."""
+
+    sources: tuple[str, ...]
+    method: str
+    public_key: Path | None
+    certificates: tuple[Path, ...]
+    signature: str
+
+    @classmethod
+    def from_settings(cls, entry: ModelSignatureSettings) -> SignatureRule:
+        """The rule an entry of the config describes."""
+        return cls(
+            tuple(entry.sources),
+            entry.method,
+            entry.public_key,
+            tuple(entry.certificates),
+            entry.signature,
+        )
+
+    def applies_to(self, uri: ModelUri) -> bool:
+        """Whether a snapshot of ``uri`` must carry this signature."""
+        return uri_matches(self.sources, uri)
+
+    @property
+    def signer(self) -> str:
+        """Who a verified snapshot was signed by, as the handle and `prewarm show` say."""
+        if self.method == "key":
+            assert self.public_key is not None
+            return f"key {self.public_key.name} ({self.signature})"
+        return (
+            f"certificate chain {', '.join(p.name for p in self.certificates)} ({self.signature})"
+        )
+
+    def verify(self, model: Path) -> str:
+        """Verify the snapshot in ``model``; who signed it, or IntegrityError naming the file."""
+        signature = model / self.signature
+        if not signature.is_file():
+            raise IntegrityError(
+                f"{self.signature} is not among the model's files: its source must be signed "
+                f"({self.method}) before it is cached here. Sign the model directory with "
+                f"model-signing and put the signature at {self.signature} in its prefix.",
+                path=self.signature,
+                check="signature",
+            )
+        try:
+            self._verify(model, signature)
+        except ValueError as exc:
+            raise _refusal(str(exc), self.signature) from None
+        return self.signer
+
+    def _verify(self, model: Path, signature: Path) -> None:
+        from model_signing import hashing, verifying  # the signatures extra; checked at start
+
+        # model-signing's Config() takes no arguments but is not annotated.
+        ignored = hashing.Config().set_ignored_paths(paths=[signature])  # type: ignore[no-untyped-call]
+        config = verifying.Config().set_hashing_config(ignored)  # type: ignore[no-untyped-call]
+        if self.method == "key":
+            assert self.public_key is not None
+            config = config.use_elliptic_key_verifier(public_key=self.public_key)
+        else:
+            config = config.use_certificate_verifier(certificate_chain=self.certificates)
+        config.verify(model, signature)
+
+
+def _refusal(message: str, signature: str) -> IntegrityError:
+    """model-signing's refusal, in the agent's words, naming the file when it says which."""
+    mismatch = _MISMATCH.search(message)
+    if mismatch:
+        path = mismatch[1]
+        return IntegrityError(
+            f"{quoted(path)} does not match the model's signature ({signature}): the bytes in "
+            "S3 are not the ones that were signed. Nothing was published.",
+            path=path,
+            check="signature",
+        )
+    return IntegrityError(
+        f"The model's signature ({signature}) does not verify: {quoted(message)}. Nothing was "
+        "published.",
+        path=signature,
+        check="signature",
+    )
+
+
+def signature_rules(settings: Settings) -> tuple[SignatureRule, ...]:
+    """The configured signature rules; ConfigError when one cannot be checked here."""
+    entries: Sequence[ModelSignatureSettings] = settings.access.model_signatures
+    if not entries:
+        return ()
+    try:
+        import model_signing  # noqa: F401  (only whether it is there)
+    except ImportError:
+        raise ConfigError(
+            "[[access.model_signatures]] needs the model-signing package: install "
+            "prewarm-agent[signatures]."
+        ) from None
+    rules = tuple(SignatureRule.from_settings(entry) for entry in entries)
+    for rule in rules:
+        for path in (rule.public_key, *rule.certificates):
+            if path is not None and not path.is_file():
+                raise ConfigError(f"[[access.model_signatures]]: {path} is not a readable file.")
+    return rules

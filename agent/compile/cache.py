@@ -200,8 +200,9 @@ class CompileCaches:
         self._settings = settings.compile_cache
         self._store = store
         self._root = settings.tiers.disk_root / "compile"
-        # Uploads put off until their key may go up again (min_upload_interval_seconds).
-        self._later: set[asyncio.TimerHandle] = set()
+        # Uploads put off until their key may go up again (min_upload_interval_seconds):
+        # one timer per key, whatever the number of changes meanwhile.
+        self._later: dict[str, asyncio.TimerHandle] = {}
         signing = domain_signing(settings)
         self._domains = {
             name: _Domain(
@@ -254,8 +255,9 @@ class CompileCaches:
         tb: TracebackType | None,
     ) -> None:
         self.locks.close()
-        for timer in self._later:
+        for timer in self._later.values():
             timer.cancel()
+        self._later.clear()
         await self._watcher.__aexit__(exc_type, exc, tb)
 
     # -- queries -------------------------------------------------------------------------------
@@ -709,10 +711,16 @@ class CompileCaches:
             log.info("uploaded compile cache %s to %s", ref, outcome.uri, extra={"key": key})
             return
         log.debug("compile cache %s not uploaded: %s", ref, outcome.skipped_reason)
-        if wait := domain.transfer.upload_wait(key):
+        if (wait := domain.transfer.upload_wait(key)) and text not in self._later:
             # Too soon after the last upload: the watcher reports the key again then.
-            timer = asyncio.get_running_loop().call_later(wait, self._watcher.touch, text)
-            self._later.add(timer)
+            self._later[text] = asyncio.get_running_loop().call_later(
+                wait, self._report_again, text
+            )
+
+    def _report_again(self, text: str) -> None:
+        """A put-off upload's time has come: the watcher reports its key again."""
+        self._later.pop(text, None)
+        self._watcher.touch(text)
 
     async def _drop(self, ref: CacheRef, reason: str) -> None:
         await self._domains[ref.domain].index.remove(ref.key)

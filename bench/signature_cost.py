@@ -15,44 +15,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-
 from agent.check.hashes import hash_file
 from agent.check.signatures import SignatureRule
-from agent.testing import make_safetensors_model
+from agent.testing import make_publisher_keys, make_safetensors_model, sign_model
 
 GiB = 1024**3
 CHUNK = 64 * 1024**2
-
-
-def _keys(directory: Path) -> tuple[Path, Path]:
-    private = ec.generate_private_key(ec.SECP256R1())
-    key, pub = directory / "publisher.key", directory / "publisher.pub"
-    key.write_bytes(
-        private.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    pub.write_bytes(
-        private.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-    )
-    return key, pub
-
-
-def _sign(model: Path, key: Path, signature: Path) -> None:
-    from model_signing import hashing, signing
-
-    # model-signing's Config() takes no arguments but is not annotated.
-    ignored = hashing.Config().set_ignored_paths(paths=[signature])  # type: ignore[no-untyped-call]
-    signer = signing.Config()  # type: ignore[no-untyped-call]
-    signer.use_elliptic_key_signer(private_key=key).set_hashing_config(ignored).sign(
-        model, signature
-    )
 
 
 def _best(label: str, repeats: int, run: object) -> float:
@@ -75,8 +43,8 @@ def main() -> None:
     try:
         model = work / "model"
         make_safetensors_model(model, total_bytes=int(args.size * GiB), shards=args.shards)
-        key, pub = _keys(work)
-        _sign(model.resolve(), key, model.resolve() / "model.sig")
+        key, pub = make_publisher_keys(work)
+        sign_model(model, key)
         rule = SignatureRule(("s3://any/",), "key", pub, (), "model.sig")
         files = [p for p in model.iterdir() if p.name != "model.sig"]
         size = sum(p.stat().st_size for p in files)

@@ -19,7 +19,8 @@
   truncated body or a stalled one.
 - ``make_keys`` / ``SigningKeys``: an Ed25519 key pair laid out as the agent
   reads compile-cache signing keys; every test agent signs with and trusts a
-  shared pair (``shared_keys``).
+  shared pair (``shared_keys``). ``make_publisher_keys`` and ``sign_model``: a
+  model publisher's EC key pair and its model-signing signature.
 - ``HttpProxy``: a loopback forward proxy (CONNECT tunnels and absolute-form
   requests, optionally demanding credentials) that records each
   ``ProxiedRequest`` it served.
@@ -36,7 +37,15 @@ from ._memory_source import MemorySource, RangeRead
 from ._models import SampleModel, make_safetensors_model, upload_directory, upload_model
 from ._s3server import CONTROL_PATH, RecordedRequest, S3Server, S3ServerError
 from ._sdnotify import NotifyMessage, NotifySocket
-from ._signing import SigningKeys, make_keys, sealed_with_shared_key, shared_keys, unsealed
+from ._signing import (
+    SigningKeys,
+    make_keys,
+    make_publisher_keys,
+    sealed_with_shared_key,
+    shared_keys,
+    sign_model,
+    unsealed,
+)
 
 __all__ = [
     "CONTROL_PATH",
@@ -59,9 +68,11 @@ __all__ = [
     "SampleModel",
     "SigningKeys",
     "make_keys",
+    "make_publisher_keys",
     "make_safetensors_model",
     "sealed_with_shared_key",
     "shared_keys",
+    "sign_model",
     "unsealed",
     "upload_directory",
     "upload_model",

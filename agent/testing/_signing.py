@@ -21,7 +21,15 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent.compile.signing import load_signing_key
 
-__all__ = ["SigningKeys", "make_keys", "sealed_with_shared_key", "shared_keys", "unsealed"]
+__all__ = [
+    "SigningKeys",
+    "make_keys",
+    "make_publisher_keys",
+    "sealed_with_shared_key",
+    "shared_keys",
+    "sign_model",
+    "unsealed",
+]
 
 
 class SigningKeys:
@@ -77,3 +85,42 @@ def sealed_with_shared_key(place: str, document: bytes) -> bytes:
     """``document`` sealed for ``place`` (``<domain>/<key>/manifest.json``) with the key every
     test agent trusts: what a test that rewrites a manifest must store for agents to read it."""
     return load_signing_key(shared_keys().private).seal(place, document)
+
+
+def make_publisher_keys(directory: Path, name: str = "publisher") -> tuple[Path, Path]:
+    """A model publisher's EC P-256 key pair under ``directory``: (private PEM, public PEM),
+    as model-signing's key signer and verifier read them."""
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    directory.mkdir(parents=True, exist_ok=True)
+    private = ec.generate_private_key(ec.SECP256R1())
+    private_path, public_path = directory / f"{name}.key", directory / f"{name}.pub"
+    private_path.write_bytes(
+        private.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    public_path.write_bytes(
+        private.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    return private_path, public_path
+
+
+def sign_model(model: Path, private_key: Path, signature: str = "model.sig") -> Path:
+    """Sign the model directory ``model`` with model-signing as its publisher would, the
+    signature written inside it (and left out of what it signs); the signature's path."""
+    from model_signing import hashing, signing  # the signatures extra (dev has it)
+
+    directory = model.resolve()
+    path = directory / signature
+    # model-signing's Config() takes no arguments but is not annotated.
+    ignored = hashing.Config().set_ignored_paths(paths=[path])  # type: ignore[no-untyped-call]
+    signer = signing.Config()  # type: ignore[no-untyped-call]
+    signer.use_elliptic_key_signer(private_key=private_key).set_hashing_config(ignored).sign(
+        directory, path
+    )
+    return path

@@ -11,51 +11,21 @@ from typing import Any
 
 import pytest
 from agent_helpers import AgentFactory, cache_entries
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 
 from agent.client import Client, IntegrityError
-from agent.testing import S3Server, upload_directory
+from agent.testing import S3Server, make_publisher_keys, sign_model, upload_directory
 
 pytest.importorskip("model_signing", reason="the signatures extra (dev installs it)")
 
 SIGNATURE = "model.sig"
 
 
-def _ec_keys(directory: Path, name: str) -> tuple[Path, Path]:
-    """A publisher's EC P-256 key pair: (private PEM, public PEM)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    private = ec.generate_private_key(ec.SECP256R1())
-    private_path, public_path = directory / f"{name}.key", directory / f"{name}.pub"
-    private_path.write_bytes(
-        private.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    public_path.write_bytes(
-        private.public_key().public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-    )
-    return private_path, public_path
-
-
 def _signed_model(directory: Path, private_key: Path) -> Path:
     """A small model directory signed with model-signing, its signature inside it."""
-    from model_signing import hashing, signing
-
     directory.mkdir(parents=True)
     (directory / "config.json").write_text('{"model_type": "llama"}')
     (directory / "model.safetensors").write_bytes(_safetensors(4096))
-    signature = directory.resolve() / SIGNATURE
-    # model-signing's Config() takes no arguments but is not annotated.
-    ignored = hashing.Config().set_ignored_paths(paths=[signature])  # type: ignore[no-untyped-call]
-    signer = signing.Config()  # type: ignore[no-untyped-call]
-    signer.use_elliptic_key_signer(private_key=private_key).set_hashing_config(ignored).sign(
-        directory.resolve(), signature
-    )
+    sign_model(directory, private_key, SIGNATURE)
     return directory
 
 
@@ -76,7 +46,7 @@ def _config(public_key: Path, bucket: str) -> str:
 @pytest.fixture
 def publisher(tmp_path: Path) -> tuple[Path, Path]:
     """The publisher's key pair."""
-    return _ec_keys(tmp_path / "keys", "publisher")
+    return make_publisher_keys(tmp_path / "keys", "publisher")
 
 
 def test_a_signed_model_verifies_and_publishes_naming_its_signer(
@@ -131,7 +101,7 @@ def test_a_signature_by_another_key_or_none_at_all_is_refused(
     """A model signed by someone else's key is refused, as is one with no signature file;
     a source no rule names publishes as before."""
     _, public_key = publisher
-    stranger_key, _ = _ec_keys(tmp_path / "stranger", "stranger")
+    stranger_key, _ = make_publisher_keys(tmp_path / "stranger", "stranger")
     upload_directory(s3_client, bucket, "signed", _signed_model(tmp_path / "m", stranger_key))
     plain = tmp_path / "plain"
     plain.mkdir()

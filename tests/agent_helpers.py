@@ -73,7 +73,9 @@ def small_tmpfs(mount_point: Path, size: str, mode: str = "0755") -> Iterator[Pa
     try:
         yield mount_point
     finally:
-        subprocess.run(["umount", str(mount_point)], check=False)
+        done = subprocess.run(["umount", str(mount_point)], capture_output=True, check=False)
+        if done.returncode != 0:  # still busy (a descriptor not yet closed): detach it now
+            subprocess.run(["umount", "--lazy", str(mount_point)], check=False)
 
 
 def when_logged(

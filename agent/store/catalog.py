@@ -103,6 +103,11 @@ class Store:
             self._locks.release()
             self._locks = None
 
+    def __del__(self) -> None:
+        # A store dropped without close() (a caller that never serves: tests, tools)
+        # must not keep its roots locked, nor a tmpfs it used busy, for the process's life.
+        self.close()
+
     # -- queries ---------------------------------------------------------------------
 
     def roots(self) -> dict[TierName, Path]:

@@ -471,34 +471,29 @@ def status_from_proto(msg: pb.StatusResponse) -> AgentStatus:
 
 
 def check_owner(handle: ModelHandle, owner: int) -> None:
-    """IntegrityError unless the snapshot at ``handle.path``, as this process sees it, and
-    each of its files belong to the agent (``owner``).
+    """IntegrityError unless the snapshot directory at ``handle.path``, as this process sees
+    it, belongs to the agent (``owner``).
 
     A pod whose mount of the tier root was made before the agent claimed a root another
-    user planted still sees the planter's directory at the handed path; its files would be
-    the planter's. A path this process cannot see at all is left to the caller.
+    user planted still sees the planter's directory at the handed path. The directory is
+    enough to look at: one the agent owns is 0555 and holds only what the agent put there,
+    so a hit costs one lstat, not one per file. A path this process cannot see at all is
+    left to the caller.
     """
     directory = handle.path
-    paths = [directory, *(directory / entry.path for entry in handle.files)]
-    for path in paths:
-        try:
-            found = os.lstat(path).st_uid
-        except FileNotFoundError:
-            if path == directory:
-                return
-            found = -1
-        except OSError:
-            return  # not this process's to see (permissions): the engine's open will say
-        if found != owner:
-            whose = f"uid {found}" if found >= 0 else "nobody (it is missing)"
-            raise IntegrityError(
-                f"{path} belongs to {whose}, not to the prewarm agent (uid {owner}): this "
-                "process does not see the agent's tier root (a directory another user made "
-                "before the agent claimed it, mounted earlier?). Nothing of it was used; "
-                "restart the pod so it mounts the agent's root.",
-                path=str(path),
-                check="owner",
-            )
+    try:
+        found = os.lstat(directory).st_uid
+    except OSError:
+        return  # not there, or not this process's to see: the engine's open will say
+    if found != owner:
+        raise IntegrityError(
+            f"{directory} belongs to uid {found}, not to the prewarm agent (uid {owner}): this "
+            "process does not see the agent's tier root (a directory another user made "
+            "before the agent claimed it, mounted earlier?). Nothing of it was used; "
+            "restart the pod so it mounts the agent's root.",
+            path=str(directory),
+            check="owner",
+        )
 
 
 class EnsureReader:

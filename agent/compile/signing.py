@@ -286,6 +286,10 @@ def _read_key_file(path: Path, *, private: bool) -> bytes:
     try:
         info = os.fstat(fd)
         unsafe = _READABLE_BY_OTHERS if private else _WRITABLE_BY_OTHERS
+        if private and info.st_gid == os.getegid():
+            # The agent's own group may read it: a Kubernetes Secret cannot be given to a
+            # non-root uid, only mounted 0440 under the pod's fsGroup (the agent's gid).
+            unsafe &= ~stat.S_IRGRP
         if not stat.S_ISREG(info.st_mode) or info.st_uid not in {0, os.geteuid()}:
             raise ConfigError(f"{path} must be a regular file owned by root or the agent.")
         if info.st_mode & unsafe:

@@ -101,17 +101,24 @@ def test_unsigned_unknown_and_malformed_seals_are_refused_each_with_its_reason(
 def test_key_files_others_could_read_or_write_are_refused_and_a_directory_holds_many(
     tmp_path: Path,
 ) -> None:
-    """A private key readable by others and a trusted key writable by others stop the start
-    (ConfigError naming the file and the chmod); a directory of trusted keys loads each."""
+    """A private key readable by others (another group, or everyone) and a trusted key
+    writable by others stop the start (ConfigError naming the file and the chmod); 0440 in the
+    agent's own group (a Kubernetes Secret under fsGroup) loads; a directory of trusted keys
+    loads each."""
     first, second = make_keys(tmp_path, "first"), make_keys(tmp_path, "second")
     assert {name for name, _ in load_trusted_keys([first.trusted]).values()} == {
         "first",
         "second",
     }
-    first.private.chmod(0o640)
-    with pytest.raises(
-        ConfigError, match=r"first.key is readable or writable by others.*chmod 600"
-    ):
+    os.chown(first.private, -1, os.getegid())
+    first.private.chmod(0o440)  # a Secret under the pod's fsGroup: the agent's own group
+    assert load_signing_key(first.private).name == "first"
+    os.chown(first.private, -1, os.getegid() + 1)
+    with pytest.raises(ConfigError, match=r"first\.key is readable or writable by others"):
+        load_signing_key(first.private)
+    os.chown(first.private, -1, os.getegid())
+    first.private.chmod(0o644)
+    with pytest.raises(ConfigError, match=r"chmod 600"):
         load_signing_key(first.private)
     second.public.chmod(0o666)
     with pytest.raises(ConfigError, match=r"second.pub is writable by others"):

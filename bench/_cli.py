@@ -47,16 +47,20 @@ DEFAULT_SCALING = "1GiB,2GiB,4GiB,8GiB"
 SECTIONS = (*ALTERNATIVES, "cold", "concurrent", "warm", "scale", "hits")
 
 
-def _size(text: str) -> int:
+def parse_size(text: str) -> int:
     return int(TypeAdapter(ByteSize).validate_python(text))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    parser.add_argument("--size", type=_size, default=2 * GiB, help="model size (default 2GiB)")
+    parser.add_argument(
+        "--size", type=parse_size, default=2 * GiB, help="model size (default 2GiB)"
+    )
     parser.add_argument("--shards", type=int, default=8, help="safetensors shards (default 8)")
     parser.add_argument("--concurrency", type=int, default=16, help="parallel GETs (default 16)")
-    parser.add_argument("--chunk", type=_size, default=64 * MiB, help="range size (default 64MiB)")
+    parser.add_argument(
+        "--chunk", type=parse_size, default=64 * MiB, help="range size (default 64MiB)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs of each measurement")
     parser.add_argument("--clients", type=int, default=8, help="concurrent cold clients")
     parser.add_argument(

@@ -108,6 +108,11 @@ class S3rver(Startable):
         return self.tls.cert if self.tls is not None else None
 
     @property
+    def port(self) -> int:
+        """The port it listens on (0 before it starts)."""
+        return self._port
+
+    @property
     def endpoint_url(self) -> str:
         return f"{self.scheme}://127.0.0.1:{self._port}"
 

@@ -135,13 +135,17 @@ class ThreadCpu:
 
     ``exclude``: thread ids left out (a sampler measuring its own process
     leaves itself out). ``follow_children=False`` watches ``pid`` alone.
+
+    Each sample reads one file per thread watched, on the cores the work runs
+    on: every 100 ms (a thread that exits between samples loses at most that
+    much of its CPU), so watching a tree of a hundred threads stays cheap.
     """
 
     def __init__(
         self,
         pid: int,
         *,
-        interval: float = 0.01,
+        interval: float = 0.1,
         exclude: frozenset[int] = frozenset(),
         follow_children: bool = True,
     ) -> None:

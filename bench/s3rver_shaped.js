@@ -6,6 +6,7 @@
  *
  *   node s3rver_shaped.js --modules DIR -d STORE -a ADDRESS -p PORT --bucket NAME
  *       [--key PEM --cert PEM] [--latency-ms 20] [--get-rate 20 --get-burst 20]
+ *       [--processes N]
  *
  * S3rver is a Koa application: one middleware put at the front of its stack
  * (app.middleware, composed when the server starts listening) sees every
@@ -16,12 +17,19 @@
  *
  * GET /__bench/stats answers the counters as JSON (requests, object GETs and
  * HEADs, 503s sent) for the bench to read between runs.
+ *
+ * --processes N runs N copies of the server in a node cluster sharing one
+ * listening socket: one Node.js process answers a thousand GETs in flight too
+ * slowly to stand in for S3's fleet (one of them waited past a 60 s deadline).
+ * The counters are then each process's own.
  */
+
+const cluster = require('cluster');
 
 const path = require('path');
 
 function parseArgs(argv) {
-  const options = { latencyMs: 0, getRate: 0, getBurst: 0, port: 0 };
+  const options = { latencyMs: 0, getRate: 0, getBurst: 0, port: 0, processes: 1 };
   const names = {
     '--modules': 'modules',
     '-d': 'directory',
@@ -33,6 +41,7 @@ function parseArgs(argv) {
     '--latency-ms': 'latencyMs',
     '--get-rate': 'getRate',
     '--get-burst': 'getBurst',
+    '--processes': 'processes',
   };
   for (let i = 0; i < argv.length; i += 2) {
     const name = names[argv[i]];
@@ -41,7 +50,7 @@ function parseArgs(argv) {
     }
     options[name] = argv[i + 1];
   }
-  for (const name of ['port', 'latencyMs', 'getRate', 'getBurst']) {
+  for (const name of ['port', 'latencyMs', 'getRate', 'getBurst', 'processes']) {
     options[name] = Number(options[name]);
   }
   for (const name of ['modules', 'directory', 'address', 'bucket']) {
@@ -114,8 +123,38 @@ function shapingMiddleware(options, stats) {
   };
 }
 
+// The cluster's primary: starts the servers, prints the first one's "listening"
+// line (they share its port), and takes them down with it.
+function runCluster(count) {
+  let announced = false;
+  for (let i = 0; i < count; i += 1) {
+    const worker = cluster.fork();
+    worker.on('message', message => {
+      if (!announced && message && message.listening) {
+        announced = true;
+        console.log(message.listening);
+      }
+    });
+  }
+  cluster.on('exit', (worker, code) => {
+    console.error(`server process ${worker.process.pid} exited (${code})`);
+    process.exit(1);
+  });
+  const stop = () => {
+    cluster.removeAllListeners('exit');
+    for (const worker of Object.values(cluster.workers)) worker.process.kill('SIGTERM');
+    process.exit(0);
+  };
+  process.on('SIGTERM', stop);
+  process.on('SIGINT', stop);
+}
+
 async function main() {
   const options = parseArgs(process.argv.slice(2));
+  if (options.processes > 1 && cluster.isPrimary) {
+    runCluster(options.processes);
+    return;
+  }
   const S3rver = require(path.join(options.modules, 's3rver'));
   const fs = require(path.join(options.modules, 'fs-extra'));
   fs.ensureDirSync(options.directory);
@@ -137,7 +176,13 @@ async function main() {
   const stats = { requests: 0, objectReads: 0, slowDowns: 0 };
   server.middleware.unshift(shapingMiddleware(options, stats));
   const { address, port } = await server.run();
-  console.log('S3rver listening on %s:%d', address, port);
+  const listening = `S3rver listening on ${address}:${port}`;
+  if (cluster.isWorker) {
+    process.send({ listening });
+    process.on('disconnect', () => process.exit(0)); // the primary is gone
+  } else {
+    console.log(listening);
+  }
   // Open keep-alive connections would hold a graceful close: just go.
   process.on('SIGTERM', () => process.exit(0));
   process.on('SIGINT', () => process.exit(0));

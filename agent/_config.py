@@ -520,6 +520,47 @@ class AccessSettings(BaseModel):
         return self
 
 
+# A Kubernetes namespace or service account name (an RFC 1123 label / subdomain).
+_KUBERNETES_NAME = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"
+KubernetesNames = list[Annotated[str, Field(pattern=_KUBERNETES_NAME)]]
+
+
+class CsiTenantSettings(BaseModel):
+    """Which pods a CSI volume serves as which tenant: by namespace, and service account."""
+
+    model_config = {"extra": "forbid"}
+
+    # The [[access.sockets]] entry (its name) whose socket the volume's requests go to, so
+    # the agent checks them as that tenant's; "node": the API socket (every source the
+    # node allows; no socket volumes).
+    tenant: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")]
+    namespaces: KubernetesNames = Field(min_length=1, max_length=1024)
+    # Empty: every service account in those namespaces.
+    service_accounts: KubernetesNames = Field(default_factory=list, max_length=1024)
+
+
+class CsiSettings(BaseModel):
+    """The CSI node plugin (``prewarm-csi``): pods get models through csi volumes."""
+
+    model_config = {"extra": "forbid"}
+
+    driver_name: Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?$")] = (
+        "csi.prewarm.io"
+    )
+    # Where the kubelet (through node-driver-registrar) reaches the plugin.
+    endpoint: Path = Path("/var/lib/kubelet/plugins/csi.prewarm.io/csi.sock")
+    # Target paths must lie under <kubelet_dir>/pods/.
+    kubelet_dir: Path = Path("/var/lib/kubelet")
+    # One record per published volume (its lease, its target): what a restart picks up.
+    state_dir: Path = Path("/var/lib/prewarm-csi")
+    # The node's name as the kubelet knows it; empty: this host's name.
+    node_id: str = Field(default="", max_length=256)
+    # TTL asked for each volume's lease, renewed every third of it while the volume is
+    # published (a tenant's max_lease_seconds caps it).
+    lease_seconds: float = Field(default=600.0, ge=30.0, le=86_400.0)
+    tenants: list[CsiTenantSettings] = Field(default_factory=list, max_length=256)
+
+
 class Settings(BaseSettings):
     """Every setting of the agent and the CLI, with its effective value."""
 
@@ -552,6 +593,18 @@ class Settings(BaseSettings):
     manifests: ManifestSettings = ManifestSettings()
     s3: S3Settings = S3Settings()
     access: AccessSettings = AccessSettings()
+    csi: CsiSettings = CsiSettings()
+
+    @model_validator(mode="after")
+    def _csi_tenants_are_sockets(self) -> Settings:
+        names = {entry.name for entry in self.access.sockets} | {"node"}
+        for entry in self.csi.tenants:
+            if entry.tenant not in names:
+                raise ValueError(
+                    f"[[csi.tenants]] names tenant {entry.tenant!r}, which no [[access.sockets]] "
+                    f"entry has (known: {', '.join(sorted(names))}); add the socket or fix the name"
+                )
+        return self
 
     @property
     def lease_socket_path(self) -> Path:

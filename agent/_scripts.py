@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from typing import NoReturn
 
-__all__ = ["DISTRIBUTION", "prewarm", "prewarmd"]
+__all__ = ["DISTRIBUTION", "prewarm", "prewarm_csi", "prewarmd"]
 
 DISTRIBUTION = "prewarm-agent"
 
@@ -37,6 +37,15 @@ def prewarmd() -> NoReturn:
         from agent._daemon import main
     except ModuleNotFoundError as exc:
         _missing_extra(exc, "prewarmd", "daemon", _DAEMON_MODULES)
+    sys.exit(main())
+
+
+def prewarm_csi() -> NoReturn:
+    """Entry point of ``prewarm-csi``: the CSI node plugin (the daemon's extra)."""
+    try:
+        from agent.csi.__main__ import main
+    except ModuleNotFoundError as exc:
+        _missing_extra(exc, "prewarm-csi", "daemon", _DAEMON_MODULES)
     sys.exit(main())
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PROTO_ROOT = REPO / "proto"
-PROTO_FILES = ["prewarm/v1/prewarm.proto"]
+PROTO_FILES = ["prewarm/v1/prewarm.proto", "csi/v1/csi.proto"]
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_pb2_grpc.pyi")
 
 

@@ -33,7 +33,15 @@ from agent._proto.csi.v1 import csi_pb2, csi_pb2_grpc
 from agent.client import AsyncClient
 from agent.csi.mounts import bind_read_only, is_mount_point, mount_socket, unmount
 from agent.csi.records import PublishedVolume, VolumeRecords
-from agent.csi.volumes import Pod, VolumeAsk, check_target, pod_of, tenant_for, volume_ask
+from agent.csi.volumes import (
+    Pod,
+    VolumeAsk,
+    check_pod_owns_target,
+    check_target,
+    pod_of,
+    tenant_for,
+    volume_ask,
+)
 from agent.edge.status import abort
 from agent.edge.unix_socket import SocketDirectory, clear_stale_socket, owner_only_umask
 
@@ -64,6 +72,7 @@ class CsiNode:
         ask = volume_ask(request.volume_context)
         pod = pod_of(request.volume_context)
         target = check_target(request.target_path, self.settings.kubelet_dir)
+        check_pod_owns_target(pod, target, self.settings.kubelet_dir)
         async with self._lock(volume_id):
             if self._already_published(volume_id, target, ask):
                 return

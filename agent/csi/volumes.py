@@ -18,7 +18,15 @@ from typing import Literal
 from agent._config import CsiTenantSettings
 from agent._exceptions import AccessDenied, Conflict, InvalidRequest
 
-__all__ = ["Pod", "VolumeAsk", "check_target", "pod_of", "tenant_for", "volume_ask"]
+__all__ = [
+    "Pod",
+    "VolumeAsk",
+    "check_pod_owns_target",
+    "check_target",
+    "pod_of",
+    "tenant_for",
+    "volume_ask",
+]
 
 # Set by the kubelet (podInfoOnMount), never by the pod's author.
 POD_NAMESPACE = "csi.storage.k8s.io/pod.namespace"
@@ -136,6 +144,23 @@ def tenant_for(pod: Pod, tenants: Sequence[CsiTenantSettings]) -> str:
         f"no [[csi.tenants]] entry of this node's prewarm serves namespace {pod.namespace!r} "
         f"(service account {pod.service_account!r}); ask the cluster's admin to map it to a tenant"
     )
+
+
+def check_pod_owns_target(pod: Pod, target: Path, kubelet_dir: Path) -> None:
+    """The pod the context names must be the one whose directory the target is in.
+
+    The kubelet writes the pod's keys over any of the same name in the pod's own
+    volumeAttributes only when the CSIDriver has podInfoOnMount; without it, a pod's
+    author could name another namespace's tenant. The target path is the kubelet's
+    own (pods/<uid>/...), and no author knows a pod's uid before it exists.
+    """
+    uid = target.relative_to(Path(os.path.normpath(kubelet_dir)) / "pods").parts[0]
+    if uid != pod.uid:
+        raise AccessDenied(
+            f"the volume context names pod uid {pod.uid[:64]!r} but the target is in pod "
+            f"{uid!r}'s directory: pod keys set by the pod's author, not the kubelet? The "
+            "CSIDriver object must set podInfoOnMount: true"
+        )
 
 
 def check_target(target: str, kubelet_dir: Path) -> Path:

@@ -28,7 +28,14 @@ from google.protobuf import wrappers_pb2
 
 from agent import __version__
 from agent._config import Settings
-from agent._exceptions import AccessDenied, Conflict, InvalidRequest, NotFound, PrewarmError
+from agent._exceptions import (
+    AccessDenied,
+    AgentUnavailable,
+    Conflict,
+    InvalidRequest,
+    NotFound,
+    PrewarmError,
+)
 from agent._proto.csi.v1 import csi_pb2, csi_pb2_grpc
 from agent.client import AsyncClient
 from agent.csi.mounts import bind_read_only, is_mount_point, mount_socket, unmount
@@ -321,6 +328,8 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
     ) -> csi_pb2.NodePublishVolumeResponse:
         try:
             await self._node.publish(request)
+        except AgentUnavailable as exc:  # the kubelet retries: the agent may be starting
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except PrewarmError as exc:
             await abort(context, exc)
         except OSError as exc:
@@ -332,6 +341,8 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
     ) -> csi_pb2.NodeUnpublishVolumeResponse:
         try:
             await self._node.unpublish(request)
+        except AgentUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except PrewarmError as exc:
             await abort(context, exc)
         except OSError as exc:

@@ -119,6 +119,11 @@ def unpublish_request(
     )
 
 
+def occupy(target: Path) -> None:
+    """Put a plain file where the volume's directory should be."""
+    target.write_bytes(b"")
+
+
 def endpoint_mode(node: Node) -> int | None:
     """The plugin socket's permission bits (None: no socket)."""
     try:
@@ -330,3 +335,38 @@ async def test_a_restart_of_plugin_and_agent_between_publish_and_unpublish_leaks
     assert gone(Path(kept.target_path))
     assert leases_on(node, small_model.uri) == []
     assert records(node) == []
+
+
+async def test_a_mount_that_fails_after_the_lease_was_granted_releases_it(
+    node: Node, small_model: SampleModel
+) -> None:
+    """The target is a plain file, found only after the agent granted the lease: the publish
+    fails (INVALID_ARGUMENT) and the lease and the record are gone again."""
+    request = publish_request(node, uuid.uuid4().hex, {"uri": small_model.uri})
+    occupy(Path(request.target_path))
+    async with plugin(node) as (_identity, stub):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.NodePublishVolume(request)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a directory" in (refused.value.details() or "")
+    assert leases_on(node, small_model.uri) == []
+    assert records(node) == []
+
+
+async def test_with_the_agent_down_a_publish_is_unavailable_and_leaves_nothing(
+    node: Node, small_model: SampleModel
+) -> None:
+    """No agent on the tenant's socket: UNAVAILABLE (the kubelet retries), no mount, no
+    record; once the agent is back the same publish succeeds."""
+    request = publish_request(node, uuid.uuid4().hex, {"uri": small_model.uri})
+    node.agent.stop()
+    async with plugin(node) as (_identity, stub):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.NodePublishVolume(request)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert not is_mount_point(Path(request.target_path))
+        assert records(node) == []
+        node.agent.start()
+        await stub.NodePublishVolume(request)
+        assert is_mount_point(Path(request.target_path))
+        await stub.NodeUnpublishVolume(unpublish_request(request))

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from agent._exceptions import Conflict, PrewarmError
+from agent._exceptions import Conflict
 from agent._proto.prewarm.v1 import prewarm_pb2 as pb
 from agent._wire import parts_from_proto, parts_to_proto, timestamp_to_proto
 from agent.compile.cache import (
@@ -28,7 +28,6 @@ from agent.compile.cache import (
 )
 from agent.compile.verdict import Verdict
 from agent.compile.why import Nearest
-from agent.edge.status import abort
 from agent.service.access import NODE_TENANT, Tenant
 
 __all__ = ["CompileCacheApi"]
@@ -148,16 +147,13 @@ class CompileCacheApi:
         context: grpc.aio.ServicerContext[pb.EnsureCompileCacheRequest, pb.CompileCacheHandle],
     ) -> pb.CompileCacheHandle:
         """The compile cache for the request's parts in the caller's scope, restored if asked."""
-        try:
-            ensured = await self._caches().ensure(
-                parts_from_proto(request.parts),
-                scope=compile_scope(self._tenant),
-                skip_restore=request.skip_restore,
-                client_name=request.client_name,
-                publish_on_ready=request.publish_on_ready,
-            )
-        except PrewarmError as exc:
-            await abort(context, exc)
+        ensured = await self._caches().ensure(
+            parts_from_proto(request.parts),
+            scope=compile_scope(self._tenant),
+            skip_restore=request.skip_restore,
+            client_name=request.client_name,
+            publish_on_ready=request.publish_on_ready,
+        )
         return _handle(ensured)
 
     async def CompileReady(
@@ -166,12 +162,9 @@ class CompileCacheApi:
         context: grpc.aio.ServicerContext[pb.CompileReadyRequest, pb.CompileReadyResponse],
     ) -> pb.CompileReadyResponse:
         """A compile finished: record its verdict and, if uploads are on, push the cache."""
-        try:
-            ready = await self._caches().ready(
-                request.key, request.client_name, scope=compile_scope(self._tenant)
-            )
-        except PrewarmError as exc:
-            await abort(context, exc)
+        ready = await self._caches().ready(
+            request.key, request.client_name, scope=compile_scope(self._tenant)
+        )
         response = pb.CompileReadyResponse(key=ready.key, verdict=_verdict(ready.verdict))
         if ready.nearest is not None:
             response.nearest.CopyFrom(_nearest(ready.nearest))
@@ -191,10 +184,7 @@ class CompileCacheApi:
         ],
     ) -> pb.ListCompileCachesResponse:
         """The compile caches of the caller's scope."""
-        try:
-            caches = await self._caches().caches(compile_scope(self._tenant))
-        except PrewarmError as exc:
-            await abort(context, exc)
+        caches = await self._caches().caches(compile_scope(self._tenant))
         return pb.ListCompileCachesResponse(caches=[_info(c) for c in caches])
 
     async def EvictCompileCache(
@@ -205,10 +195,7 @@ class CompileCacheApi:
         ],
     ) -> pb.EvictCompileCacheResponse:
         """Evict a compile cache of the caller's scope (node socket only)."""
-        try:
-            evicted = await self._caches().evict(request.key, compile_scope(self._tenant))
-        except PrewarmError as exc:
-            await abort(context, exc)
+        evicted = await self._caches().evict(request.key, compile_scope(self._tenant))
         return pb.EvictCompileCacheResponse(
             evicted=[_info(c) for c in evicted], bytes_freed=sum(c.bytes for c in evicted)
         )
@@ -219,10 +206,7 @@ class CompileCacheApi:
         context: grpc.aio.ServicerContext[pb.PushCompileCacheRequest, pb.PushCompileCacheResponse],
     ) -> pb.PushCompileCacheResponse:
         """Upload a compile cache of the caller's scope to S3."""
-        try:
-            outcome = await self._caches().push(request.key, compile_scope(self._tenant))
-        except PrewarmError as exc:
-            await abort(context, exc)
+        outcome = await self._caches().push(request.key, compile_scope(self._tenant))
         return _push(outcome)
 
     async def PullCompileCache(
@@ -231,10 +215,7 @@ class CompileCacheApi:
         context: grpc.aio.ServicerContext[pb.PullCompileCacheRequest, pb.CompileCacheHandle],
     ) -> pb.CompileCacheHandle:
         """Restore a compile cache of the caller's scope from S3."""
-        try:
-            ensured = await self._caches().pull(request.key, compile_scope(self._tenant))
-        except PrewarmError as exc:
-            await abort(context, exc)
+        ensured = await self._caches().pull(request.key, compile_scope(self._tenant))
         return _handle(ensured)
 
     async def ExplainCompileCache(
@@ -245,10 +226,7 @@ class CompileCacheApi:
         ],
     ) -> pb.ExplainCompileCacheResponse:
         """The nearest other key of a cache's model in the caller's scope, and what differs."""
-        try:
-            why = await self._caches().explain(request.key, compile_scope(self._tenant))
-        except PrewarmError as exc:
-            await abort(context, exc)
+        why = await self._caches().explain(request.key, compile_scope(self._tenant))
         response = pb.ExplainCompileCacheResponse(key=why.key, s3_note=why.s3_note)
         if why.nearest is not None:
             response.nearest.CopyFrom(_nearest(why.nearest))
@@ -262,10 +240,7 @@ class CompileCacheApi:
         ],
     ) -> pb.CompactCompileCacheResponse:
         """Make a key's archives in S3 (of the caller's scope) one archive."""
-        try:
-            outcome = await self._caches().compact(request.key, compile_scope(self._tenant))
-        except PrewarmError as exc:
-            await abort(context, exc)
+        outcome = await self._caches().compact(request.key, compile_scope(self._tenant))
         return _compaction(outcome)
 
     async def CompileLock(
@@ -275,23 +250,20 @@ class CompileCacheApi:
     ) -> AsyncIterator[pb.CompileLockEvent]:
         """Hold the node lock on a compile key: waiting, then granted, until the call ends."""
         name = request.client_name or "anonymous"
-        try:
-            # aclosing: the lock passes on the moment this call ends, even when
-            # gRPC cancels it because the pod went away.
-            async with contextlib.aclosing(
-                self._caches().hold_lock(
-                    parts_from_proto(request.parts), name, compile_scope(self._tenant)
+        # aclosing: the lock passes on the moment this call ends, even when
+        # gRPC cancels it because the pod went away.
+        async with contextlib.aclosing(
+            self._caches().hold_lock(
+                parts_from_proto(request.parts), name, compile_scope(self._tenant)
+            )
+        ) as events:
+            async for event in events:
+                if event.state == "granted":
+                    log.info("compile lock %s granted to %s", event.key, name)
+                yield pb.CompileLockEvent(
+                    state=_LOCK_STATE[event.state],
+                    # Locks are named <domain>/<key>; the pod knows its key alone.
+                    key=event.key.rpartition("/")[2],
+                    holder=event.holder,
+                    warm=event.warm,
                 )
-            ) as events:
-                async for event in events:
-                    if event.state == "granted":
-                        log.info("compile lock %s granted to %s", event.key, name)
-                    yield pb.CompileLockEvent(
-                        state=_LOCK_STATE[event.state],
-                        # Locks are named <domain>/<key>; the pod knows its key alone.
-                        key=event.key.rpartition("/")[2],
-                        holder=event.holder,
-                        warm=event.warm,
-                    )
-        except PrewarmError as exc:
-            await abort(context, exc)

@@ -10,11 +10,17 @@ the peer and the request's identifying fields to the request's log context
 (see _logging), and counts each call by method and result, the result being
 ``ok`` or the name of the status code it ended with (``CANCELLED`` when the
 client went away).
+
+It is also the one place a refusal becomes a status: every ``PrewarmError``
+a method (or an interceptor inside this one, such as the tenant's) raises ends
+the call with its status code and escaped message (agent.edge.status), so the
+servicers only convert, call and convert back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import math
@@ -27,7 +33,7 @@ import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from agent._exceptions import ECHO_LIMIT, InvalidRequest, printable
+from agent._exceptions import ECHO_LIMIT, InvalidRequest, PrewarmError, printable
 from agent.edge.request_limits import check_request
 from agent.edge.status import abort, remember_request_values
 from agent.obs.logs import bind_request
@@ -114,22 +120,16 @@ class RequestObserver(grpc.aio.ServerInterceptor):
             )
         return handler
 
-    async def _admit(self, method: str, request: Any, context: Context) -> None:
+    def _admit(self, method: str, request: Any, context: Context) -> None:
         if isinstance(request, _Undecodable):
             self._undecodable.report(method, context.peer() or "unknown", request.error)
-            await abort(
-                context,
-                InvalidRequest(
-                    f"The request to {method} is not a protobuf message of its type "
-                    f"({request.error}). Use the prewarm client, or stubs generated from "
-                    "proto/prewarm/v1/prewarm.proto."
-                ),
+            raise InvalidRequest(
+                f"The request to {method} is not a protobuf message of its type "
+                f"({request.error}). Use the prewarm client, or stubs generated from "
+                "proto/prewarm/v1/prewarm.proto."
             )
         remember_request_values(_strings(request))
-        try:
-            check_request(request)
-        except InvalidRequest as exc:
-            await abort(context, exc)
+        check_request(request)
 
     def _unary(
         self, method: str, counted: bool, behaviour: Callable[[Any, Context], Awaitable[Any]]
@@ -138,8 +138,9 @@ class RequestObserver(grpc.aio.ServerInterceptor):
             if counted:
                 _bind(method, request, context)
             try:
-                await self._admit(method, request, context)
-                response = await behaviour(request, context)
+                async with _refusals_answered(context):
+                    self._admit(method, request, context)
+                    response = await behaviour(request, context)
             except BaseException as exc:
                 if counted:
                     REQUESTS.labels(method, _result(context, exc)).inc()
@@ -157,9 +158,10 @@ class RequestObserver(grpc.aio.ServerInterceptor):
             if counted:
                 _bind(method, request, context)
             try:
-                await self._admit(method, request, context)
-                async for response in behaviour(request, context):
-                    yield response
+                async with _refusals_answered(context):
+                    self._admit(method, request, context)
+                    async for response in behaviour(request, context):
+                        yield response
             except BaseException as exc:
                 if counted:
                     REQUESTS.labels(method, _result(context, exc)).inc()
@@ -168,6 +170,15 @@ class RequestObserver(grpc.aio.ServerInterceptor):
                 REQUESTS.labels(method, _result(context, None)).inc()
 
         return observed
+
+
+@contextlib.asynccontextmanager
+async def _refusals_answered(context: Context) -> AsyncIterator[None]:
+    """The one place a ``PrewarmError`` becomes the call's status code and message."""
+    try:
+        yield
+    except PrewarmError as exc:
+        await abort(context, exc)
 
 
 def _tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:

@@ -23,7 +23,6 @@ from agent._wire import (
 )
 from agent.compile.cache import CompileCaches
 from agent.edge.compile_servicer import CompileCacheApi, compile_scope
-from agent.edge.status import abort
 from agent.edge.tenancy import requester_keys
 from agent.pull.flight import Flight, PullProgress
 from agent.service.access import Requester, Tenant
@@ -64,10 +63,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         context: grpc.aio.ServicerContext[pb.EnsureModelRequest, pb.EnsureModelEvent],
     ) -> AsyncIterator[pb.EnsureModelEvent]:
         """Progress events, then the handle of the snapshot, cached or pulled."""
-        try:
-            tier, options = _tier_and_options(request)
-        except PrewarmError as exc:
-            await abort(context, exc)
+        tier, options = _tier_and_options(request)
         yield pb.EnsureModelEvent(progress=pb.Progress(phase=pb.PHASE_RESOLVE))
         try:
             ensure = self._ensure_request(request, tier, options)
@@ -78,7 +74,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
                     yield pb.EnsureModelEvent(handle=self._handle(event))
         except PrewarmError as exc:
             log.info("EnsureModel %s: %s", request.uri, exc)
-            await abort(context, exc)
+            raise  # answered by the interceptor, as every refusal is
 
     def _ensure_request(
         self, request: pb.EnsureModelRequest, tier: TierName | None, options: PullOptions | None
@@ -113,11 +109,8 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         context: grpc.aio.ServicerContext[pb.GetModelRequest, pb.ModelInfo],
     ) -> pb.ModelInfo:
         """The newest snapshot a ref names, with its files (node socket only)."""
-        try:
-            model = self._service.get(request.ref)
-            return self._model_info(model, self._requester(request), with_files=True)
-        except PrewarmError as exc:
-            await abort(context, exc)
+        model = self._service.get(request.ref)
+        return self._model_info(model, self._requester(request), with_files=True)
 
     async def ListModels(
         self,
@@ -138,10 +131,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         context: grpc.aio.ServicerContext[pb.EvictModelRequest, pb.EvictModelResponse],
     ) -> pb.EvictModelResponse:
         """Evict the snapshots a ref names (node socket only)."""
-        try:
-            result = await self._service.evict(request.ref, force=request.force)
-        except PrewarmError as exc:
-            await abort(context, exc)
+        result = await self._service.evict(request.ref, force=request.force)
         log.info(
             "evicted %s: %d snapshots, %d bytes",
             request.ref,
@@ -156,15 +146,12 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         context: grpc.aio.ServicerContext[pb.RenewLeaseRequest, pb.Lease],
     ) -> pb.Lease:
         """Renew a lease granted on this socket."""
-        try:
-            if request.ttl_seconds < 0:
-                raise InvalidRequest("ttl_seconds must not be negative.")
-            renewed = self._service.renew_lease(
-                request.id, request.ttl_seconds or None, self._requester(request)
-            )
-            return self._lease(renewed)
-        except PrewarmError as exc:
-            await abort(context, exc)
+        if request.ttl_seconds < 0:
+            raise InvalidRequest("ttl_seconds must not be negative.")
+        renewed = self._service.renew_lease(
+            request.id, request.ttl_seconds or None, self._requester(request)
+        )
+        return self._lease(renewed)
 
     async def ReleaseLease(
         self,
@@ -172,10 +159,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         context: grpc.aio.ServicerContext[pb.ReleaseLeaseRequest, pb.ReleaseLeaseResponse],
     ) -> pb.ReleaseLeaseResponse:
         """Release a lease granted on this socket."""
-        try:
-            self._service.release_lease(request.id, self._requester(request))
-        except PrewarmError as exc:
-            await abort(context, exc)
+        self._service.release_lease(request.id, self._requester(request))
         return pb.ReleaseLeaseResponse()
 
     async def PinModel(
@@ -184,10 +168,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         context: grpc.aio.ServicerContext[pb.PinModelRequest, pb.ModelInfo],
     ) -> pb.ModelInfo:
         """Pin or unpin the newest snapshot a ref names (node socket only)."""
-        try:
-            model = await self._service.pin(request.ref, request.pinned)
-        except PrewarmError as exc:
-            await abort(context, exc)
+        model = await self._service.pin(request.ref, request.pinned)
         return self._model_info(model, self._requester(request), with_files=False)
 
     async def CollectGarbage(
@@ -210,12 +191,9 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         context: grpc.aio.ServicerContext[pb.VerifyModelsRequest, pb.VerifyModelsResponse],
     ) -> pb.VerifyModelsResponse:
         """Re-hash cached snapshots; evict those that changed unless report_only."""
-        try:
-            results = await self._service.verify(
-                request.ref, every=request.all, report_only=request.report_only
-            )
-        except PrewarmError as exc:
-            await abort(context, exc)
+        results = await self._service.verify(
+            request.ref, every=request.all, report_only=request.report_only
+        )
         return pb.VerifyModelsResponse(
             results=[
                 pb.ModelVerification(

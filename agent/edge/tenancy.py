@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from agent._exceptions import AccessDenied, InvalidRequest, PrewarmError
-from agent.edge.status import abort
+from agent._exceptions import AccessDenied, InvalidRequest
 from agent.obs.logs import bind_request
 from agent.service.access import (
     NODE_TENANT,
@@ -123,13 +122,10 @@ class TenantBinder(grpc.aio.ServerInterceptor):
         """Let the call run, or end it with the reason it is refused."""
         tenant = self._tenant
         bind_request(tenant=tenant.name)  # log context only
-        try:
-            keys = requester_keys(request)
-            _check_method(tenant, method, request, keys)
-            if method in _COMPILE_S3_METHODS and self._compile_cache_uri:
-                check_source(self._compile_cache_uri, Requester(tenant, keys))
-        except PrewarmError as exc:
-            await abort(context, exc)
+        keys = requester_keys(request)
+        _check_method(tenant, method, request, keys)
+        if method in _COMPILE_S3_METHODS and self._compile_cache_uri:
+            check_source(self._compile_cache_uri, Requester(tenant, keys))
 
 
 def _check_method(tenant: Tenant, method: str, request: Any, keys: RequesterKeys | None) -> None:

@@ -34,6 +34,9 @@ from agent.compile.keys import CompileKeyParts
 from agent.edge.connection_limits import raise_descriptor_limit
 from agent.edge.lease_socket import LeaseServer
 from agent.edge.server import ApiServer, ServerLimits, TenantSocket
+from agent.leases.held_file import HELD_LEASES_NAME
+from agent.leases.keeper import LeaseKeeper
+from agent.leases.table import LeaseTable
 from agent.obs.logs import configure_logging
 from agent.obs.metrics import REGISTRY, StateCollector, StateReading, TierReading
 from agent.obs.metrics_server import serve_metrics
@@ -46,9 +49,6 @@ from agent.service.operations import AgentService
 from agent.source.s3 import S3Source
 from agent.store.catalog import Store
 from agent.store.claim import claim_root
-from agent.store.lease_file import HELD_LEASES_NAME
-from agent.store.lease_keeper import LeaseKeeper
-from agent.store.leases import LeaseTable
 from agent.store.records import TierBudget
 from agent.store.roots import traverse_group_id
 

@@ -11,7 +11,7 @@ The agent closing its end first means it stopped (a restart, a rolling
 update) while this process still needs the snapshot: the hold then takes the
 lease again, without the caller doing anything. It reconnects to the lease
 socket with backoff and says the same hello; an agent that kept the lease
-across its restart hands it back to this same process (agent.store.lease_keeper).
+across its restart hands it back to this same process (agent.leases.keeper).
 One that does not know it any more (NotFound) is asked for a new lease on the
 same cached snapshot through ``regrant`` (the client's EnsureModel with
 ``cached_only``), which the hold then holds. A thread (sync) or a task (asyncio)

@@ -12,7 +12,7 @@ client (here)               daemon                              why they differ
 ``ModelHandle``,            ``service.results.EnsureResult``,   the daemon's hold its store
 ``ModelInfo``               ``store.CachedModel``               records (manifest, journal);
                                                                 a pod gets only what it may see
-``LeaseGrant``,             ``store.leases.LeaseRecord``        the record carries the holder's
+``LeaseGrant``,             ``leases.table.LeaseRecord``        the record carries the holder's
 ``LeaseInfo``                                                   credentials and the grantee
                                                                 socket, which stay on the node
 ``CompileCacheInfo``,       ``compile.index.CompileCacheInfo``, times are ``float`` seconds on

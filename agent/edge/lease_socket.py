@@ -9,7 +9,7 @@ connection stays open. The first process to hold a lease binds it: a hello for
 it from another process is PERMISSION_DENIED (from another connection of the
 same process FAILED_PRECONDITION). When the client half-closes, the agent ends the
 lease and then closes its end, so the client can wait for that. What a lease
-means is ``agent.store.leases``.
+means is ``agent.leases.table``.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from agent.edge.unix_socket import (
     owner_only_umask,
     socket_group_id,
 )
-from agent.store.holders import start_time_of_peer
-from agent.store.leases import LeaseTable, PeerCredentials, lease_tag
+from agent.leases.holders import start_time_of_peer
+from agent.leases.table import LeaseTable, PeerCredentials, lease_tag
 
 __all__ = [
     "HELLO_LIMIT",

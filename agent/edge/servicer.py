@@ -24,12 +24,12 @@ from agent._wire import (
 from agent.compile.cache import CompileCaches
 from agent.edge.compile_servicer import CompileCacheApi, compile_scope
 from agent.edge.tenancy import requester_keys
+from agent.leases.table import LeaseRecord
 from agent.pull.flight import Flight, PullProgress
 from agent.service.access import Requester, Tenant
 from agent.service.operations import AgentService
 from agent.service.request import EnsureRequest, LeaseAsk
 from agent.service.results import EnsureResult, EvictResult
-from agent.store.leases import LeaseRecord
 from agent.store.records import CachedModel, TierUsage
 
 __all__ = ["PrewarmServicer"]

@@ -16,6 +16,7 @@ from agent._uri import parse_uri, refuse_whole_bucket
 from agent._version import __version__
 from agent._vocabulary import TierName
 from agent.check.hashes import verify_files
+from agent.leases.table import LeaseRecord, LeaseTable
 from agent.obs.logs import bind_request
 from agent.obs.metrics import EVICTIONS
 from agent.pull.flight import Flight, PullProgress, PullTimings
@@ -36,7 +37,6 @@ from agent.service.results import (
 from agent.source.interface import ObjectSource
 from agent.store.catalog import Store
 from agent.store.eviction import Evictor
-from agent.store.leases import LeaseRecord, LeaseTable
 from agent.store.records import CachedModel, Usage
 
 __all__ = ["AgentService"]

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 from agent._vocabulary import TierName
 from agent.check.hashes import FileProblem
+from agent.leases.table import LeaseRecord
 from agent.obs.metrics import CACHE_LOOKUPS, PHASE_SECONDS
 from agent.pull.flight import Flight
-from agent.store.leases import LeaseRecord
 from agent.store.records import CachedModel, TierUsage
 
 __all__ = [

@@ -21,10 +21,10 @@ from agent._config import TierSettings
 from agent._exceptions import Conflict, NoSpace
 from agent._snapshot import Snapshot
 from agent._vocabulary import TIER_NAMES, TierName
+from agent.leases.table import LeaseRecord, LeaseTable
 from agent.obs.metrics import EVICTIONS
 from agent.store.budget import Candidate, TierLimits, pick_victims
 from agent.store.catalog import Store
-from agent.store.leases import LeaseRecord, LeaseTable
 from agent.store.records import CachedModel
 
 __all__ = ["Evictor"]

@@ -35,7 +35,7 @@ from agent.client import (
     NotFound,
 )
 from agent.edge.lease_socket import LeaseServer
-from agent.store.leases import LeaseRecord, LeaseTable
+from agent.leases.table import LeaseRecord, LeaseTable
 
 T = TypeVar("T")
 KEY = "k1"

@@ -19,12 +19,12 @@ from agent._config import AccessLimits, Settings
 from agent._exceptions import AccessDenied
 from agent._uri import parse_uri
 from agent.client import Client
+from agent.leases.table import LeaseTable
 from agent.pull.puller import Puller
 from agent.service import access
 from agent.service.operations import AgentService
 from agent.service.request import EnsureRequest, LeaseAsk
 from agent.service.results import EnsureResult
-from agent.store.leases import LeaseTable
 from agent.testing import MemorySource, SampleModel
 from agent.testing._process import purge_tree
 

@@ -11,9 +11,9 @@ from agent import Conflict, NoSpace
 from agent._config import TierSettings
 from agent._snapshot import Snapshot, SourceObject
 from agent._uri import parse_uri
+from agent.leases.table import LeaseTable, PeerCredentials
 from agent.store.catalog import Store
 from agent.store.eviction import Evictor
-from agent.store.leases import LeaseTable, PeerCredentials
 
 
 def _evictor(store: Store, leases: LeaseTable, *, fallback: bool = False) -> Evictor:

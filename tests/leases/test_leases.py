@@ -16,7 +16,7 @@ import pytest
 
 from agent import Conflict, InvalidRequest
 from agent.edge.lease_socket import HELLO_LIMIT, LeaseServer
-from agent.store.leases import LeaseTable, PeerCredentials
+from agent.leases.table import LeaseTable, PeerCredentials
 
 ME = PeerCredentials(pid=os.getpid(), uid=os.getuid(), gid=os.getgid())
 

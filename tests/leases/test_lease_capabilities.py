@@ -26,8 +26,8 @@ from agent._snapshot import Snapshot, SourceObject
 from agent._uri import parse_uri
 from agent.client import Client
 from agent.edge.lease_socket import LeaseServer
+from agent.leases.table import LeaseTable, PeerCredentials
 from agent.store.eviction import Evictor
-from agent.store.leases import LeaseTable, PeerCredentials
 from agent.testing import S3Server, make_safetensors_model, upload_model
 
 MiB = 1024 * 1024

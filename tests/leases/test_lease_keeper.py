@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from agent import AccessDenied
-from agent.store.holders import boot_id, process_start_time
-from agent.store.lease_file import HELD_LEASES_NAME, load_held_leases, save_held_leases
-from agent.store.lease_keeper import LeaseKeeper
-from agent.store.leases import LeaseRecord, LeaseTable, PeerCredentials, restored_id
+from agent.leases.held_file import HELD_LEASES_NAME, load_held_leases, save_held_leases
+from agent.leases.holders import boot_id, process_start_time
+from agent.leases.keeper import LeaseKeeper
+from agent.leases.table import LeaseRecord, LeaseTable, PeerCredentials, restored_id
 
 KEY = "0123456789abcdef0123456789abcdef"
 

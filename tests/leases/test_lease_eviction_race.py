@@ -17,12 +17,12 @@ import pytest
 from agent import NoSpace
 from agent._config import S3Settings, Settings
 from agent._uri import parse_uri
+from agent.leases.table import LeaseTable
 from agent.pull.puller import Puller
 from agent.service.operations import AgentService
 from agent.service.request import EnsureRequest, LeaseAsk
 from agent.service.results import EnsureResult
 from agent.store.catalog import Store
-from agent.store.leases import LeaseTable
 from agent.store.records import TierBudget
 from agent.testing import MemorySource
 

@@ -3,7 +3,7 @@
 A lease held on the lease socket ends when its connection closes, and a
 restarting agent closes them all: an engine started by ``prewarm exec`` kept
 running on a snapshot that showed no lease and could be evicted. ``LeaseKeeper``
-keeps the table's held leases in a file (``agent.store.lease_file``) and, when
+keeps the table's held leases in a file (``agent.leases.held_file``) and, when
 the agent starts, takes back each one whose holder is still the same live
 process (pid, uid and start time): as an *orphaned* lease that protects its
 snapshot until that process comes back to the lease socket with the lease's id
@@ -26,15 +26,15 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from agent.store.holders import (
+from agent.leases.held_file import HeldLease, load_held_leases, save_held_leases
+from agent.leases.holders import (
     boot_id,
     effective_uid,
     open_pidfd,
     pidfd_exited,
     process_start_time,
 )
-from agent.store.lease_file import HeldLease, load_held_leases, save_held_leases
-from agent.store.leases import LeaseTable
+from agent.leases.table import LeaseTable
 
 __all__ = ["LeaseKeeper"]
 

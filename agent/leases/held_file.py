@@ -29,7 +29,7 @@ from typing import Any
 
 from agent._fs import write_json_atomic
 from agent._snapshot import KEY_LENGTH
-from agent.store.leases import RESTORED_PREFIX, LeaseRecord, PeerCredentials, restored_id
+from agent.leases.table import RESTORED_PREFIX, LeaseRecord, PeerCredentials, restored_id
 
 __all__ = ["HELD_LEASES_NAME", "HeldLease", "load_held_leases", "save_held_leases"]
 

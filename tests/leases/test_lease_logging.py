@@ -16,7 +16,7 @@ from contextlib import ExitStack
 from agent_helpers import ProcessFactory
 
 from agent.client import Client
-from agent.store.leases import lease_tag
+from agent.leases.table import lease_tag
 from agent.testing import AgentProcess, SampleModel
 
 

@@ -25,7 +25,7 @@ import pytest
 from agent_helpers import ProcessFactory, when_logged
 
 from agent.client import Client
-from agent.store.lease_file import HELD_LEASES_NAME
+from agent.leases.held_file import HELD_LEASES_NAME
 from agent.testing import AgentProcess, SampleModel
 from agent.testing._process import StartupFailure, read_until
 

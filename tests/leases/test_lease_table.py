@@ -8,7 +8,7 @@ import os
 import pytest
 
 from agent import AccessDenied, Conflict, InvalidRequest, NotFound
-from agent.store.leases import LeaseTable, PeerCredentials
+from agent.leases.table import LeaseTable, PeerCredentials
 
 ME = PeerCredentials(pid=os.getpid(), uid=os.getuid(), gid=os.getgid())
 

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from agent._config import ManifestSettings, S3Settings, Settings
+from agent.leases.table import LeaseTable
 from agent.prefetch.manifests import ManifestWatcher
 from agent.prefetch.schema import MAX_MANIFEST_BYTES, ManifestError, read_manifest
 from agent.pull.puller import Puller
 from agent.service.operations import AgentService
 from agent.store.catalog import Store
-from agent.store.leases import LeaseTable
 from agent.testing import MemorySource
 
 MODEL_URI = "s3://models/tiny/"

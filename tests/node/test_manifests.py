@@ -15,6 +15,7 @@ from agent_helpers import AgentFactory, when_logged
 from agent._config import ManifestSettings, S3Settings, Settings
 from agent._uri import parse_uri
 from agent.client import Client
+from agent.leases.table import LeaseTable
 from agent.prefetch.manifests import CompileCacheHook, ManifestWatcher
 from agent.prefetch.pins import load_pins, save_pins
 from agent.prefetch.schema import CompileSpec, ManifestError, read_manifest
@@ -22,7 +23,6 @@ from agent.pull.puller import Puller
 from agent.service.operations import AgentService
 from agent.service.request import EnsureRequest
 from agent.store.catalog import Store
-from agent.store.leases import LeaseTable
 from agent.testing import MemorySource, SampleModel
 
 MODEL_URI = "s3://models/llama/"

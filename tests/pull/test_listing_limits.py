@@ -20,13 +20,13 @@ from agent._config import S3Settings, Settings
 from agent._exceptions import NoSpace
 from agent._uri import parse_uri
 from agent.client import Client
+from agent.leases.table import LeaseTable
 from agent.pull.puller import Puller
 from agent.service import access
 from agent.service.operations import AgentService
 from agent.service.request import EnsureRequest
 from agent.service.results import EnsureResult
 from agent.store.catalog import Store
-from agent.store.leases import LeaseTable
 from agent.testing import MemorySource, S3Server
 
 PAGE = 1000

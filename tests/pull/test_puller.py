@@ -11,6 +11,7 @@ import pytest
 from agent import NoSpace, SourceChanged, SourceUnavailable
 from agent._config import S3Settings, Settings
 from agent._uri import parse_uri
+from agent.leases.table import LeaseTable
 from agent.pull.flight import PullProgress
 from agent.pull.puller import Puller
 from agent.pull.resolver import resolve
@@ -18,7 +19,6 @@ from agent.service.operations import AgentService
 from agent.service.request import EnsureRequest
 from agent.service.results import EnsureResult
 from agent.store.catalog import Store
-from agent.store.leases import LeaseTable
 from agent.testing import MemorySource
 
 MiB = 1024 * 1024

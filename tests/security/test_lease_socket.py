@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from agent.edge.lease_socket import MAX_PENDING_PER_UID, POST_HELLO_LIMIT, LeaseServer
-from agent.store.leases import LeaseTable
+from agent.leases.table import LeaseTable
 
 
 @pytest.fixture

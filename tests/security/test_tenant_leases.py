@@ -22,7 +22,7 @@ import pytest
 
 from agent._exceptions import NoSpace
 from agent.edge.lease_socket import MAX_PENDING_PER_UID, LeaseServer
-from agent.store.leases import LeaseTable, PeerCredentials
+from agent.leases.table import LeaseTable, PeerCredentials
 
 ROOT_IN_A_POD = PeerCredentials(pid=os.getpid(), uid=0, gid=0)
 

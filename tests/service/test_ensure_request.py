@@ -15,6 +15,7 @@ import pytest
 from agent._config import AccessLimits, S3Settings, Settings
 from agent._exceptions import AccessDenied, InvalidRequest
 from agent._uri import parse_uri
+from agent.leases.table import LeaseTable
 from agent.pull.puller import Puller
 from agent.service.access import PullGate, Requester, Tenant
 from agent.service.operations import AgentService
@@ -22,7 +23,6 @@ from agent.service.request import EnsureRequest
 from agent.service.results import EnsureResult
 from agent.source.plane_registry import DataPlanes
 from agent.store.catalog import Store
-from agent.store.leases import LeaseTable
 from agent.testing import MemorySource
 
 URI = "s3://models/m/"

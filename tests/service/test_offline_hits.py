@@ -21,6 +21,7 @@ from agent._config import S3Settings, Settings
 from agent._exceptions import NotFound, SourceUnavailable
 from agent._uri import parse_uri
 from agent.client import Client
+from agent.leases.table import LeaseTable
 from agent.pull.puller import Puller
 from agent.service.operations import AgentService
 from agent.service.request import EnsureRequest
@@ -28,7 +29,6 @@ from agent.service.results import EnsureResult
 from agent.source.interface import ObjectSource
 from agent.source.s3 import S3Source, SourceUnreachable
 from agent.store.catalog import Store
-from agent.store.leases import LeaseTable
 from agent.testing import Fault, FaultProxy, MemorySource, S3Server, SampleModel, upload_model
 
 # Long enough that waiting for it, or for botocore's 20 attempts, trips the test timeout.

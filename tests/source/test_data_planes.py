@@ -23,6 +23,7 @@ from agent import SourceUnavailable
 from agent._config import Settings
 from agent._uri import parse_uri
 from agent._vocabulary import DataPlaneName, PullOptions
+from agent.leases.table import LeaseTable
 from agent.pull.puller import Puller
 from agent.service.operations import AgentService
 from agent.service.request import EnsureRequest
@@ -30,7 +31,6 @@ from agent.service.results import EnsureResult
 from agent.source.range_worker import USER_AGENT as PROCESSES_USER_AGENT
 from agent.source.s3 import S3Source
 from agent.store.catalog import Store
-from agent.store.leases import LeaseTable
 from agent.testing import Fault, FaultKind, FaultProxy, S3Server, SampleModel
 
 MiB = 1024 * 1024

@@ -17,13 +17,13 @@ from test_data_planes import assert_identical
 from agent._config import Settings
 from agent._uri import parse_uri
 from agent._vocabulary import PullOptions
+from agent.leases.table import LeaseTable
 from agent.pull.puller import Puller
 from agent.service.operations import AgentService
 from agent.service.request import EnsureRequest
 from agent.service.results import EnsureResult
 from agent.source.s3 import S3Source
 from agent.store.catalog import Store
-from agent.store.leases import LeaseTable
 from agent.testing import FaultProxy, S3Server, SampleModel
 
 MiB = 1024 * 1024

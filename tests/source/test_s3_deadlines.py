@@ -26,12 +26,12 @@ from agent._config import S3Settings, Settings
 from agent._exceptions import SourceUnavailable
 from agent._uri import parse_uri
 from agent._vocabulary import DataPlaneName, PullOptions
+from agent.leases.table import LeaseTable
 from agent.pull.puller import Puller
 from agent.service.operations import AgentService
 from agent.service.request import EnsureRequest
 from agent.source.s3 import S3Source, SourceSilent
 from agent.store.catalog import Store
-from agent.store.leases import LeaseTable
 from agent.testing import AgentProcess, Fault, FaultProxy, S3Server, SampleModel
 
 # The bound these tests give the agent, and how long one attempt may wait for a

@@ -1,17 +1,53 @@
 """What ships beside the agent for Kubernetes: one version, CSI volumes, the role's trust.
 
 The image tag and wheel names that packaging/ and the docs tell people to build
-and pull are the project's own version. The rest of the Kubernetes manifests'
-checks are in test_k8s_manifests.py, whose helpers these tests share.
+and pull are the project's own version. The CSI driver's manifests are held to
+what the plugin (agent/csi) needs: the CSIDriver's fields, one socket path for
+the plugin, the registrar and the config, the kubelet's directory mounted with
+Bidirectional propagation; and the example pod that uses it to the restricted
+Pod Security standard, checked by a checker shown to catch the hostPath pods.
+The rest of the Kubernetes manifests' checks are in test_k8s_manifests.py, whose
+helpers these tests share.
 """
 
 from __future__ import annotations
 
+import copy
 import re
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+from test_k8s_manifests import (
+    K8S,
+    KUBERNETES_VERSIONS,
+    MANIFESTS,
+    config_text,
+    container,
+    daemonset_pod,
+    daemonset_settings,
+    documents,
+    find,
+)
+
+from agent._config import CsiSettings, Settings, load_settings
+from agent._uri import parse_uri
+from agent.csi.volumes import (
+    POD_NAME,
+    POD_NAMESPACE,
+    POD_UID,
+    SERVICE_ACCOUNT,
+    pod_of,
+    tenant_for,
+    volume_ask,
+)
+from agent.service import access
 
 REPO = Path(__file__).resolve().parents[2]
+DRIVER = CsiSettings().driver_name
 
 # -- one version ---------------------------------------------------------------------------
 
@@ -68,3 +104,400 @@ def test_the_version_scan_finds_tags_and_wheel_names_and_skips_placeholders() ->
         "image: registry.example.com/prewarm:<tag>\n"
     )
     assert version_references(text) == ["0.1.0", "0.1.1", "0.1.2"]
+
+
+# -- the CSI manifests: valid for the API ------------------------------------------------------
+
+CSI_MANIFESTS = {
+    "csi-driver.yaml": ["CSIDriver"],
+    "csi-pod.yaml": ["Namespace", "Pod"],
+}
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize(("name", "kinds"), CSI_MANIFESTS.items(), ids=list(CSI_MANIFESTS))
+def test_the_csi_manifests_hold_their_objects_and_validate_strictly(
+    name: str, kinds: list[str], version: str
+) -> None:
+    """Each CSI manifest holds the objects it is for, and each passes kubernetes-validate in
+    strict mode (an unknown field fails), as every manifest test_k8s_manifests.py finds does."""
+    path = K8S / name
+    assert path in MANIFESTS
+    docs = documents(path)
+    assert [doc["kind"] for doc in docs] == kinds
+    for doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+# -- the CSIDriver -----------------------------------------------------------------------------
+
+
+def test_the_csidriver_is_an_attachless_ephemeral_driver_that_gets_pod_info(
+    tmp_path: Path,
+) -> None:
+    """The CSIDriver object is named as the plugin's driver (its default and the DaemonSet's
+    config), needs no attach, passes the pod's identity on mount (the plugin maps tenants by
+    it), serves inline volumes only and leaves ownership alone (a read-only volume)."""
+    driver = find(K8S / "csi-driver.yaml", "CSIDriver")
+    assert driver["metadata"]["name"] == DRIVER == daemonset_settings(tmp_path).csi.driver_name
+    assert driver["spec"] == {
+        "attachRequired": False,
+        "podInfoOnMount": True,
+        "volumeLifecycleModes": ["Ephemeral"],
+        "fsGroupPolicy": "None",
+    }
+
+
+# -- the DaemonSet: prewarm-csi and its registrar ----------------------------------------------
+
+
+def host_path(name: str, path: Path) -> Path | None:
+    """Where ``path`` inside the DaemonSet's container ``name`` is on the host, through the
+    deepest mount that holds it (None: not in a hostPath volume, or in no mount)."""
+    volumes = {v["name"]: v for v in daemonset_pod()["spec"]["volumes"]}
+    mounts = sorted(
+        container(name).get("volumeMounts", []),
+        key=lambda mount: len(Path(mount["mountPath"]).parts),
+        reverse=True,
+    )
+    for mount in mounts:
+        inside = Path(mount["mountPath"])
+        if path == inside or inside in path.parents:
+            source = volumes[mount["name"]].get("hostPath")
+            return Path(source["path"]) / path.relative_to(inside) if source else None
+    return None
+
+
+def registrar_args() -> dict[str, str]:
+    args: list[str] = container("node-driver-registrar")["args"]
+    return dict(arg.split("=", 1) for arg in args)
+
+
+def test_the_registrar_registers_the_socket_the_plugin_serves(tmp_path: Path) -> None:
+    """The registrar registers the host path of the plugin's socket ([csi].endpoint of the
+    ConfigMap's config, the default there) and dials the same socket through its own mount;
+    the plugin sees that path at the same place on the host."""
+    endpoint = daemonset_settings(tmp_path).csi.endpoint
+    args = registrar_args()
+    assert Path(args["--kubelet-registration-path"]) == endpoint
+    assert host_path("node-driver-registrar", Path(args["--csi-address"])) == endpoint
+    assert host_path("prewarm-csi", endpoint) == endpoint
+    # The kubelet's plugin registry, where the registrar leaves its registration socket.
+    assert host_path("node-driver-registrar", Path("/registration")) == Path(
+        "/var/lib/kubelet/plugins_registry"
+    )
+
+
+def test_the_plugin_mounts_the_kubelet_directory_bidirectionally_and_nothing_in_it(
+    tmp_path: Path,
+) -> None:
+    """prewarm-csi is privileged and mounts [csi].kubelet_dir at its host path with
+    Bidirectional propagation (its mounts must reach the kubelet), with no other mount nested
+    inside it; no other container propagates mounts; its records are on the host."""
+    csi = daemonset_settings(tmp_path).csi
+    plugin = container("prewarm-csi")
+    assert plugin["securityContext"]["privileged"] is True
+    propagating = {
+        (c["name"], m["mountPath"], m["mountPropagation"])
+        for c in daemonset_pod()["spec"]["containers"] + daemonset_pod()["spec"]["initContainers"]
+        for m in c.get("volumeMounts", [])
+        if "mountPropagation" in m
+    }
+    assert propagating == {("prewarm-csi", str(csi.kubelet_dir), "Bidirectional")}
+    assert host_path("prewarm-csi", csi.kubelet_dir / "pods" / "uid" / "volumes") == (
+        csi.kubelet_dir / "pods" / "uid" / "volumes"
+    )
+    nested = [
+        m["mountPath"]
+        for m in plugin["volumeMounts"]
+        if csi.kubelet_dir in Path(m["mountPath"]).parents
+    ]
+    assert not nested
+    assert host_path("prewarm-csi", csi.state_dir) == csi.state_dir
+
+
+def uncommented_csi_example(text: str) -> str:
+    """The ConfigMap's agent.toml with its commented-out example ("#[table]", "#key = value")
+    switched on; its prose comments ("# ...") stay comments."""
+    return re.sub(r"(?m)^#(?=\[|\w+ = )", "", text)
+
+
+def csi_example_settings(tmp_path: Path) -> Settings:
+    config = tmp_path / "agent-with-csi.toml"
+    config.write_text(uncommented_csi_example(config_text()))
+    return load_settings(config)
+
+
+def test_the_plugin_reaches_the_agents_sockets_and_tiers_at_their_host_paths(
+    tmp_path: Path,
+) -> None:
+    """The agent answers with host paths: prewarm-csi mounts the socket directory (the API
+    socket and the example tenant's) and both tiers at the host's own paths, to bind from."""
+    settings = csi_example_settings(tmp_path)
+    paths = [
+        settings.socket_path,
+        *(entry.path for entry in settings.access.sockets),
+        settings.tiers.shm_root / "snapshots",
+        settings.tiers.disk_root / "snapshots",
+    ]
+    assert Path("/run/prewarm/team-a.sock") in paths  # the example tenant's
+    for path in paths:
+        assert host_path("prewarm-csi", path) == path, path
+
+
+def test_the_plugin_runs_prewarm_csi_on_the_agents_config_with_the_nodes_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """prewarm-csi runs the image's prewarm-csi on the file the agent reads (same ConfigMap,
+    same path), and its environment sets [csi].node_id to the node's name, a setting the
+    config loader takes."""
+    plugin = container("prewarm-csi")
+    agent_config = container("prewarmd")["args"][-1]
+    assert plugin["command"] == ["/opt/prewarm/bin/prewarm-csi", "--config", agent_config]
+    assert host_path("prewarm-csi", Path(agent_config)) is None  # a ConfigMap, not the host's
+    assert {
+        m["name"] for m in plugin["volumeMounts"] if m["mountPath"] == "/etc/prewarm/config"
+    } == {"config"}
+    env = {item["name"]: item for item in plugin["env"]}
+    assert env["PREWARM_CSI__NODE_ID"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    config = tmp_path / "agent.toml"
+    config.write_text(config_text())
+    monkeypatch.setenv("PREWARM_CSI__NODE_ID", "ip-10-0-0-1.ec2.internal")
+    assert load_settings(config).csi.node_id == "ip-10-0-0-1.ec2.internal"
+
+
+def test_the_registrar_runs_as_roots_uid_with_nothing_else() -> None:
+    """The registrar, which only needs the uid that owns the two sockets, is not privileged,
+    cannot escalate, has every capability dropped and none added, and a read-only root."""
+    security = container("node-driver-registrar")["securityContext"]
+    assert "privileged" not in security
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert security["readOnlyRootFilesystem"] is True
+
+
+def test_only_the_agents_container_gets_the_service_accounts_aws_credentials() -> None:
+    """The EKS webhooks skip every container but prewarmd when they inject the role's
+    credentials: the plugin, the registrar and the init container read nothing from S3."""
+    pod = daemonset_pod()
+    skipped = pod["metadata"]["annotations"]["eks.amazonaws.com/skip-containers"].split(",")
+    names = {c["name"] for c in pod["spec"]["containers"] + pod["spec"]["initContainers"]}
+    assert set(skipped) == names - {"prewarmd"}
+
+
+def test_every_command_run_from_the_prefix_is_a_script_the_wheel_installs() -> None:
+    """Every /opt/prewarm/bin/<command> the manifests and units run is one of pyproject's
+    [project.scripts] (so the image, which installs the wheel there, has it): prewarm-csi too."""
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    scripts = set(pyproject["project"]["scripts"])
+    texts = [path.read_text() for path in [*MANIFESTS, *(REPO / "systemd").glob("*.service")]]
+    commands = {name for text in texts for name in re.findall(r"/opt/prewarm/bin/([\w-]+)", text)}
+    assert "prewarm-csi" in commands
+    assert commands <= scripts, commands - scripts
+
+
+# -- the example pod: its volumes, its tenant ------------------------------------------------
+
+
+def test_the_csi_example_config_maps_team_a_to_a_tenant_socket_the_agent_accepts(
+    tmp_path: Path,
+) -> None:
+    """As shipped, the ConfigMap maps no namespace (its [[csi.tenants]] example is commented
+    out, as it must name a socket); switched on, the agent's loader accepts it and team-a's
+    pods go to the team-a tenant's socket."""
+    assert daemonset_settings(tmp_path).csi.tenants == []
+    settings = csi_example_settings(tmp_path)
+    (tenant,) = settings.csi.tenants
+    assert (tenant.tenant, tenant.namespaces) == ("team-a", ["team-a"])
+    assert [entry.name for entry in settings.access.sockets] == ["team-a"]
+
+
+def kubelet_context(pod: dict[str, Any], attributes: dict[str, str]) -> dict[str, str]:
+    """The volume context the kubelet sends with podInfoOnMount: the attributes and the pod."""
+    return attributes | {
+        POD_NAMESPACE: pod["metadata"]["namespace"],
+        POD_NAME: pod["metadata"]["name"],
+        POD_UID: "9a3e1f52-0000-4000-8000-000000000001",
+        SERVICE_ACCOUNT: pod["spec"].get("serviceAccountName", "default"),
+    }
+
+
+def test_the_csi_pod_gets_a_model_its_tenant_may_read_and_the_tenants_socket(
+    tmp_path: Path,
+) -> None:
+    """Each csi volume of csi-pod.yaml names the driver and is one the plugin accepts: the model
+    is within the sources of the tenant its namespace maps to (with the ConfigMap's example
+    on), and the socket volume, a tenant's (never the node's), is mounted where the pod's
+    PREWARM_SOCKET_PATH points."""
+    settings = csi_example_settings(tmp_path)
+    _, tenants = access.tenants_from_settings(settings)
+    pod = find(K8S / "csi-pod.yaml", "Pod")
+    (main,) = pod["spec"]["containers"]
+    mounts = {m["name"]: Path(m["mountPath"]) for m in main["volumeMounts"]}
+    env = {item["name"]: item.get("value") for item in main["env"]}
+    kinds = []
+    for volume in (v for v in pod["spec"]["volumes"] if "csi" in v):
+        assert volume["csi"]["driver"] == DRIVER
+        context = kubelet_context(pod, volume["csi"]["volumeAttributes"])
+        ask = volume_ask(context)
+        tenant = tenant_for(pod_of(context), settings.csi.tenants)
+        kinds.append(ask.kind)
+        if ask.kind == "model":
+            access.check_source(parse_uri(ask.uri), access.Requester(tenants[tenant]))
+        else:
+            assert tenant in tenants  # a tenant socket, not "node"
+            assert mounts[volume["name"]] / "agent.sock" == Path(env["PREWARM_SOCKET_PATH"])
+    assert sorted(kinds) == ["model", "socket"]
+
+
+# -- the example pod: the restricted Pod Security standard -----------------------------------
+
+# The restricted profile's rules (kubernetes.io/docs/concepts/security/pod-security-standards)
+# that a Linux pod can break: volume types; host namespaces; privileged containers; privilege
+# escalation; running as non-root (and never uid 0); a seccomp profile; capabilities; host
+# ports. Each for every container, init container and ephemeral container.
+RESTRICTED_VOLUMES = {
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
+}
+SECCOMP_TYPES = {"RuntimeDefault", "Localhost"}
+ADDABLE_CAPABILITIES = {"NET_BIND_SERVICE"}
+
+
+def restricted_violations(spec: dict[str, Any]) -> list[str]:
+    """What in a pod spec the restricted Pod Security standard forbids (empty: it passes)."""
+    found = [
+        f"volume {volume['name']}: {kind}"
+        for volume in spec.get("volumes", [])
+        for kind in sorted(set(volume) - {"name"} - RESTRICTED_VOLUMES)
+    ]
+    found += [f"pod: {field}" for field in ("hostNetwork", "hostPID", "hostIPC") if spec.get(field)]
+    pod = spec.get("securityContext", {})
+    if pod.get("runAsUser") == 0:
+        found.append("pod: runAsUser 0")
+    pod_seccomp = pod.get("seccompProfile", {}).get("type")
+    if pod_seccomp is not None and pod_seccomp not in SECCOMP_TYPES:
+        found.append(f"pod: seccompProfile {pod_seccomp}")
+    for kind in ("initContainers", "containers", "ephemeralContainers"):
+        for each in spec.get(kind, []):
+            found += container_violations(each, pod)
+    return found
+
+
+def container_violations(each: dict[str, Any], pod: dict[str, Any]) -> list[str]:
+    """What the restricted standard forbids in one container, given the pod's security
+    context (which the container's own fields override)."""
+    name, security = each["name"], each.get("securityContext", {})
+    found = [
+        f"{name}: hostPort {p['hostPort']}" for p in each.get("ports", []) if p.get("hostPort")
+    ]
+    if security.get("privileged"):
+        found.append(f"{name}: privileged")
+    if security.get("allowPrivilegeEscalation") is not False:
+        found.append(f"{name}: allowPrivilegeEscalation not false")
+    if security.get("runAsNonRoot", pod.get("runAsNonRoot")) is not True:
+        found.append(f"{name}: runAsNonRoot not true")
+    if security.get("runAsUser") == 0:
+        found.append(f"{name}: runAsUser 0")
+    seccomp = security.get("seccompProfile", pod.get("seccompProfile", {})).get("type")
+    if seccomp not in SECCOMP_TYPES:
+        found.append(f"{name}: seccompProfile {seccomp or 'unset'}")
+    capabilities = security.get("capabilities", {})
+    if "ALL" not in capabilities.get("drop", []):
+        found.append(f"{name}: does not drop ALL")
+    found += [
+        f"{name}: adds {added}"
+        for added in capabilities.get("add", [])
+        if added not in ADDABLE_CAPABILITIES
+    ]
+    return found
+
+
+def test_the_csi_pod_passes_the_restricted_pod_security_standard() -> None:
+    """csi-pod.yaml's namespace enforces restricted, and its pod breaks none of the profile's
+    rules: only csi and emptyDir volumes, non-root, no escalation, every capability dropped,
+    the runtime's seccomp profile."""
+    namespace = find(K8S / "csi-pod.yaml", "Namespace")
+    pod = find(K8S / "csi-pod.yaml", "Pod")
+    labels = namespace["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
+    assert pod["metadata"]["namespace"] == namespace["metadata"]["name"]
+    assert restricted_violations(pod["spec"]) == []
+
+
+@pytest.mark.parametrize("name", ["vllm-pod.yaml", "python-client-pod.yaml"])
+def test_the_restricted_checker_refuses_the_hostpath_example_pods(name: str) -> None:
+    """The checker is able to fail: it finds the hostPath volumes of the fallback example pods,
+    which the restricted (and baseline) standard forbids."""
+    violations = restricted_violations(find(K8S / name, "Pod")["spec"])
+    assert "volume prewarm-socket: hostPath" in violations
+    assert "volume prewarm-shm: hostPath" in violations
+
+
+def _first(spec: dict[str, Any]) -> dict[str, Any]:
+    security: dict[str, Any] = spec["containers"][0]["securityContext"]
+    return security
+
+
+MUTATIONS: dict[str, tuple[Callable[[dict[str, Any]], object], list[str]]] = {
+    "hostPath volume": (
+        lambda s: s["volumes"].append({"name": "root", "hostPath": {"path": "/"}}),
+        ["volume root: hostPath"],
+    ),
+    "hostNetwork": (lambda s: s.update(hostNetwork=True), ["pod: hostNetwork"]),
+    "hostPID": (lambda s: s.update(hostPID=True), ["pod: hostPID"]),
+    "hostIPC": (lambda s: s.update(hostIPC=True), ["pod: hostIPC"]),
+    "privileged": (lambda s: _first(s).update(privileged=True), ["vllm: privileged"]),
+    "escalation": (
+        lambda s: _first(s).pop("allowPrivilegeEscalation"),
+        ["vllm: allowPrivilegeEscalation not false"],
+    ),
+    "root allowed": (
+        lambda s: s["securityContext"].pop("runAsNonRoot"),
+        ["vllm: runAsNonRoot not true"],
+    ),
+    "root uid": (lambda s: s["securityContext"].update(runAsUser=0), ["pod: runAsUser 0"]),
+    "root uid in a container": (lambda s: _first(s).update(runAsUser=0), ["vllm: runAsUser 0"]),
+    "no seccomp": (
+        lambda s: s["securityContext"].pop("seccompProfile"),
+        ["vllm: seccompProfile unset"],
+    ),
+    "unconfined": (
+        lambda s: _first(s).update(seccompProfile={"type": "Unconfined"}),
+        ["vllm: seccompProfile Unconfined"],
+    ),
+    "capability added": (
+        lambda s: _first(s)["capabilities"].update(add=["SYS_ADMIN", "NET_BIND_SERVICE"]),
+        ["vllm: adds SYS_ADMIN"],
+    ),
+    "not all dropped": (
+        lambda s: _first(s)["capabilities"].update(drop=["NET_RAW"]),
+        ["vllm: does not drop ALL"],
+    ),
+    "host port": (
+        lambda s: s["containers"][0]["ports"][0].update(hostPort=8000),
+        ["vllm: hostPort 8000"],
+    ),
+    "bare init container": (
+        lambda s: s.update(initContainers=[{"name": "fetch", "image": "busybox"}]),
+        ["fetch: allowPrivilegeEscalation not false", "fetch: does not drop ALL"],
+    ),
+}
+
+
+@pytest.mark.parametrize(("change", "expected"), MUTATIONS.values(), ids=list(MUTATIONS))
+def test_the_restricted_checker_catches_each_rule_broken_in_the_csi_pod(
+    change: Callable[[dict[str, Any]], object], expected: list[str]
+) -> None:
+    """Each rule the checker knows, broken once in a copy of csi-pod.yaml's pod (a host
+    volume, a host namespace, privilege, escalation, root, seccomp, capabilities, a host port,
+    an init container without a security context), is found, and nothing else is."""
+    spec = copy.deepcopy(find(K8S / "csi-pod.yaml", "Pod")["spec"])
+    change(spec)
+    assert restricted_violations(spec) == expected

@@ -36,6 +36,13 @@ K8S = REPO / "packaging" / "k8s"
 POLICY = REPO / "packaging" / "iam" / "prewarm-node-policy.json"
 UNIT = REPO / "systemd" / "prewarmd.service"
 HOST_DIRS = {"/run/prewarm", "/dev/shm/prewarm", "/var/lib/prewarm"}
+# prewarm-csi's and its registrar's (tests/node/test_csi_manifests.py checks their use).
+CSI_HOST_DIRS = {
+    "/var/lib/kubelet",
+    "/var/lib/kubelet/plugins/csi.prewarm.io",
+    "/var/lib/kubelet/plugins_registry",
+    "/var/lib/prewarm-csi",
+}
 GID = 2929  # systemd/prewarm.sysusers, packaging/Containerfile, the pod specs
 MANIFESTS = sorted(K8S.glob("*.yaml"))
 POD_EXAMPLES = ("vllm-pod.yaml", "python-client-pod.yaml")
@@ -67,10 +74,16 @@ def daemonset_pod() -> dict[str, Any]:
     return pod
 
 
+def container(name: str) -> dict[str, Any]:
+    """The DaemonSet's container (or init container) of that name."""
+    pod = daemonset_pod()["spec"]
+    found: dict[str, Any]
+    (found,) = (c for c in pod["containers"] + pod["initContainers"] if c["name"] == name)
+    return found
+
+
 def agent_container() -> dict[str, Any]:
-    agent: dict[str, Any]
-    (agent,) = daemonset_pod()["spec"]["containers"]
-    return agent
+    return container("prewarmd")
 
 
 def config_text() -> str:
@@ -213,13 +226,15 @@ def quantity_bytes(quantity: str) -> int:
 
 def test_the_namespace_admits_the_hostpath_pods_it_needs() -> None:
     """hostPath volumes are forbidden by the baseline Pod Security standard: the namespace says
-    privileged, and its own pods are the only ones using hostPath in it."""
+    privileged, and its own pods are the only ones using hostPath in it: the agent's
+    directories, the host's /dev/shm, and the CSI plugin's and registrar's."""
     namespace = find(K8S / "daemonset.yaml", "Namespace")
     assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
     host_paths = {
         v["hostPath"]["path"] for v in daemonset_pod()["spec"]["volumes"] if "hostPath" in v
     }
-    assert host_paths == HOST_DIRS | {"/dev/shm"}  # the host's /dev/shm: the init container's
+    # the host's /dev/shm: the init container's
+    assert host_paths == HOST_DIRS | {"/dev/shm"} | CSI_HOST_DIRS
 
 
 def test_the_daemonset_mounts_the_host_directories_the_unit_uses() -> None:
@@ -262,17 +277,21 @@ def test_the_daemonset_stop_grace_matches_the_units() -> None:
 
 
 def test_the_daemonset_runs_as_the_images_user_and_the_image_has_models_d() -> None:
-    """The agent runs as the image's uid/gid, one image for all containers, and the image makes
-    the manifests directory the ConfigMap is mounted on."""
+    """The agent runs as the image's uid/gid, one image for all of prewarm's containers (the
+    CSI registrar is the only other image), and the image makes the manifests directory the
+    ConfigMap is mounted on."""
     containerfile = (REPO / "packaging" / "Containerfile").read_text()
     assert f"USER {GID}:{GID}" in containerfile
     assert "install -d -m 0755 /etc/prewarm/models.d" in containerfile
     security = agent_container()["securityContext"]
     assert (security["runAsUser"], security["runAsGroup"]) == (GID, GID)
     pod = daemonset_pod()["spec"]
-    assert {c["image"] for c in pod["containers"] + pod["initContainers"]} == {
-        agent_container()["image"]
-    }
+    images = {c["name"]: c["image"] for c in pod["containers"] + pod["initContainers"]}
+    assert images.pop("node-driver-registrar").startswith(
+        "registry.k8s.io/sig-storage/csi-node-driver-registrar:"
+    )
+    assert set(images) == {"own-host-dirs", "prewarmd", "prewarm-csi"}
+    assert set(images.values()) == {agent_container()["image"]}
 
 
 def test_the_agent_itself_has_no_kubernetes_api_access() -> None:

@@ -10,11 +10,10 @@ same words lives in ``agent._wire``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from agent._exceptions import InvalidRequest
-from agent._units import human_bytes
 
 __all__ = [
     "DATA_PLANE_NAMES",
@@ -23,6 +22,7 @@ __all__ = [
     "PHASE_NAMES",
     "REMOVED_DATA_PLANES",
     "TIER_NAMES",
+    "CompileKeyParts",
     "DataPlaneName",
     "PhaseName",
     "PullOptions",
@@ -30,6 +30,7 @@ __all__ = [
     "check_pull_options",
     "check_tier",
     "describe_verdict",
+    "human_bytes",
     "unknown_data_plane",
 ]
 
@@ -133,3 +134,43 @@ class PullOptions:
 
     def __post_init__(self) -> None:
         check_pull_options(self.data_plane, self.concurrency, self.chunk_size)
+
+
+# -- sizes as people read them (the agent's logs, a pod's verdicts, the CLI's tables) --
+
+
+def human_bytes(n: int) -> str:
+    """Binary units, like df -h: 1.0 GiB is 1024**3 bytes; under 1 KiB, whole bytes."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+# -- what a torch.compile cache depends on: one type for the daemon, the wire and the client --
+
+
+@dataclass(frozen=True, slots=True)
+class CompileKeyParts:
+    """What compiled artifacts depend on. Any change gives another cache key.
+
+    ``torch_version`` is required: every torch change invalidates compiled
+    artifacts. ``engine_version`` defaults to the torch version for plain
+    PyTorch. Parallel sizes of 0 mean 1. ``extras`` holds anything else that
+    changes what gets compiled (dtype, max batch size, the Python version...).
+    """
+
+    engine: str = "torch"
+    engine_version: str = ""
+    torch_version: str = ""
+    triton_version: str = ""
+    cuda_version: str = ""
+    gpu_name: str = ""
+    model_key: str = ""
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    data_parallel: int = 1
+    config_hash: str = ""
+    extras: dict[str, str] = field(default_factory=dict)

@@ -14,10 +14,9 @@ from datetime import UTC, datetime
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from agent._compile_parts import CompileKeyParts
 from agent._exceptions import InvalidRequest
 from agent._proto.prewarm.v1 import prewarm_pb2 as pb
-from agent._vocabulary import PhaseName, PullOptions, TierName
+from agent._vocabulary import CompileKeyParts, PhaseName, PullOptions, TierName
 
 __all__ = [
     "datetime_from_proto",

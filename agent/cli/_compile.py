@@ -10,7 +10,7 @@ import typer
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
 
-from agent._units import human_bytes
+from agent._vocabulary import human_bytes
 from agent.client import (
     Client,
     CompileCacheHandle,

@@ -67,8 +67,7 @@ from rich.progress import (
 )
 
 from agent._exceptions import printable
-from agent._units import human_bytes
-from agent._vocabulary import TierName
+from agent._vocabulary import TierName, human_bytes
 from agent.client import (
     AgentUnavailable,
     Client,

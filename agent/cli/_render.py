@@ -22,7 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from agent._exceptions import printable
-from agent._units import human_bytes
+from agent._vocabulary import human_bytes
 from agent.client import (
     AgentStatus,
     EvictResult,

@@ -20,9 +20,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from agent._compile_parts import CompileKeyParts
 from agent._proto.prewarm.v1 import prewarm_pb2 as pb
-from agent._vocabulary import PullOptions, check_pull_options, check_tier
+from agent._vocabulary import CompileKeyParts, PullOptions, check_pull_options, check_tier
 from agent._wire import (
     datetime_from_proto,
     parts_from_proto,

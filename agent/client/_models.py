@@ -36,7 +36,7 @@ client (here)               daemon                              why they differ
                                                                 kind does not break the client
 ==========================  ==================================  =============================
 
-Shared as one type on both sides: ``CompileKeyParts`` (``agent._compile_parts``)
+Shared as one type on both sides: ``CompileKeyParts`` (``agent._vocabulary``)
 and the vocabulary ``TierName``, ``DataPlaneName``, ``PhaseName``
 (``agent._vocabulary``), re-exported here so a pod finds them next to the
 values that carry them.
@@ -51,8 +51,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TypedDict
 
-from agent._compile_parts import CompileKeyParts
-from agent._vocabulary import DataPlaneName, PhaseName, TierName, describe_verdict
+from agent._vocabulary import CompileKeyParts, DataPlaneName, PhaseName, TierName, describe_verdict
 
 __all__ = [
     "AgentStatus",

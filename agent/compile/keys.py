@@ -1,7 +1,7 @@
 """What a torch.compile cache depends on, the key derived from it, and each engine's env.
 
 Standard library only. The parts themselves (``CompileKeyParts``) live in the
-foundation ``agent._compile_parts``, shared with the wire maps and the client,
+foundation ``agent._vocabulary``, shared with the wire maps and the client,
 which do not import this module.
 
 Every part is normalised before hashing (whitespace, case of the engine name,
@@ -22,9 +22,9 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from agent._compile_parts import CompileKeyParts
 from agent._exceptions import InvalidRequest
 from agent._uri import forbidden_character
+from agent._vocabulary import CompileKeyParts
 
 __all__ = [
     "ENGINES",

@@ -19,7 +19,7 @@ from rich.progress import Progress
 from typer.testing import CliRunner
 
 from agent import __version__
-from agent._units import human_bytes
+from agent._vocabulary import human_bytes
 from agent.cli import _render as render
 from agent.cli import app
 from agent.client import Client

@@ -10,8 +10,14 @@ from pathlib import Path
 import pytest
 from agent_helpers import ProcessFactory
 
-from agent._config import ConfigError, Settings, load_settings, render_toml
-from agent._config_env import NOT_SETTINGS, settings_env_names
+from agent._config import (
+    NOT_SETTINGS,
+    ConfigError,
+    Settings,
+    load_settings,
+    render_toml,
+    settings_env_names,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -221,10 +227,10 @@ def test_every_prewarm_variable_the_code_reads_is_a_setting_or_known() -> None:
     used = {
         name
         for path in (REPO / "agent").rglob("*.py")
-        if path.name != "_config_env.py"  # its docstring quotes a typo on purpose
         for name in re.findall(r"PREWARM_[A-Z0-9_]*[A-Z0-9]", path.read_text())
     }
-    assert used - known == set()
+    quoted_typo = {"PREWARM_METRICS_PORT"}  # agent/_config.py's comment on typos quotes it
+    assert used - known - quoted_typo == set()
 
 
 def test_whole_buckets_take_bare_bucket_names(tmp_path: Path) -> None:

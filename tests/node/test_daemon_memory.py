@@ -5,7 +5,7 @@ docs/benchmarks.md), but each pull still costs the daemon a flight, a journal,
 presigned URLs and progress, and its threads allocate from malloc arenas that
 glibc's default dynamic mmap threshold let keep what they took: three rounds of
 64 concurrent cold pulls once left the daemon at 340 MB instead of about
-110 MB (agent._malloc).
+110 MB (agent._daemon.return_large_buffers).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def test_the_memory_of_concurrent_pulls_goes_back_when_they_end(
     start_agent_process: ProcessFactory, s3_client: Any, bucket: str, tmp_path: Path
 ) -> None:
     """16 concurrent cold pulls sharing the node's GETs, twice: the daemon's RSS ends within
-    25 MiB of where it started (it grew by about 50 MiB before agent._malloc).
+    25 MiB of where it started (it grew by about 50 MiB before agent._daemon.return_large_buffers).
     """
     tensors = make_safetensors_model(tmp_path, total_bytes=16 * MiB, shards=2, seed=3)
     models = [

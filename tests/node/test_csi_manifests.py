@@ -6,13 +6,15 @@ what the plugin (agent/csi) needs: the CSIDriver's fields, one socket path for
 the plugin, the registrar and the config, the kubelet's directory mounted with
 Bidirectional propagation; and the example pod that uses it to the restricted
 Pod Security standard, checked by a checker shown to catch the hostPath pods.
-The rest of the Kubernetes manifests' checks are in test_k8s_manifests.py, whose
-helpers these tests share.
+The IAM role's trust policies let the DaemonSet's own service account assume it,
+and nothing else. The rest of the Kubernetes manifests' checks are in
+test_k8s_manifests.py, whose helpers these tests share.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import re
 import tomllib
 from collections.abc import Callable
@@ -501,3 +503,74 @@ def test_the_restricted_checker_catches_each_rule_broken_in_the_csi_pod(
     spec = copy.deepcopy(find(K8S / "csi-pod.yaml", "Pod")["spec"])
     change(spec)
     assert restricted_violations(spec) == expected
+
+
+# -- the IAM role's trust policies -------------------------------------------------------------
+
+IAM = REPO / "packaging" / "iam"
+
+
+def agent_service_account() -> tuple[str, str, str]:
+    """The namespace and name of the service account the DaemonSet runs as (read from
+    daemonset.yaml), and the AWS account of the role its annotation names."""
+    daemonset = find(K8S / "daemonset.yaml", "DaemonSet", "prewarm")
+    name = daemonset["spec"]["template"]["spec"]["serviceAccountName"]
+    account = find(K8S / "daemonset.yaml", "ServiceAccount", name)
+    namespace = account["metadata"]["namespace"]
+    assert namespace == daemonset["metadata"]["namespace"]
+    role = re.fullmatch(
+        r"arn:aws:iam::(\d{12}):role/[\w+=,.@/-]+",
+        account["metadata"]["annotations"]["eks.amazonaws.com/role-arn"],
+    )
+    assert role, account["metadata"]["annotations"]
+    return namespace, name, role[1]
+
+
+def trust_statement(name: str) -> dict[str, Any]:
+    """The one statement of a trust policy in packaging/iam, which must parse and allow."""
+    policy = json.loads((IAM / name).read_text())
+    assert policy["Version"] == "2012-10-17"
+    statement: dict[str, Any]
+    (statement,) = policy["Statement"]
+    assert statement["Effect"] == "Allow"
+    return statement
+
+
+def test_the_irsa_trust_lets_only_the_daemonsets_service_account_assume_the_role() -> None:
+    """prewarm-trust-irsa.json trusts the cluster's OIDC provider (in the role's own account)
+    for AssumeRoleWithWebIdentity, only for a token whose subject is the DaemonSet's service
+    account, exactly (no wildcard), and whose audience is STS."""
+    namespace, name, account = agent_service_account()
+    statement = trust_statement("prewarm-trust-irsa.json")
+    (principal,) = statement["Principal"].items()
+    provider = re.fullmatch(
+        r"arn:aws:iam::(\d{12}):oidc-provider/(oidc\.eks\.[^/]+/id/\w+)", principal[1]
+    )
+    assert principal[0] == "Federated"
+    assert provider, principal
+    assert provider[1] == account
+    assert statement["Action"] == "sts:AssumeRoleWithWebIdentity"
+    assert statement["Condition"] == {
+        "StringEquals": {
+            f"{provider[2]}:sub": f"system:serviceaccount:{namespace}:{name}",
+            f"{provider[2]}:aud": "sts.amazonaws.com",
+        }
+    }
+
+
+def test_the_pod_identity_trust_lets_only_eks_assume_the_role_for_the_service_account() -> None:
+    """prewarm-trust-pod-identity.json trusts the EKS Pod Identity service and no other
+    principal, for AssumeRole and TagSession only, and only with the session tags of the
+    DaemonSet's namespace and service account, on a cluster of the role's own account."""
+    namespace, name, account = agent_service_account()
+    statement = trust_statement("prewarm-trust-pod-identity.json")
+    assert statement["Principal"] == {"Service": "pods.eks.amazonaws.com"}
+    assert sorted(statement["Action"]) == ["sts:AssumeRole", "sts:TagSession"]
+    (conditions,) = statement["Condition"].items()
+    assert conditions[0] == "StringEquals"
+    tags = conditions[1]
+    assert tags.pop("aws:RequestTag/kubernetes-namespace") == namespace
+    assert tags.pop("aws:RequestTag/kubernetes-service-account") == name
+    cluster = tags.pop("aws:RequestTag/eks-cluster-arn")
+    assert re.fullmatch(rf"arn:aws:eks:[\w-]+:{account}:cluster/[\w-]+", cluster), cluster
+    assert tags == {}

@@ -11,12 +11,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.progress import (
-    BarColumn,
-    DownloadColumn,
     Progress,
     TaskID,
-    TextColumn,
-    TimeRemainingColumn,
 )
 
 from agent._exceptions import printable
@@ -118,17 +114,7 @@ def _pull_with_bar(client: Client, uri: str, options: EnsureOptions) -> ModelHan
     if not console.is_terminal:
         # Logs and pipes get the summary line only, not bar frames.
         return client.ensure(uri, **options)
-    progress = Progress(
-        TextColumn("{task.description:<8}", markup=False),
-        BarColumn(),
-        DownloadColumn(binary_units=True),
-        render.BinarySpeedColumn(),
-        TextColumn("{task.fields[files]}", markup=False),
-        TimeRemainingColumn(),
-        console=console,
-        # The bar goes away when the pull ends; the summary line stays.
-        transient=True,
-    )
+    progress = render.pull_progress(console, files=True)
     with progress:
         with_bar: EnsureOptions = {**options, "progress": _Bar(progress)}
         return client.ensure(uri, **with_bar)

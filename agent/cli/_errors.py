@@ -24,7 +24,15 @@ import typer
 from agent._exceptions import printable
 from agent.client import AgentUnavailable, InvalidRequest, PrewarmError
 
-__all__ = ["EXIT_ERROR", "EXIT_INVALID", "EXIT_NO_AGENT", "agent_errors", "exit_status", "fail"]
+__all__ = [
+    "EXIT_ERROR",
+    "EXIT_INVALID",
+    "EXIT_NO_AGENT",
+    "agent_errors",
+    "exit_status",
+    "fail",
+    "say",
+]
 
 EXIT_ERROR = 1
 EXIT_INVALID = 2
@@ -40,10 +48,19 @@ def exit_status(exc: PrewarmError) -> int:
     return EXIT_ERROR
 
 
-def fail(exc: PrewarmError, code: int | None = None) -> NoReturn:
-    """Write ``exc`` as one escaped line on stderr and exit (with its status unless given)."""
-    sys.stderr.write(f"error: {printable(str(exc))}\n")
-    raise typer.Exit(exit_status(exc) if code is None else code)
+def say(text: str, *, prefix: str = "") -> None:
+    """One escaped line on stderr (``prefix`` first: ``prewarm exec`` names itself in a pod's
+    log, where the child's lines are interleaved with its own)."""
+    sys.stderr.write(f"{prefix}{printable(text)}\n")
+
+
+def fail(error: PrewarmError | str, code: int | None = None, *, prefix: str = "") -> NoReturn:
+    """Write ``error`` as one escaped line on stderr and exit: with ``code`` when given, else
+    the error's own status (a plain message without a code is EXIT_ERROR)."""
+    say(f"error: {error}", prefix=prefix)
+    if code is None:
+        code = exit_status(error) if isinstance(error, PrewarmError) else EXIT_ERROR
+    raise typer.Exit(code)
 
 
 @contextmanager

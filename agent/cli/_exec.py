@@ -58,13 +58,6 @@ from types import FrameType
 from typing import Annotated, NoReturn
 
 import typer
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-)
 
 from agent._exceptions import printable
 from agent._vocabulary import TierName, human_bytes
@@ -87,6 +80,7 @@ from agent.compile.keys import CompileKeyParts
 
 from . import _render as render
 from ._engine_flags import detect_engine, engine_key_fields, merged_key_fields
+from ._errors import EXIT_INVALID, EXIT_NO_AGENT, fail, say
 from ._options import (
     AsRequesterOption,
     CachedOnlyOption,
@@ -100,10 +94,6 @@ from ._ready import ReadyWaiter, ReadyWatch, ready_waiter
 
 __all__ = ["CachedOnlyOption", "exec_command"]
 
-# The same statuses as every other prewarm command (see _app).
-EXIT_ERROR = 1
-EXIT_INVALID = 2
-EXIT_NO_AGENT = 3
 # What a shell answers for a command it cannot find or cannot run.
 EXIT_NOT_FOUND = 127
 EXIT_CANNOT_RUN = 126
@@ -273,7 +263,7 @@ def _plan_launch(
         key_fields_from_text(fields)  # refuse bad parts before pulling anything
         ready_wait = ready_waiter(*ready)
     except InvalidRequest as exc:
-        _fail(str(exc), EXIT_INVALID)
+        _fail(exc)
     return _Launch(command, fields, key_ignore, ready_wait, client_name)
 
 
@@ -313,10 +303,8 @@ def _lease_model(
         raise typer.Exit(
             run_child(substitute(model.command, model.uri), dict(os.environ))
         ) from None
-    except InvalidRequest as exc:
-        _fail(str(exc), EXIT_INVALID)
     except PrewarmError as exc:
-        _fail(str(exc), EXIT_ERROR)
+        _fail(exc)
 
 
 def _compile_env(
@@ -546,15 +534,18 @@ def _say_waiting(why: str) -> None:
     sys.stderr.flush()
 
 
+# Every line exec writes says where it comes from: in a pod's log it sits among the child's.
+PREFIX = "prewarm: "
+
+
 def _say(text: str) -> None:
-    """One line on stderr for the pod's log, "prewarm: " first; text from the agent, S3 or
-    the command line is escaped, so it cannot move the cursor or open a link."""
-    sys.stderr.write(f"prewarm: {printable(text)}\n")
+    """One line on stderr for the pod's log; text from the agent, S3 or the command line is
+    escaped (agent.cli._errors), so it cannot move the cursor or open a link."""
+    say(text, prefix=PREFIX)
 
 
-def _fail(message: str, code: int) -> NoReturn:
-    _say(f"error: {message}")
-    raise typer.Exit(code)
+def _fail(error: PrewarmError | str, code: int | None = None) -> NoReturn:
+    fail(error, code, prefix=PREFIX)
 
 
 @contextlib.contextmanager
@@ -564,15 +555,7 @@ def _progress_display(uri: str) -> Iterator[Callable[[PullProgress], None]]:
     if not console.is_terminal:
         yield _ProgressLines(uri)
         return
-    progress = Progress(
-        TextColumn("{task.description:<8}", markup=False),
-        BarColumn(),
-        DownloadColumn(binary_units=True),
-        render.BinarySpeedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        transient=True,
-    )
+    progress = render.pull_progress(console, files=False)
     task = progress.add_task("resolve", total=None)
 
     def update(event: PullProgress) -> None:

@@ -17,7 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console, Group, RenderableType
-from rich.progress import ProgressColumn, Task
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TextColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 from rich.text import Text
 
@@ -113,6 +121,22 @@ class BinarySpeedColumn(ProgressColumn):
         if speed is None:
             return Text("?", style="progress.data.speed")
         return Text(f"{human_bytes(int(speed))}/s", style="progress.data.speed")
+
+
+def pull_progress(console: Console, *, files: bool) -> Progress:
+    """The bar of a pull on a terminal: phase, bar, bytes, speed (binary units), the files
+    done when ``files`` (its tasks then carry a ``files`` field), time left. It goes away when
+    the pull ends; the summary line stays. No column reads markup: the phase is the agent's."""
+    columns: list[ProgressColumn] = [
+        TextColumn("{task.description:<8}", markup=False),
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        BinarySpeedColumn(),
+    ]
+    if files:
+        columns.append(TextColumn("{task.fields[files]}", markup=False))
+    columns.append(TimeRemainingColumn())
+    return Progress(*columns, console=console, transient=True)
 
 
 def _when(moment: datetime) -> str:

@@ -190,3 +190,42 @@ def test_exec_with_fallback_falls_back_when_the_socket_refuses_this_user(
     assert "permission denied on the prewarm agent's socket" in stderr
     assert "--fallback: running the command against" in stderr
     assert "waiting" not in stderr  # group membership cannot change: no wait for it
+
+
+# Escape sequences a hostile name could carry to the terminal: an OSC 8 link, a bell, a CSI
+# that clears the screen, a right-to-left override.
+HOSTILE = "\x1b]8;;https://evil.example\x07x\x1b[2J\u202e"
+RAW = ("\x1b", "\x07", "\u202e")
+
+
+def exec_failure(*args: str, socket: Path) -> tuple[int, str]:
+    """``prewarm exec ARGS``, expected to fail before running anything: status and stderr."""
+    launcher = start_exec(*args, socket=socket)
+    _, stderr = launcher.communicate(timeout=120)
+    return launcher.returncode, stderr
+
+
+def test_every_exec_failure_path_writes_hostile_text_escaped(
+    agent_daemon: AgentProcess, tmp_path: Path
+) -> None:
+    """ESC, OSC, BEL and RLO in what exec quotes back never reach the terminal raw, on every
+    way it fails: a bad compile-key part (2), a URI the agent refuses (2), no agent on a socket
+    whose path carries them (3), the agent's own refusal of a pull (1), the fallback's
+    warnings; each line says "prewarm:" first and the status is the shared one."""
+    child = ["--", sys.executable, "-c", "pass"]
+    socket = agent_daemon.socket_path
+    missing = tmp_path / HOSTILE / "agent.sock"
+    cases = {
+        "compile key": (["--compile-key", f"{HOSTILE}=1", "s3://b/m/", *child], socket, 2),
+        "refused uri": ([f"s3://b/{HOSTILE}/", *child], socket, 2),
+        "no agent": (["--wait-for-agent", "0", "s3://b/m/", *child], missing, 3),
+        "agent error": (["--cached-only", "s3://never-cached/model/", *child], socket, 1),
+        "fallback": (["--wait-for-agent", "0", "--fallback", "s3://b/m/", *child], missing, 0),
+    }
+    for name, (args, on, status) in cases.items():
+        code, stderr = exec_failure(*args, socket=on)
+        assert code == status, f"{name}: {code} {stderr}"
+        assert stderr, name
+        for raw in RAW:
+            assert raw not in stderr, f"{name}: {raw!r} reached the terminal: {stderr!r}"
+        assert all(line.startswith("prewarm: ") for line in stderr.splitlines()), (name, stderr)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install prewarm on a node: a self-contained virtualenv under a prefix (default /opt/prewarm),
-# the systemd unit, tmpfiles.d and sysusers.d entries, and /etc/prewarm/agent.toml.
+# the systemd units (prewarmd.service; prewarm-csi.service, the CSI node plugin, enabled with
+# --csi), tmpfiles.d and sysusers.d entries, and /etc/prewarm/agent.toml.
 #
 # Usable as it is as a Packer shell provisioner or an EC2 Image Builder step (see
 # packaging/imagebuilder/ and docs/node-setup.md). Run it as root from an unpacked source tree
@@ -21,8 +22,11 @@
 #     --root DIR        write the system files (/etc/...) under DIR instead of / (image trees, tests)
 #     --bin-dir DIR     link the prewarm CLI here (default /usr/local/bin; "" for none)
 #     --no-system       the virtualenv only: no unit, users, config (container images)
-#     --no-enable       do not enable prewarmd.service
-#     --start           (re)start prewarmd.service now (not while baking an image)
+#     --no-enable       do not enable prewarmd.service (nor prewarm-csi.service)
+#     --csi             also enable prewarm-csi.service, the CSI node plugin, for Kubernetes
+#                       nodes whose pods mount models as csi volumes (docs/kubernetes.md)
+#     --start           (re)start prewarmd.service now (and prewarm-csi.service with --csi;
+#                       not while baking an image)
 #
 # Running it again upgrades in place and keeps an existing /etc/prewarm/agent.toml (the new
 # default is written next to it as agent.toml.default).
@@ -40,6 +44,7 @@ root=/
 bin_dir=/usr/local/bin
 system=1
 enable=1
+csi=0
 start=0
 
 die() { echo "install.sh: $*" >&2; exit 2; }
@@ -65,6 +70,7 @@ while [ $# -gt 0 ]; do
         --bin-dir=*) bin_dir="${1#*=}"; shift ;;
         --no-system) system=0; shift ;;
         --no-enable) enable=0; shift ;;
+        --csi) csi=1; shift ;;
         --start) start=1; shift ;;
         -h|--help) sed -n '2,/^set -euo/p' "$0" | sed -e '/^set -euo/d' -e 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown option $1 (see --help)" ;;
@@ -122,9 +128,10 @@ fi
 # -- system files --------------------------------------------------------------------------
 install -d -m 0755 "$root/etc/systemd/system" "$root/etc/tmpfiles.d" "$root/etc/sysusers.d" \
     "$root/etc/prewarm" "$root/etc/prewarm/models.d" "$prefix/share/doc/prewarm"
-sed "s#/opt/prewarm/#$prefix/#g" "$source_dir/systemd/prewarmd.service" \
-    > "$root/etc/systemd/system/prewarmd.service"
-chmod 0644 "$root/etc/systemd/system/prewarmd.service"
+for unit in prewarmd.service prewarm-csi.service; do
+    sed "s#/opt/prewarm/#$prefix/#g" "$source_dir/systemd/$unit" > "$root/etc/systemd/system/$unit"
+    chmod 0644 "$root/etc/systemd/system/$unit"
+done
 install -m 0644 "$source_dir/systemd/prewarm.tmpfiles" "$root/etc/tmpfiles.d/prewarm.conf"
 sed "s/^g\([[:space:]]\{1,\}\)prewarm\([[:space:]]\{1,\}\)[0-9-]\{1,\}/g\1prewarm\2$gid/" \
     "$source_dir/systemd/prewarm.sysusers" > "$root/etc/sysusers.d/prewarm.conf"
@@ -155,16 +162,18 @@ if command -v systemd-tmpfiles >/dev/null; then
     systemd-tmpfiles --create --root="${root:-/}" "$root/etc/tmpfiles.d/prewarm.conf"
 fi
 
-# -- the service ---------------------------------------------------------------------------
+# -- the services --------------------------------------------------------------------------
+services=(prewarmd.service)
+[ "$csi" = 0 ] || services+=(prewarm-csi.service)
 running_systemd=0
 [ -z "$root" ] && [ -d /run/systemd/system ] && running_systemd=1
 if [ "$running_systemd" = 1 ]; then
     systemctl daemon-reload
-    [ "$enable" = 0 ] || systemctl enable prewarmd.service
-    [ "$start" = 0 ] || systemctl restart prewarmd.service
+    [ "$enable" = 0 ] || systemctl enable "${services[@]}"
+    [ "$start" = 0 ] || systemctl restart "${services[@]}"
 elif command -v systemctl >/dev/null; then
-    # An image tree or a chroot: enabling only creates the symlink.
-    [ "$enable" = 0 ] || systemctl --root="${root:-/}" enable prewarmd.service
+    # An image tree or a chroot: enabling only creates the symlinks.
+    [ "$enable" = 0 ] || systemctl --root="${root:-/}" enable "${services[@]}"
     [ "$start" = 0 ] || say "--start ignored: systemd is not running here"
 fi
-say "done: $version in $prefix; unit $root/etc/systemd/system/prewarmd.service"
+say "done: $version in $prefix; units ${services[*]} in $root/etc/systemd/system"

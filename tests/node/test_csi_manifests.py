@@ -7,15 +7,22 @@ the plugin, the registrar and the config, the kubelet's directory mounted with
 Bidirectional propagation; and the example pod that uses it to the restricted
 Pod Security standard, checked by a checker shown to catch the hostPath pods.
 The IAM role's trust policies let the DaemonSet's own service account assume it,
-and nothing else. The rest of the Kubernetes manifests' checks are in
-test_k8s_manifests.py, whose helpers these tests share.
+and nothing else. On the systemd route, prewarm-csi.service runs the plugin
+after the agent, as root and in the host's mount namespace (no sandbox setting
+that would hide its mounts from the kubelet), install.sh installs it, and
+csi-registrar.yaml registers it with the DaemonSet's own registrar container.
+The rest of the Kubernetes manifests' checks are in test_k8s_manifests.py, whose
+helpers these tests share.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 import re
+import shutil
+import subprocess
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
@@ -113,6 +120,7 @@ def test_the_version_scan_finds_tags_and_wheel_names_and_skips_placeholders() ->
 CSI_MANIFESTS = {
     "csi-driver.yaml": ["CSIDriver"],
     "csi-pod.yaml": ["Namespace", "Pod"],
+    "csi-registrar.yaml": ["Namespace", "DaemonSet"],
 }
 
 
@@ -574,3 +582,214 @@ def test_the_pod_identity_trust_lets_only_eks_assume_the_role_for_the_service_ac
     cluster = tags.pop("aws:RequestTag/eks-cluster-arn")
     assert re.fullmatch(rf"arn:aws:eks:[\w-]+:{account}:cluster/[\w-]+", cluster), cluster
     assert tags == {}
+
+
+# -- the systemd route -------------------------------------------------------------------------
+
+SYSTEMD = REPO / "systemd"
+CSI_UNIT = SYSTEMD / "prewarm-csi.service"
+# Settings that run a service in a mount namespace of its own (systemd.exec(5)): mounts the
+# plugin made there would never reach the kubelet, or the pods.
+OWN_MOUNT_NAMESPACE = {
+    "PrivateMounts",
+    "ProtectSystem",
+    "ProtectHome",
+    "PrivateTmp",
+    "PrivateDevices",
+    "PrivateNetwork",
+    "PrivateIPC",
+    "PrivateUsers",
+    "PrivatePIDs",
+    "ProtectKernelTunables",
+    "ProtectKernelModules",
+    "ProtectKernelLogs",
+    "ProtectControlGroups",
+    "ProtectProc",
+    "ProcSubset",
+    "ReadWritePaths",
+    "ReadOnlyPaths",
+    "InaccessiblePaths",
+    "ExecPaths",
+    "NoExecPaths",
+    "BindPaths",
+    "BindReadOnlyPaths",
+    "TemporaryFileSystem",
+    "RootDirectory",
+    "RootImage",
+    "MountImages",
+    "ExtensionImages",
+    "ExtensionDirectories",
+    "MountFlags",
+    "NetworkNamespacePath",
+    "IPCNamespacePath",
+    "LogNamespace",
+    "DynamicUser",
+}
+
+
+def unit_directives(path: Path) -> dict[str, list[str]]:
+    """``Section.Key`` -> every value a unit file gives it, in order."""
+    directives: dict[str, list[str]] = {}
+    section = ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            section = line.strip("[]")
+            continue
+        key, _, value = line.partition("=")
+        directives.setdefault(f"{section}.{key.strip()}", []).append(value.strip())
+    return directives
+
+
+def test_the_csi_unit_runs_the_plugin_as_root_after_the_agent_on_the_agents_config() -> None:
+    """prewarm-csi.service requires and follows prewarmd.service, runs the prefix's
+    prewarm-csi on the config file prewarmd's ExecStart reads, as root with CAP_SYS_ADMIN
+    and the mount system calls, and keeps its records in [csi].state_dir."""
+    csi, agent = unit_directives(CSI_UNIT), unit_directives(SYSTEMD / "prewarmd.service")
+    assert csi["Unit.Requires"] == csi["Unit.After"] == ["prewarmd.service"]
+    (agent_start,) = agent["Service.ExecStart"]
+    config = agent_start.split("--config ", 1)[1]
+    assert csi["Service.ExecStart"] == [f"/opt/prewarm/bin/prewarm-csi --config {config}"]
+    assert csi.get("Service.User", ["root"]) == ["root"]
+    assert "Service.Group" not in csi
+    assert "CAP_SYS_ADMIN" in csi["Service.CapabilityBoundingSet"][-1].split()
+    assert "@mount" in csi["Service.SystemCallFilter"][0].split()
+    (state,) = csi["Service.StateDirectory"]
+    assert Path("/var/lib") / state == CsiSettings().state_dir
+    assert csi["Install.WantedBy"] == ["multi-user.target"]
+
+
+def test_the_csi_unit_has_no_setting_that_would_hide_its_mounts_from_the_kubelet() -> None:
+    """No setting gives prewarm-csi.service a mount namespace of its own (its mounts would
+    stay there); prewarmd.service, which mounts nothing, has several, so the check reads them."""
+    keys = {key.partition(".")[2] for key in unit_directives(CSI_UNIT)}
+    assert keys & OWN_MOUNT_NAMESPACE == set()
+    agent_keys = {key.partition(".")[2] for key in unit_directives(SYSTEMD / "prewarmd.service")}
+    assert {"PrivateMounts", "ProtectSystem", "PrivateTmp"} <= agent_keys
+
+
+def systemd_tool(name: str) -> str:
+    """The tool's path; skipped where it is missing, except in CI, which installs it."""
+    path = shutil.which(name)
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{name} is missing; .ci/run should have installed systemd's tools")
+        pytest.skip(f"{name} is not installed")
+    return path
+
+
+def installed_units(prefix: Path, directory: Path) -> Path:
+    """Both units as install.sh writes them for ``prefix`` (which gets stand-in commands, as
+    systemd-analyze wants them to exist), in ``directory``; the CSI unit's path."""
+    (prefix / "bin").mkdir(parents=True)
+    for command in ("prewarmd", "prewarm-csi"):
+        (prefix / "bin" / command).write_text("#!/bin/sh\nexit 0\n")
+        (prefix / "bin" / command).chmod(0o755)
+    for unit in (CSI_UNIT, SYSTEMD / "prewarmd.service"):
+        (directory / unit.name).write_text(unit.read_text().replace("/opt/prewarm/", f"{prefix}/"))
+    return directory / CSI_UNIT.name
+
+
+def test_the_csi_unit_passes_systemd_analyze_verify_beside_the_agents(tmp_path: Path) -> None:
+    """prewarm-csi.service, installed beside prewarmd.service, passes systemd-analyze verify
+    without a warning (an unknown key or system call group, a missing unit, would print one)."""
+    tool = systemd_tool("systemd-analyze")
+    unit = installed_units(tmp_path / "opt", tmp_path)
+    result = subprocess.run(
+        [tool, "verify", str(unit)], capture_output=True, text=True, check=False, timeout=60
+    )
+    assert (result.returncode, result.stderr) == (0, "")
+
+
+def test_the_csi_unit_sandbox_exposure_stays_below_five(tmp_path: Path) -> None:
+    """systemd-analyze security rates prewarm-csi.service's exposure below 5.0, a root service
+    that mounts being as confined as it can be without a mount namespace."""
+    tool = systemd_tool("systemd-analyze")
+    unit = installed_units(tmp_path / "opt", tmp_path)
+    result = subprocess.run(
+        [tool, "security", "--offline=true", "--threshold=50", "--no-pager", str(unit)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    if "--offline" in result.stderr and "unrecognized" in result.stderr:
+        pytest.skip("this systemd-analyze has no --offline")
+    assert result.returncode == 0, result.stdout[-2000:]
+
+
+# A stand-in interpreter for install.sh: `-m venv` lays out a virtualenv with a prewarmd
+# that prints a version, anything else succeeds doing nothing. What is checked is what the
+# script does with the system files, not pip.
+FAKE_PYTHON = """#!/bin/sh
+if [ "$1 $2" = "-m venv" ]; then
+    mkdir -p "$3/bin" && cp "$0" "$3/bin/python"
+    printf '#!/bin/sh\\necho prewarmd 0.0.0\\n' > "$3/bin/prewarmd"
+    chmod +x "$3/bin/python" "$3/bin/prewarmd"
+fi
+[ "$1" = --version ] && echo "Python 3.11.0"
+exit 0
+"""
+
+
+def run_install(tmp_path: Path, *options: str) -> Path:
+    """packaging/install.sh with the stand-in interpreter, into a fresh root; the root."""
+    python = tmp_path / "python3"
+    python.write_text(FAKE_PYTHON)
+    python.chmod(0o755)
+    root = tmp_path / "root"
+    result = subprocess.run(
+        [
+            "bash",
+            str(REPO / "packaging" / "install.sh"),
+            f"--python={python}",
+            f"--prefix={tmp_path / 'opt' / 'prewarm'}",
+            f"--root={root}",
+            "--bin-dir=",
+            *options,
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return root
+
+
+@pytest.mark.parametrize("csi", [False, True])
+def test_install_sh_installs_the_csi_unit_and_enables_it_only_with_csi(
+    tmp_path: Path, csi: bool
+) -> None:
+    """install.sh writes prewarm-csi.service beside prewarmd.service, with ExecStart at its
+    prefix, and enables it only when asked (--csi): a node that serves no csi volumes runs
+    no root service that mounts."""
+    if os.geteuid() != 0:
+        pytest.skip("install.sh creates users and chowns under its --root")
+    systemd_tool("systemctl")
+    root = run_install(tmp_path, *(["--csi"] if csi else []))
+    units = root / "etc" / "systemd" / "system"
+    prefix = tmp_path / "opt" / "prewarm"
+    assert (units / CSI_UNIT.name).read_text() == CSI_UNIT.read_text().replace(
+        "/opt/prewarm/", f"{prefix}/"
+    )
+    assert f"ExecStart={prefix}/bin/prewarm-csi" in (units / CSI_UNIT.name).read_text()
+    wanted = units / "multi-user.target.wants"
+    assert (wanted / "prewarmd.service").is_symlink()
+    assert (wanted / CSI_UNIT.name).is_symlink() is csi
+
+
+def test_the_systemd_routes_registrar_is_the_daemonsets() -> None:
+    """csi-registrar.yaml runs the DaemonSet's registrar container unchanged (same image,
+    arguments, security) on the same host directories, in the same privileged namespace."""
+    path = K8S / "csi-registrar.yaml"
+    pod = find(path, "DaemonSet")["spec"]["template"]["spec"]
+    (registrar,) = pod["containers"]
+    assert registrar == container("node-driver-registrar")
+    ours = {v["name"]: v for v in daemonset_pod()["spec"]["volumes"]}
+    assert pod["volumes"] == [ours[m["name"]] for m in registrar["volumeMounts"]]
+    labels = find(K8S / "daemonset.yaml", "Namespace")["metadata"]["labels"]
+    assert find(path, "Namespace")["metadata"]["labels"] == labels
+    assert pod["automountServiceAccountToken"] is False

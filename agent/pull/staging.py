@@ -147,6 +147,8 @@ def _resume(
             if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
                 return None
         return Journal.resume(root, header, secret)
+    except FileNotFoundError:
+        return None  # a first pull: nothing to resume, nothing to say
     except (OSError, ValueError) as exc:
         log.info("not resuming %s: %s", root, exc)
         return None

@@ -128,3 +128,13 @@ def test_cli_refuses_a_malformed_chunk_size(agent_daemon: AgentProcess) -> None:
     )
     assert done.returncode == 2
     assert "not a size" in done.stderr
+
+
+def test_a_first_pull_says_nothing_about_resuming(
+    agent_process: AgentProcess, small_model: SampleModel
+) -> None:
+    """A pull with no staging left behind has nothing to resume and logs no "not resuming"
+    line (every fresh pull used to log one, quoting ENOENT)."""
+    with Client(agent_process.socket_path) as client:
+        assert not client.ensure(small_model.uri).hit
+    assert "not resuming" not in agent_process.log_text()

@@ -67,9 +67,18 @@ def load_safetensors(
     On the CPU no byte is copied: each tensor's storage is the file's mapping,
     which lives as long as any tensor of that file does. For another device the
     tensors are copied there with ``.to(device)``. The same tensor name in two
-    files raises ``SafetensorsError``.
+    files raises ``SafetensorsError``. Without torch installed (the pods' base install is
+    grpcio and protobuf only), ``ModuleNotFoundError`` names the extra that brings it.
     """
-    import torch
+    try:
+        import torch
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(
+            "load_safetensors needs torch, which this install lacks: pip install "
+            "'prewarm-agent[torch]' (or install torch yourself; the client uses the one "
+            "it finds)",
+            name=exc.name,
+        ) from exc
 
     root = handle_or_dir.path if isinstance(handle_or_dir, ModelHandle) else Path(handle_or_dir)
     tensors: dict[str, torch.Tensor] = {}

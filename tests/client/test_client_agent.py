@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -114,3 +115,13 @@ def _mapped_files() -> list[tuple[int, int, str]]:
                 start, end = (int(x, 16) for x in fields[0].split("-"))
                 found.append((start, end, fields[5].rstrip("\n")))
     return found
+
+
+def test_load_safetensors_without_torch_names_the_extra_to_install(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """In a pod's minimal install (no torch), load_safetensors says which extra brings torch
+    instead of a bare ModuleNotFoundError."""
+    monkeypatch.setitem(sys.modules, "torch", None)  # as if torch were not installed
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'prewarm-agent\[torch\]'"):
+        load_safetensors(tmp_path)

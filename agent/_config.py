@@ -588,6 +588,13 @@ class AccessSettings(BaseModel):
         return self
 
 
+def _absolute(path: Path) -> Path:
+    if not path.is_absolute():
+        raise ValueError(f"{path} is not an absolute path")
+    return path
+
+
+AbsolutePath = Annotated[Path, AfterValidator(_absolute)]
 # A Kubernetes namespace or service account name (an RFC 1123 label / subdomain).
 _KUBERNETES_NAME = r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"
 KubernetesNames = list[Annotated[str, Field(pattern=_KUBERNETES_NAME)]]
@@ -616,16 +623,13 @@ class CsiSettings(BaseModel):
         "csi.prewarm.io"
     )
     # Where the kubelet (through node-driver-registrar) reaches the plugin.
-    endpoint: Path = Path("/var/lib/kubelet/plugins/csi.prewarm.io/csi.sock")
+    endpoint: AbsolutePath = Path("/var/lib/kubelet/plugins/csi.prewarm.io/csi.sock")
     # Target paths must lie under <kubelet_dir>/pods/.
-    kubelet_dir: Path = Path("/var/lib/kubelet")
-    # One record per published volume (its lease, its target): what a restart picks up.
-    state_dir: Path = Path("/var/lib/prewarm-csi")
+    kubelet_dir: AbsolutePath = Path("/var/lib/kubelet")
+    # One record per published volume (its target, its snapshot): what a restart picks up.
+    state_dir: AbsolutePath = Path("/var/lib/prewarm-csi")
     # The node's name as the kubelet knows it; empty: this host's name.
     node_id: str = Field(default="", max_length=256)
-    # TTL asked for each volume's lease, renewed every third of it while the volume is
-    # published (a tenant's max_lease_seconds caps it).
-    lease_seconds: float = Field(default=600.0, ge=30.0, le=86_400.0)
     tenants: list[CsiTenantSettings] = Field(default_factory=list, max_length=256)
 
 

@@ -41,7 +41,13 @@ DEFAULT_LEASE_SOCKET_PATH = Path("/run/prewarm/lease.sock")
 SOCKET_ENV = "PREWARM_SOCKET_PATH"
 # A model with many thousands of files lists them all in one answer, and
 # ListModels answers for every model at once: 4 MiB (grpc's default) is too low.
-CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (("grpc.max_receive_message_length", 256 * 1024**2),)
+CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_receive_message_length", 256 * 1024**2),
+    # A channel of its own connections: grpc shares connections between channels to the
+    # same target by default, so a new client made after the agent came back would inherit
+    # an earlier client's failed connection and its reconnect backoff (up to two minutes).
+    ("grpc.use_local_subchannel_pool", 1),
+)
 # Reconnect quickly while waiting: grpc's default backoff grows to two minutes.
 _WAITING_OPTIONS = (
     *CHANNEL_OPTIONS,

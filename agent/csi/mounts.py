@@ -1,18 +1,28 @@
-"""The mounts a CSI volume is made of: a snapshot bound read-only, or a socket in a tmpfs.
+"""The mounts a CSI volume is made of: a directory (a snapshot, or a tenant's socket directory)
+bound read-only, ``nosuid,nodev,noexec``, at a pod's volume target.
 
 mount(2) and umount2(2) straight from libc: the plugin makes a handful of bind
 mounts per pod, and a ``mount`` binary would add a PATH lookup and text to parse
-to each. Every mount is ``nosuid,nodev,noexec`` and read-only: a pod reads
-weights and connects to a socket, nothing more.
+to each.
+
+Why a staging mount: a bind mount takes its flags only from a second call
+(``MS_REMOUNT | MS_BIND``), and that remount changes the one mount it names,
+never the copies that mount propagation has already made of it: the kubelet's
+directory is a shared mount, so a bind made there and remounted read-only would
+stay writable in every other namespace, the container runtime's included, that
+received it. So the read-only bind is made first in the plugin's own private
+directory, and only then bound to the target: a bind copies its source's flags,
+and every propagated copy is made from the finished, read-only mount.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 from pathlib import Path
 
-__all__ = ["SOCKET_NAME", "bind_read_only", "is_mount_point", "mount_socket", "unmount"]
+__all__ = ["bind_read_only", "is_mount_point", "make_private", "mount_options", "unmount"]
 
 MS_RDONLY = 0x1
 MS_NOSUID = 0x2
@@ -20,82 +30,84 @@ MS_NODEV = 0x4
 MS_NOEXEC = 0x8
 MS_REMOUNT = 0x20
 MS_BIND = 0x1000
+MS_PRIVATE = 0x40000
 MNT_DETACH = 0x2
 UMOUNT_NOFOLLOW = 0x8
 _LOCKED_DOWN = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC
-# The file a socket volume holds: the tenant's API socket, bound onto it.
-SOCKET_NAME = "agent.sock"
+# What a finished volume's mount shows in mountinfo.
+LOCKED_DOWN_OPTIONS = frozenset({"ro", "nosuid", "nodev", "noexec"})
+# A target is unmounted at most this many times over (stacked mounts), then it is an error.
+_MAX_STACKED = 16
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _mount(
-    source: str, target: Path, *, flags: int, fstype: str | None = None, data: str | None = None
-) -> None:
-    result = _libc.mount(
-        source.encode(),
-        os.fsencode(target),
-        fstype.encode() if fstype else None,
-        ctypes.c_ulong(flags),
-        data.encode() if data else None,
-    )
+def _mount(source: str, target: Path | str, *, flags: int) -> None:
+    result = _libc.mount(source.encode(), os.fsencode(target), None, ctypes.c_ulong(flags), None)
     if result != 0:
         error = ctypes.get_errno()
         raise OSError(error, f"mount at {target}: {os.strerror(error)}")
 
 
-def bind_read_only(source: Path, target: Path) -> None:
-    """Bind ``source`` (a directory) at ``target``, read-only, nosuid, nodev, noexec.
+def make_private(directory: Path) -> None:
+    """Make ``directory`` a mount of its own that propagates nothing (the staging area)."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not is_mount_point(directory):
+        _mount(str(directory), directory, flags=MS_BIND)
+    _mount("none", directory, flags=MS_PRIVATE)
 
-    A bind mount takes the flags of its first mount call only as far as
-    MS_BIND goes; read-only and the rest need a remount of the bind itself.
+
+def bind_read_only(source: Path, target: Path, staging: Path) -> None:
+    """Bind ``source`` at ``target``, read-only, nosuid, nodev, noexec, through ``staging``
+    (an empty directory in a private mount, removed again).
+
+    ``source`` is opened without following a link at its last step and bound from
+    its descriptor, so what is mounted is the directory that was checked.
     """
-    _mount(str(source), target, flags=MS_BIND)
+    fd = os.open(source, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        _mount("none", target, flags=MS_REMOUNT | MS_BIND | _LOCKED_DOWN)
-    except OSError:
-        unmount(target)
-        raise
-
-
-def mount_socket(socket_path: Path, target: Path) -> None:
-    """Put ``socket_path`` at ``target``/agent.sock and nothing else: a tiny tmpfs at
-    ``target`` (read-only once made) holding one file the socket is bound onto, so the
-    pod never sees the socket's own directory and the other sockets in it."""
-    _mount(
-        "prewarm-csi",
-        target,
-        flags=MS_NOSUID | MS_NODEV | MS_NOEXEC,
-        fstype="tmpfs",
-        data="size=16k,mode=0755",
-    )
-    try:
-        placeholder = target / SOCKET_NAME
-        os.close(os.open(placeholder, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))
-        _mount(str(socket_path), placeholder, flags=MS_BIND)
-        _mount("none", target, flags=MS_REMOUNT | _LOCKED_DOWN)
-    except OSError:
-        unmount(target)
-        raise
+        staging.mkdir(mode=0o700)
+        try:
+            _mount(f"/proc/self/fd/{fd}", staging, flags=MS_BIND)
+            try:
+                _mount("none", staging, flags=MS_REMOUNT | MS_BIND | _LOCKED_DOWN)
+                _mount(str(staging), target, flags=MS_BIND)
+            finally:
+                unmount(staging)
+        finally:
+            with contextlib.suppress(OSError):
+                staging.rmdir()
+    finally:
+        os.close(fd)
 
 
 def unmount(target: Path) -> None:
     """Take every mount at ``target`` away (lazily: it never fails for a busy file), never
     following a link there; a target that is not mounted is left as it is."""
-    while is_mount_point(target):
+    for _ in range(_MAX_STACKED):
+        if not is_mount_point(target):
+            return
         if _libc.umount2(os.fsencode(target), MNT_DETACH | UMOUNT_NOFOLLOW) != 0:
             error = ctypes.get_errno()
             raise OSError(error, f"unmount {target}: {os.strerror(error)}")
+    raise OSError(f"unmount {target}: still mounted after {_MAX_STACKED} unmounts")
 
 
 def is_mount_point(path: Path) -> bool:
     """Whether something is mounted at ``path`` (this process's mount table)."""
+    return mount_options(path) is not None
+
+
+def mount_options(path: Path) -> frozenset[str] | None:
+    """The per-mount options (``ro``, ``nosuid``...) of the topmost mount at ``path``, or
+    None when nothing is mounted there."""
     wanted = os.path.normpath(str(path))
+    found: frozenset[str] | None = None
     with Path("/proc/self/mountinfo").open(encoding="utf-8", errors="surrogateescape") as table:
         for line in table:
-            fields = line.split(" ", 5)
-            if len(fields) > 4 and _unescape(fields[4]) == wanted:
-                return True
-    return False
+            fields = line.split(" ", 6)
+            if len(fields) > 5 and _unescape(fields[4]) == wanted:
+                found = frozenset(fields[5].split(","))  # later lines are mounted on top
+    return found
 
 
 def _unescape(field: str) -> str:

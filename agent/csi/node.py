@@ -1,12 +1,16 @@
-"""The CSI node plugin: pods get a cached model (or the agent's socket) as a csi volume.
+"""The CSI node plugin: pods get a cached model (or their tenant's socket) as a csi volume.
 
 NodePublishVolume asks the agent for the model on the socket of the pod's tenant
-(so the agent checks it exactly as it checks that tenant's pods), with a lease
-for the pod, and binds the snapshot read-only at the kubelet's target path;
-NodeUnpublishVolume unmounts it and releases the lease. Leases are renewed every
-third of their TTL while the volume is published, and every volume has a record
-on disk (agent.csi.records), so a restart of the plugin or of the agent loses
-neither: ``recover`` renews what is still mounted and cleans up what is not.
+(so the agent checks it exactly as it checks that tenant's pods), holds a lease
+on it for the pod, and binds the snapshot read-only at the kubelet's target path;
+NodeUnpublishVolume unmounts it and ends the lease.
+
+Each lease is held open on the agent's lease socket (``AsyncClient.leased``), as
+a pod's own client holds one: it survives a restart of the agent (the hold takes
+it back, or a new lease on the same cached snapshot), and it ends when the
+plugin exits. Every volume has a record on disk (agent.csi.records), so when
+the plugin starts again it holds the lease of each volume still mounted again
+and forgets the volumes the kubelet took down meanwhile.
 
 The plugin runs as root (it mounts) but holds no S3 credentials and reads no
 model: everything about models goes through the agent's sockets.
@@ -16,8 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
+import os
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -33,12 +39,17 @@ from agent._exceptions import (
     AgentUnavailable,
     Conflict,
     InvalidRequest,
-    NotFound,
     PrewarmError,
 )
 from agent._proto.csi.v1 import csi_pb2, csi_pb2_grpc
-from agent.client import AsyncClient
-from agent.csi.mounts import bind_read_only, is_mount_point, mount_socket, unmount
+from agent.client import AsyncClient, ModelHandle
+from agent.csi.mounts import (
+    LOCKED_DOWN_OPTIONS,
+    bind_read_only,
+    make_private,
+    mount_options,
+    unmount,
+)
 from agent.csi.records import PublishedVolume, VolumeRecords
 from agent.csi.volumes import (
     Pod,
@@ -56,18 +67,37 @@ __all__ = ["CsiNode", "serving_csi"]
 
 log = logging.getLogger(__name__)
 _MAX_VOLUME_ID = 256
+# How long recovery waits between tries while the agent is not answering.
+_RECOVERY_RETRY_SECONDS = 5.0
 
 
 class CsiNode:
-    """Publish and unpublish volumes; keep their leases; pick them up after a restart."""
+    """Publish and unpublish volumes; hold their leases; pick them up after a restart."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings.csi
+        # The kubelet's directory as the kernel resolves it (it is often a link to a data disk).
+        self.kubelet_dir = Path(os.path.realpath(self.settings.kubelet_dir))
         self._sockets = {"node": settings.socket_path} | {
             entry.name: entry.path for entry in settings.access.sockets
         }
         self.records = VolumeRecords(self.settings.state_dir)
+        self._staging = self.settings.state_dir / "staging"
         self._locks: dict[str, asyncio.Lock] = {}
+        self._holds: dict[str, contextlib.AsyncExitStack] = {}
+        # The recovery of recorded volumes that serving_csi starts (None before it serves).
+        self.recovery: asyncio.Task[None] | None = None
+
+    async def aclose(self) -> None:
+        """End every hold (the leases end with them) and take the staging area down."""
+        for hold in list(self._holds.values()):
+            await _end_hold(hold)
+        self._holds.clear()
+        await asyncio.to_thread(unmount, self._staging)
+
+    def prepare(self) -> None:
+        """The private staging area every read-only bind is made in first."""
+        make_private(self._staging)
 
     # -- publish -------------------------------------------------------------------------
 
@@ -78,8 +108,8 @@ class CsiNode:
             raise InvalidRequest("prewarm volumes are mount volumes (volumeMode: Filesystem)")
         ask = volume_ask(request.volume_context)
         pod = pod_of(request.volume_context)
-        target = check_target(request.target_path, self.settings.kubelet_dir)
-        check_pod_owns_target(pod, target, self.settings.kubelet_dir)
+        target = check_target(request.target_path, self.kubelet_dir)
+        check_pod_owns_target(pod, target, self.kubelet_dir)
         async with self._lock(volume_id):
             if self._already_published(volume_id, target, ask):
                 return
@@ -90,6 +120,7 @@ class CsiNode:
                 await self._publish_model(volume_id, target, tenant=tenant, pod=pod, ask=ask)
 
     def _already_published(self, volume_id: str, target: Path, ask: VolumeAsk) -> bool:
+        """True when the volume is done; False when it has to be made (again)."""
         record = self.records.get(volume_id)
         if record is None:
             return False
@@ -100,7 +131,13 @@ class CsiNode:
             )
         if record.ask != _ask_text(ask):
             raise Conflict(f"volume {volume_id!r} is published with other attributes already")
-        return is_mount_point(target)  # not mounted: a publish cut short, made again
+        options = mount_options(target)
+        if options is not None and options >= LOCKED_DOWN_OPTIONS:
+            return True
+        # Cut short (a crash between its steps): undone, to be made whole again.
+        unmount(target)
+        self.records.drop(volume_id)
+        return False
 
     async def _publish_socket(self, volume_id: str, target: Path, tenant: str, pod: Pod) -> None:
         if tenant == "node":
@@ -108,148 +145,157 @@ class CsiNode:
                 "socket volumes give a pod its tenant's socket; this namespace is mapped to the "
                 "node's own API socket, which is for the node's admin only"
             )
-        socket_path = self._sockets[tenant]
+        directory = _socket_directory(self._sockets[tenant], tenant)
         record = PublishedVolume(
-            volume_id, str(target), "socket", tenant, "", str(socket_path), pod=pod.client_name
+            volume_id, str(target), "socket", tenant, "", str(directory), pod.client_name
         )
-        self.records.save(record)
-        _make_target(target)
-        await asyncio.to_thread(mount_socket, socket_path, target)
+        await self._mount(record, directory, target)
         log.info("published the %s socket for %s at %s", tenant, pod.client_name, target)
 
     async def _publish_model(
         self, volume_id: str, target: Path, *, tenant: str, pod: Pod, ask: VolumeAsk
     ) -> None:
-        async with AsyncClient(self._sockets[tenant]) as client:
-            handle = await client.ensure(
-                ask.uri,
-                tier=ask.tier,
-                include=ask.include,
-                exclude=ask.exclude,
-                lease=True,
-                lease_ttl=self.settings.lease_seconds,
-                client_name=pod.client_name,
+        hold = contextlib.AsyncExitStack()
+        try:
+            # A client per hold: its channel lives as long as the lease, and a new
+            # volume never waits out the reconnect backoff of another's.
+            client = await hold.enter_async_context(AsyncClient(self._sockets[tenant]))
+            handle = await hold.enter_async_context(
+                client.leased(
+                    ask.uri,
+                    tier=ask.tier,
+                    include=ask.include,
+                    exclude=ask.exclude,
+                    client_name=pod.client_name,
+                )
             )
-            assert handle.lease is not None  # asked for
+            source = _snapshot_directory(handle)
             record = PublishedVolume(
                 volume_id,
                 str(target),
                 "model",
                 tenant,
                 _ask_text(ask),
-                str(handle.path),
-                handle.lease.id,
+                str(source),
                 pod.client_name,
             )
-            try:
-                self.records.save(record)
-                _make_target(target)
-                await asyncio.to_thread(bind_read_only, handle.path, target)
-            except BaseException:
-                await _shielded(self._forget(record, client))
-                raise
+            await self._mount(record, source, target)
+        except BaseException:
+            await _shielded(_end_hold(hold))
+            raise
+        self._holds[volume_id] = hold
         log.info("published %s (%s) for %s at %s", ask.uri, handle.key, pod.client_name, target)
+
+    async def _mount(self, record: PublishedVolume, source: Path, target: Path) -> None:
+        """Record the volume, then bind ``source`` at ``target``; on failure undo both."""
+        self.records.save(record)
+        staging = self._staging / hashlib.sha256(record.volume_id.encode()).hexdigest()[:32]
+        try:
+            _make_target(target)
+            # A thread, finished even when the call is cancelled: the mount and its undoing
+            # must not overlap.
+            await _shielded(asyncio.to_thread(bind_read_only, source, target, staging))
+        except BaseException:
+            await _shielded(asyncio.to_thread(_remove_target, target))
+            self.records.drop(record.volume_id)
+            raise
 
     # -- unpublish -----------------------------------------------------------------------
 
     async def unpublish(self, request: csi_pb2.NodeUnpublishVolumeRequest) -> None:
-        """Unmount, remove the target, release the lease; a repeat finds nothing to do."""
+        """Unmount and remove the target, end the lease; a repeat finds nothing to do.
+
+        Never waits on the agent: closing the hold's connection ends the lease
+        whether or not the agent answers the release.
+        """
         volume_id = _volume_id(request.volume_id)
-        target = check_target(request.target_path, self.settings.kubelet_dir)
+        target = check_target(request.target_path, self.kubelet_dir)
         async with self._lock(volume_id):
+            await asyncio.to_thread(_remove_target, target)
             record = self.records.get(volume_id)
             if record is not None and record.target != str(target):
-                raise NotFound(f"volume {volume_id!r} is not published at {target}")
-            await asyncio.to_thread(_remove_target, target)
-            if record is not None:
-                await self._release(record)
-                self.records.drop(volume_id)
+                return  # another target of this id: the kubelet's call was for this one only
+            hold = self._holds.pop(volume_id, None)
+            if hold is not None:
+                await _end_hold(hold)
+            self.records.drop(volume_id)
+        self._locks.pop(volume_id, None)
 
-    async def _release(self, record: PublishedVolume) -> None:
-        if not record.lease_id:
-            return
-        async with AsyncClient(self._sockets[record.tenant]) as client:
-            await self._forget(record, client)
-
-    async def _forget(self, record: PublishedVolume, client: AsyncClient) -> None:
-        """Release the record's lease (already gone is fine) and drop the record."""
-        if record.lease_id:
-            with contextlib.suppress(NotFound):
-                await client.release_lease(record.lease_id)
-        self.records.drop(record.volume_id)
-
-    # -- leases across time and restarts -------------------------------------------------
+    # -- after a restart -----------------------------------------------------------------
 
     async def recover(self) -> None:
-        """After a restart: a recorded volume still mounted keeps its lease; one the
-        kubelet took down meanwhile loses its record and its lease."""
-        for record in self.records.all():
-            target = Path(record.target)
-            if await asyncio.to_thread(is_mount_point, target):
-                continue
-            log.info("volume %s is no longer mounted at %s; releasing it", record.volume_id, target)
-            try:
-                await asyncio.to_thread(_remove_target, target)
-                await self._release(record)
-            except PrewarmError as exc:
-                log.warning("could not release volume %s yet: %s", record.volume_id, exc)
-            else:
-                self.records.drop(record.volume_id)
+        """Hold the lease of every recorded volume still mounted again; forget the others.
 
-    async def renew_leases(self) -> None:
-        """Renew every published model's lease; one the agent lost is taken again."""
+        Runs once the plugin serves, retrying while the agent does not answer (it
+        may be starting too); a volume unpublished meanwhile is left alone.
+        """
         for record in self.records.all():
-            if not record.lease_id:
-                continue
-            try:
-                async with AsyncClient(self._sockets[record.tenant]) as client:
-                    await self._renew(record, client)
-            except PrewarmError as exc:
-                log.warning("could not renew the lease of volume %s: %s", record.volume_id, exc)
+            async with self._lock(record.volume_id):
+                await self._recover(record)
 
-    async def _renew(self, record: PublishedVolume, client: AsyncClient) -> None:
-        try:
-            await client.renew_lease(record.lease_id, self.settings.lease_seconds)
+    async def _recover(self, record: PublishedVolume) -> None:
+        target = Path(record.target)
+        if self.records.get(record.volume_id) is None or record.volume_id in self._holds:
+            return  # unpublished or published again since the list was read
+        if mount_options(target) is None:
+            log.info(
+                "volume %s is no longer mounted at %s; forgetting it", record.volume_id, target
+            )
+            await asyncio.to_thread(_remove_target, target)
+            self.records.drop(record.volume_id)
             return
-        except NotFound:
-            pass  # expired while nobody renewed (the plugin or the agent was down)
-        ask = json.loads(record.ask)
-        handle = await client.ensure(
-            ask["uri"],
-            tier=ask["tier"],
-            include=ask["include"],
-            exclude=ask["exclude"],
-            lease=True,
-            lease_ttl=self.settings.lease_seconds,
-            client_name=record.pod,
-        )
-        assert handle.lease is not None
-        if str(handle.path) != record.source:
+        if record.kind != "model":
+            return
+        if record.tenant not in self._sockets:
             log.warning(
-                "volume %s: its lease had expired and %s is now at %s; the pod keeps the copy it "
-                "mounted until it restarts",
+                "volume %s belongs to tenant %r, which the config no longer has; its lease is "
+                "not held again",
+                record.volume_id,
+                record.tenant,
+            )
+            return
+        while self.records.get(record.volume_id) is not None:
+            try:
+                await self._hold_again(record)
+                return
+            except AgentUnavailable as exc:
+                log.info("volume %s: %s; trying again", record.volume_id, exc)
+                await asyncio.sleep(_RECOVERY_RETRY_SECONDS)
+            except PrewarmError as exc:
+                log.warning(
+                    "volume %s: its lease could not be held again: %s", record.volume_id, exc
+                )
+                return
+
+    async def _hold_again(self, record: PublishedVolume) -> None:
+        ask = json.loads(record.ask)
+        hold = contextlib.AsyncExitStack()
+        try:
+            client = await hold.enter_async_context(AsyncClient(self._sockets[record.tenant]))
+            handle = await hold.enter_async_context(
+                client.leased(
+                    ask["uri"],
+                    tier=ask["tier"],
+                    include=ask["include"],
+                    exclude=ask["exclude"],
+                    client_name=record.pod,
+                    cached_only=True,  # the copy on the node, never a pull
+                )
+            )
+        except BaseException:
+            await _end_hold(hold)
+            raise
+        if str(handle.path) != record.source:
+            await _end_hold(hold)
+            log.warning(
+                "volume %s: %s is no longer cached as the copy the pod mounted (%s); the pod "
+                "keeps reading that copy, unleased, until it restarts",
                 record.volume_id,
                 ask["uri"],
-                handle.path,
-            )
-        self.records.save(
-            PublishedVolume(
-                record.volume_id,
-                record.target,
-                record.kind,
-                record.tenant,
-                record.ask,
                 record.source,
-                handle.lease.id,
-                record.pod,
             )
-        )
-
-    async def keep_leases(self) -> None:
-        """Renew leases every third of their TTL, for as long as the plugin runs."""
-        while True:
-            await asyncio.sleep(self.settings.lease_seconds / 3)
-            await self.renew_leases()
+            return
+        self._holds[record.volume_id] = hold
 
     def _lock(self, volume_id: str) -> asyncio.Lock:
         return self._locks.setdefault(volume_id, asyncio.Lock())
@@ -270,6 +316,44 @@ def _ask_text(ask: VolumeAsk) -> str:
     )
 
 
+def _snapshot_directory(handle: ModelHandle) -> Path:
+    """The snapshot's directory, if the path the agent answered reaches it without a link.
+
+    The plugin mounts as root what this names: a link anywhere on the way (made by
+    whoever could write the tier root) would bind another host directory into a pod.
+    """
+    path = handle.path
+    if not path.is_absolute() or os.path.realpath(path) != str(path) or not path.is_dir():
+        raise Conflict(
+            f"the agent answered {str(path)[:200]!r}, which is not a directory reached without "
+            "a link; nothing was mounted"
+        )
+    return path
+
+
+def _socket_directory(socket_path: Path, tenant: str) -> Path:
+    """The directory of the tenant's socket, if it holds that socket and nothing else.
+
+    A socket volume binds the directory, not the socket: the agent makes its
+    socket anew each time it starts, and a bound socket file would stay the old,
+    dead one in every pod.
+    """
+    directory = socket_path.parent
+    if os.path.realpath(directory) != str(directory):
+        raise Conflict(f"the socket of tenant {tenant!r} is reached through a link; not mounted")
+    try:
+        entries = sorted(entry.name for entry in os.scandir(directory))
+    except OSError as exc:
+        raise Conflict(f"the socket directory of tenant {tenant!r}: {exc.strerror}") from exc
+    if entries not in ([], [socket_path.name]):
+        raise Conflict(
+            f"a socket volume binds the directory of tenant {tenant!r}'s socket, and "
+            f"{directory} holds other entries too; give the tenant's socket a directory of its "
+            f'own ([[access.sockets]] path = "/run/prewarm/{tenant}/agent.sock")'
+        )
+    return directory
+
+
 def _make_target(target: Path) -> None:
     """The target directory, made if the kubelet left it to the plugin (0750, root's)."""
     with contextlib.suppress(FileExistsError):
@@ -280,15 +364,22 @@ def _make_target(target: Path) -> None:
 
 def _remove_target(target: Path) -> None:
     unmount(target)
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         target.rmdir()
 
 
-async def _shielded(work: Any) -> None:
+async def _end_hold(hold: contextlib.AsyncExitStack) -> None:
+    """End a lease hold; the agent not answering the release is fine (the closed
+    connection ends the lease)."""
+    with contextlib.suppress(PrewarmError):
+        await hold.aclose()
+
+
+async def _shielded(work: Any) -> Any:
     """Finish ``work`` even if the call that started it is being cancelled."""
     task = asyncio.ensure_future(work)
     try:
-        await asyncio.shield(task)
+        return await asyncio.shield(task)
     except asyncio.CancelledError:
         await asyncio.wait([task])
         raise
@@ -364,10 +455,9 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
 @contextlib.asynccontextmanager
 async def serving_csi(settings: Settings) -> AsyncIterator[CsiNode]:
     """Serve Identity and Node on ``[csi].endpoint`` (root only, 0600) until the block ends;
-    recorded volumes are recovered first and their leases kept renewed meanwhile."""
+    recorded volumes are recovered in the background once it serves."""
     node = CsiNode(settings)
-    await node.recover()
-    await node.renew_leases()
+    node.prepare()
     endpoint = settings.csi.endpoint
     endpoint.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
     clear_stale_socket(endpoint, "the CSI plugin")
@@ -376,18 +466,20 @@ async def serving_csi(settings: Settings) -> AsyncIterator[CsiNode]:
     csi_pb2_grpc.add_NodeServicer_to_server(NodeServicer(node), server)
     directory = SocketDirectory(endpoint)
     inode: int | None = None
-    renewing = asyncio.create_task(node.keep_leases())
     try:
         with owner_only_umask():
             server.add_insecure_port(f"unix:{directory.bind_address}")
         inode = directory.secure(0o600, None)
         await server.start()
+        node.recovery = asyncio.create_task(node.recover())
         log.info("CSI node plugin %s serving at %s", settings.csi.driver_name, endpoint)
         yield node
     finally:
-        renewing.cancel()
+        if node.recovery is not None:
+            node.recovery.cancel()
         try:
             await server.stop(settings.shutdown_grace_seconds)
             directory.remove_own(inode)
         finally:
             directory.close()
+            await node.aclose()

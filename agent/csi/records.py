@@ -1,9 +1,10 @@
 """Published volumes, one small file each: what a restart of the plugin picks up again.
 
 A record is written before its mount is made and removed after the mount is
-gone and the lease released, so after any crash the records cover every mount
-and lease the plugin made; ``CsiNode.recover`` settles each one. The directory is
-root's alone (0700): a record names a lease id, which is a capability.
+gone, so after any crash the records cover every mount the plugin made;
+``CsiNode.recover`` settles each one: a volume still mounted gets its lease held
+again, one the kubelet took down meanwhile is forgotten. The directory is root's
+alone (0700).
 """
 
 from __future__ import annotations
@@ -34,9 +35,8 @@ class PublishedVolume:
     tenant: str
     # The model's request (empty for a socket volume), to tell a repeat from a change.
     ask: str
-    # The directory (or socket) bound at the target; the lease keeping it ("": none).
+    # The directory bound at the target, and whom the lease is for.
     source: str = ""
-    lease_id: str = ""
     pod: str = ""
 
 
@@ -59,11 +59,18 @@ class VolumeRecords:
         data = json.dumps(asdict(record)).encode()
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
-            os.write(fd, data)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
             os.fsync(fd)
         finally:
             os.close(fd)
         temporary.replace(path)
+        directory = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(directory)  # the rename itself survives a power loss
+        finally:
+            os.close(directory)
 
     def get(self, volume_id: str) -> PublishedVolume | None:
         """The record of ``volume_id``, or None."""
@@ -83,15 +90,21 @@ class VolumeRecords:
 
     def _read(self, path: Path) -> PublishedVolume | None:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("CSI volume record %s cannot be opened (%s); left in place", path, exc)
             return None
         try:
             data = os.read(fd, _MAX_RECORD + 1)
         finally:
             os.close(fd)
         try:
-            return PublishedVolume(**json.loads(data))
+            fields = json.loads(data)
+            if not isinstance(fields, dict) or not all(isinstance(v, str) for v in fields.values()):
+                raise ValueError("not an object of strings")
+            return PublishedVolume(**fields)
         except (ValueError, TypeError) as exc:
             log.warning("CSI volume record %s is unreadable (%s); left in place", path, exc)
             return None

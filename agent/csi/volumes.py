@@ -39,6 +39,8 @@ _ATTRIBUTES = frozenset({"uri", "include", "exclude", "tier", "socket"})
 _MAX_VALUE = 4096
 _MAX_GLOBS = 64
 _MAX_TARGET = 4096
+# Where the kubelet puts a csi volume of a pod, under <kubelet_dir>/pods/ (None: any name).
+_VOLUME_LAYOUT = (None, "volumes", "kubernetes.io~csi", None, "mount")
 
 VolumeKind = Literal["model", "socket"]
 
@@ -65,8 +67,9 @@ class Pod:
 
     @property
     def client_name(self) -> str:
-        """How the agent's logs and lease listings name the pod."""
-        return f"{self.namespace}/{self.name} (csi)"
+        """How the agent's logs and lease listings name the pod (within the agent's 256
+        characters for a client name: a pod name may be 253 on its own)."""
+        return f"{self.namespace[:63]}/{self.name[:160]} (csi)"
 
 
 def volume_ask(context: Mapping[str, str]) -> VolumeAsk:
@@ -175,8 +178,14 @@ def check_target(target: str, kubelet_dir: Path) -> Path:
     pods = Path(os.path.normpath(kubelet_dir)) / "pods"
     if not path.is_absolute() or os.path.normpath(target) != target:
         raise InvalidRequest(f"target_path {target!r} is not an absolute, normal path")
-    if pods not in path.parents or len(path.relative_to(pods).parts) < 2:
-        raise InvalidRequest(f"target_path {target!r} is not a pod's volume under {pods}")
+    parts = path.relative_to(pods).parts if pods in path.parents else ()
+    if len(parts) != len(_VOLUME_LAYOUT) or any(
+        want is not None and part != want for part, want in zip(parts, _VOLUME_LAYOUT, strict=True)
+    ):
+        raise InvalidRequest(
+            f"target_path {target!r} is not a pod's volume under {pods} "
+            "(<uid>/volumes/kubernetes.io~csi/<name>/mount)"
+        )
     existing = path if os.path.lexists(path) else path.parent
     if os.path.realpath(existing) != str(existing):
         raise InvalidRequest(f"target_path {target!r} goes through a symbolic link")

@@ -20,9 +20,9 @@ import pytest
 
 from agent._config import Settings, load_settings
 from agent._proto.csi.v1 import csi_pb2, csi_pb2_grpc
-from agent.client import Client
+from agent.client import Client, wait_for_agent
 from agent.csi import serving_csi
-from agent.csi.mounts import SOCKET_NAME, is_mount_point, unmount
+from agent.csi.mounts import LOCKED_DOWN_OPTIONS, is_mount_point, mount_options, unmount
 from agent.testing import AgentProcess, SampleModel
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="bind mounts need root (CI runs as root)")
@@ -73,9 +73,11 @@ async def plugin(
 ) -> AsyncIterator[tuple[csi_pb2_grpc.IdentityAsyncStub, csi_pb2_grpc.NodeAsyncStub]]:
     """The plugin serving on its endpoint, and stubs that talk to it there."""
     async with (
-        serving_csi(node.settings),
+        serving_csi(node.settings) as plugin_node,
         grpc.aio.insecure_channel(f"unix:{node.settings.csi.endpoint}") as channel,
     ):
+        assert plugin_node.recovery is not None
+        await plugin_node.recovery  # recorded volumes settled before the test looks
         # On an aio channel the generated stubs are the async ones (the .pyi says so).
         yield csi_pb2_grpc.IdentityStub(channel), csi_pb2_grpc.NodeStub(channel)
 
@@ -195,7 +197,7 @@ async def test_publish_binds_the_model_read_only_with_a_lease_and_unpublish_undo
     target = Path(request.target_path)
     async with plugin(node) as (_identity, stub):
         await stub.NodePublishVolume(request)
-        assert is_mount_point(target)
+        assert (mount_options(target) or set()) >= LOCKED_DOWN_OPTIONS
         assert files_seen(target) == sorted(k[len(small_model.prefix) :] for k in small_model.keys)
         assert write_error(target) == errno.EROFS
         assert leases_on(node, small_model.uri) == ["team-a/vllm-0 (csi)"]
@@ -285,46 +287,71 @@ async def test_a_target_reached_through_a_symlink_is_refused(node: Node, tmp_pat
     assert files_seen(tmp_path / "elsewhere") == []
 
 
-def agent_version_through(target: Path) -> str:
-    """The agent's version, asked through the socket in a socket volume. The host's path is
-    longer than a socket address may be (the pod's is short): reach it through a descriptor
-    of the volume's directory."""
+def agent_version_through(target: Path, name: str) -> str:
+    """The agent's version, asked through the socket ``name`` in a socket volume. The host's
+    path is longer than a socket address may be (the pod's is short): reach it through a
+    descriptor of the volume's directory."""
     directory = os.open(target, os.O_PATH | os.O_DIRECTORY)
     try:
-        with Client(f"/proc/self/fd/{directory}/{SOCKET_NAME}") as client:
+        with Client(f"/proc/self/fd/{directory}/{name}") as client:
             return client.status().version
     finally:
         os.close(directory)
 
 
-async def test_a_socket_volume_holds_the_tenants_socket_only(node: Node) -> None:
-    """socket: "true" gives the pod one entry, agent.sock, which is the tenant's socket (a
-    client reaches the agent through it), in a read-only volume; unpublish takes it away."""
+async def test_a_socket_volume_holds_the_tenants_socket_and_outlives_an_agent_restart(
+    node: Node,
+) -> None:
+    """socket: "true" binds the tenant's socket directory (its socket alone) read-only: a
+    client reaches the agent through it, also after the agent restarted (and made its socket
+    anew); unpublish takes it away."""
     request = publish_request(node, uuid.uuid4().hex, {"socket": "true"}, volume="agent")
     target = Path(request.target_path)
+    name = node.tenant_socket.name
     async with plugin(node) as (_identity, stub):
         await stub.NodePublishVolume(request)
-        assert is_mount_point(target / SOCKET_NAME)
-        assert agent_version_through(target)
+        assert (mount_options(target) or set()) >= LOCKED_DOWN_OPTIONS
+        assert agent_version_through(target, name)
         assert write_error(target) == errno.EROFS
+        node.agent.restart()
+        wait_for_agent(node.tenant_socket, 60)
+        assert agent_version_through(target, name)
         await stub.NodeUnpublishVolume(unpublish_request(request))
     assert gone(target)
+    assert records(node) == []
+
+
+async def test_a_socket_directory_shared_with_other_files_is_not_bound(
+    node: Node, tmp_path: Path
+) -> None:
+    """The tenant's socket directory holding anything else (another tenant's socket, say) is
+    FAILED_PRECONDITION naming the fix: binding it would show the pod the other entries."""
+    (node.tenant_socket.parent / "other.sock").write_bytes(b"")
+    request = publish_request(node, uuid.uuid4().hex, {"socket": "true"}, volume="agent")
+    async with plugin(node) as (_identity, stub):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.NodePublishVolume(request)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "a directory of its own" in (refused.value.details() or "")
+    assert gone(Path(request.target_path))
     assert records(node) == []
 
 
 async def test_a_restart_of_plugin_and_agent_between_publish_and_unpublish_leaks_nothing(
     node: Node, small_model: SampleModel
 ) -> None:
-    """Publish, stop the plugin, restart the agent, start the plugin again: the mount and the
-    lease are still there (the lease renewed from the plugin's record); unpublish then
-    removes both. A second volume whose mount the kubelet took down while the plugin was
-    away loses its record and its lease when the plugin comes back."""
+    """The plugin stops (its held leases end with it), the kubelet takes one volume down
+    meanwhile, the agent restarts, the plugin starts: the mounted volume's lease is held
+    again from its record (on the cached copy, no pull), the other volume is forgotten;
+    unpublish then removes the rest. (A held lease across a restart of the agent alone is the
+    client's hold, tests/leases/test_lease_restarts.py.)"""
     kept = publish_request(node, uuid.uuid4().hex, {"uri": small_model.uri})
     dropped = publish_request(node, uuid.uuid4().hex, {"uri": small_model.uri}, volume="other")
     async with plugin(node) as (_identity, stub):
         await stub.NodePublishVolume(kept)
         await stub.NodePublishVolume(dropped)
-    assert len(leases_on(node, small_model.uri)) == 2
+        assert len(leases_on(node, small_model.uri)) == 2
+    assert leases_on(node, small_model.uri) == []  # the plugin's holds ended with it
     unmount(Path(dropped.target_path))  # as the kubelet's own cleanup would, say
     node.agent.restart()
     async with plugin(node) as (_identity, stub):
@@ -367,6 +394,7 @@ async def test_with_the_agent_down_a_publish_is_unavailable_and_leaves_nothing(
         assert not is_mount_point(Path(request.target_path))
         assert records(node) == []
         node.agent.start()
+        wait_for_agent(node.tenant_socket, 60)  # the tenant's socket is bound after the API's
         await stub.NodePublishVolume(request)
         assert is_mount_point(Path(request.target_path))
         await stub.NodeUnpublishVolume(unpublish_request(request))

@@ -250,7 +250,7 @@ def test_the_plugin_reaches_the_agents_sockets_and_tiers_at_their_host_paths(
         settings.tiers.shm_root / "snapshots",
         settings.tiers.disk_root / "snapshots",
     ]
-    assert Path("/run/prewarm/team-a.sock") in paths  # the example tenant's
+    assert Path("/run/prewarm/team-a/agent.sock") in paths  # the example tenant's
     for path in paths:
         assert host_path("prewarm-csi", path) == path, path
 

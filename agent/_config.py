@@ -670,11 +670,19 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _csi_tenants_are_sockets(self) -> Settings:
         names = {entry.name for entry in self.access.sockets} | {"node"}
+        scoped = {entry.name for entry in self.access.sockets if entry.requester_scoped}
         for entry in self.csi.tenants:
             if entry.tenant not in names:
                 raise ValueError(
                     f"[[csi.tenants]] names tenant {entry.tenant!r}, which no [[access.sockets]] "
                     f"entry has (known: {', '.join(sorted(names))}); add the socket or fix the name"
+                )
+            if entry.tenant in scoped:
+                raise ValueError(
+                    f"[[csi.tenants]] names tenant {entry.tenant!r}, whose socket is "
+                    "requester_scoped: every request there must carry the pod's own AWS "
+                    "credentials, which the CSI plugin does not have; map these namespaces to a "
+                    "socket that is not requester_scoped"
                 )
         return self
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from agent._config import CsiTenantSettings
+from agent._config import CsiTenantSettings, Settings
 from agent._exceptions import AccessDenied, Conflict, InvalidRequest
 from agent.csi.mounts import _unescape
 from agent.csi.volumes import (
@@ -113,3 +113,13 @@ def test_mountinfo_escapes_are_read_back_as_the_path() -> None:
     assert _unescape(r"/a\040b\134c") == "/a b\\c"
     assert _unescape("/plain") == "/plain"
     assert _unescape("/end\\04") == "/end\\04"
+
+
+def test_a_csi_tenant_on_a_requester_scoped_socket_is_refused_at_load() -> None:
+    """A [[csi.tenants]] entry naming a requester_scoped socket would have every volume
+    refused (the plugin has no pod credentials): the config is refused, saying why."""
+    with pytest.raises(ValueError, match="requester_scoped"):
+        Settings(
+            access={"sockets": [{"name": "t", "path": "/run/t/a.sock", "requester_scoped": True}]},
+            csi={"tenants": [{"tenant": "t", "namespaces": ["t"]}]},
+        )

@@ -648,7 +648,8 @@ def test_the_csi_unit_runs_the_plugin_as_root_after_the_agent_on_the_agents_conf
     prewarm-csi on the config file prewarmd's ExecStart reads, as root with CAP_SYS_ADMIN
     and the mount system calls, and keeps its records in [csi].state_dir."""
     csi, agent = unit_directives(CSI_UNIT), unit_directives(SYSTEMD / "prewarmd.service")
-    assert csi["Unit.Requires"] == csi["Unit.After"] == ["prewarmd.service"]
+    assert csi["Unit.Wants"] == csi["Unit.After"] == ["prewarmd.service"]
+    assert "Unit.Requires" not in csi  # a stopped agent must not stop unpublishing
     (agent_start,) = agent["Service.ExecStart"]
     config = agent_start.split("--config ", 1)[1]
     assert csi["Service.ExecStart"] == [f"/opt/prewarm/bin/prewarm-csi --config {config}"]

@@ -388,6 +388,20 @@ async def _shielded(work: Any) -> Any:
 # -- gRPC --------------------------------------------------------------------------------
 
 
+@contextlib.asynccontextmanager
+async def _answered(context: Any, doing: str) -> AsyncIterator[None]:
+    """What the kubelet sees of a failure: UNAVAILABLE while the agent does not answer (it
+    retries), the error tree's status for a refusal, INTERNAL for a mount call that failed."""
+    try:
+        yield
+    except AgentUnavailable as exc:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+    except PrewarmError as exc:
+        await abort(context, exc)
+    except OSError as exc:
+        await context.abort(grpc.StatusCode.INTERNAL, f"could not {doing} the volume: {exc}")
+
+
 class IdentityServicer(csi_pb2_grpc.IdentityServicer):
     """Who the plugin is: the driver's name and version, no controller, always ready."""
 
@@ -417,27 +431,15 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
     async def NodePublishVolume(
         self, request: csi_pb2.NodePublishVolumeRequest, context: Any
     ) -> csi_pb2.NodePublishVolumeResponse:
-        try:
+        async with _answered(context, "mount"):
             await self._node.publish(request)
-        except AgentUnavailable as exc:  # the kubelet retries: the agent may be starting
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except PrewarmError as exc:
-            await abort(context, exc)
-        except OSError as exc:
-            await context.abort(grpc.StatusCode.INTERNAL, f"could not mount the volume: {exc}")
         return csi_pb2.NodePublishVolumeResponse()
 
     async def NodeUnpublishVolume(
         self, request: csi_pb2.NodeUnpublishVolumeRequest, context: Any
     ) -> csi_pb2.NodeUnpublishVolumeResponse:
-        try:
+        async with _answered(context, "unmount"):
             await self._node.unpublish(request)
-        except AgentUnavailable as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except PrewarmError as exc:
-            await abort(context, exc)
-        except OSError as exc:
-            await context.abort(grpc.StatusCode.INTERNAL, f"could not unmount the volume: {exc}")
         return csi_pb2.NodeUnpublishVolumeResponse()
 
     async def NodeGetCapabilities(

@@ -21,7 +21,6 @@ import copy
 import json
 import os
 import re
-import shutil
 import subprocess
 import tomllib
 from collections.abc import Callable
@@ -41,6 +40,7 @@ from test_k8s_manifests import (
     documents,
     find,
 )
+from test_systemd import systemd_tool
 
 from agent._config import CsiSettings, Settings, load_settings
 from agent._uri import parse_uri
@@ -669,16 +669,6 @@ def test_the_csi_unit_has_no_setting_that_would_hide_its_mounts_from_the_kubelet
     assert keys & OWN_MOUNT_NAMESPACE == set()
     agent_keys = {key.partition(".")[2] for key in unit_directives(SYSTEMD / "prewarmd.service")}
     assert {"PrivateMounts", "ProtectSystem", "PrivateTmp"} <= agent_keys
-
-
-def systemd_tool(name: str) -> str:
-    """The tool's path; skipped where it is missing, except in CI, which installs it."""
-    path = shutil.which(name)
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{name} is missing; .ci/run should have installed systemd's tools")
-        pytest.skip(f"{name} is not installed")
-    return path
 
 
 def installed_units(prefix: Path, directory: Path) -> Path:

@@ -24,6 +24,7 @@ from agent._proto.prewarm.v1 import prewarm_pb2 as pb
 from agent._proto.prewarm.v1 import prewarm_pb2_grpc as pb_grpc
 
 from . import _messages as messages
+from ._exceptions import AgentUnavailable
 from ._leases import (
     HOLD_TIMEOUT,
     LEASE_ALREADY_ENDED,
@@ -100,10 +101,23 @@ class Client(_BaseClient, contextlib.AbstractContextManager["Client"]):
         self, socket_path: str | os.PathLike[str] | None = None, *, timeout: float | None = None
     ) -> None:
         super().__init__(socket_path, timeout=timeout)
-        self._channel = grpc.insecure_channel(
-            channel_target(self._socket_path), options=CHANNEL_OPTIONS
-        )
-        self._stub = pb_grpc.PrewarmStub(self._channel)
+        self._channel: grpc.Channel | None = None
+        self._live_stub: pb_grpc.PrewarmStub | None = None
+        self._unreachable: AgentUnavailable | None = None
+        try:
+            target = channel_target(self._socket_path)
+        except AgentUnavailable as exc:
+            self._unreachable = exc  # said at the first call, as an agent that is down is
+        else:
+            self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+            self._live_stub = pb_grpc.PrewarmStub(self._channel)
+
+    @property
+    def _stub(self) -> pb_grpc.PrewarmStub:
+        if self._live_stub is None:
+            assert self._unreachable is not None
+            raise self._unreachable
+        return self._live_stub
 
     def __exit__(self, *exc_info: object) -> None:
         """Close the connection at the end of the ``with`` block."""
@@ -111,7 +125,8 @@ class Client(_BaseClient, contextlib.AbstractContextManager["Client"]):
 
     def close(self) -> None:
         """Close the connection to the agent (``with`` does it at the end of the block)."""
-        self._channel.close()
+        if self._channel is not None:
+            self._channel.close()
 
     def _read(self, stream: Iterable[Any], reader: messages.StreamReader[T]) -> T:
         with self._errors():

@@ -74,8 +74,20 @@ def resolve_socket_path(socket_path: str | os.PathLike[str] | None) -> Path:
     return Path(from_env) if from_env else DEFAULT_SOCKET_PATH
 
 
+# A Unix socket address holds 108 bytes, the terminating NUL included.
+MAX_SOCKET_PATH_BYTES = 107
+
+
 def channel_target(socket_path: Path) -> str:
-    """The grpc target that names a Unix socket."""
+    """The grpc target that names a Unix socket; AgentUnavailable for a path no socket
+    address can hold (grpc itself would log the path raw on stderr and answer nothing)."""
+    size = len(os.fsencode(socket_path))
+    if size > MAX_SOCKET_PATH_BYTES:
+        raise AgentUnavailable(
+            f"no prewarm agent can be reached at {socket_path}: the path is {size} bytes, longer "
+            f"than the {MAX_SOCKET_PATH_BYTES} a Unix socket address holds; use a shorter path "
+            "(--socket / PREWARM_SOCKET_PATH)"
+        )
     return f"unix:{socket_path}"
 
 

@@ -210,8 +210,9 @@ def test_every_exec_failure_path_writes_hostile_text_escaped(
 ) -> None:
     """ESC, OSC, BEL and RLO in what exec quotes back never reach the terminal raw, on every
     way it fails: a bad compile-key part (2), a URI the agent refuses (2), no agent on a socket
-    whose path carries them (3), the agent's own refusal of a pull (1), the fallback's
-    warnings; each line says "prewarm:" first and the status is the shared one."""
+    whose path carries them (3), such a path too long for a socket address (3: grpc logged it
+    raw), the agent's own refusal of a pull (1), the fallback's warnings; each line says
+    "prewarm:" first and the status is the shared one."""
     child = ["--", sys.executable, "-c", "pass"]
     socket = agent_daemon.socket_path
     missing = tmp_path / HOSTILE / "agent.sock"
@@ -219,6 +220,8 @@ def test_every_exec_failure_path_writes_hostile_text_escaped(
         "compile key": (["--compile-key", f"{HOSTILE}=1", "s3://b/m/", *child], socket, 2),
         "refused uri": ([f"s3://b/{HOSTILE}/", *child], socket, 2),
         "no agent": (["--wait-for-agent", "0", "s3://b/m/", *child], missing, 3),
+        # Longer than a socket address holds: grpc would log it raw, were it handed over.
+        "long path": (["--wait-for-agent", "0", "s3://b/m/", *child], missing / ("d" * 120), 3),
         "agent error": (["--cached-only", "s3://never-cached/model/", *child], socket, 1),
         "fallback": (["--wait-for-agent", "0", "--fallback", "s3://b/m/", *child], missing, 0),
     }

@@ -43,7 +43,7 @@ __all__ = [
     "ChunkDigests",
     "ChunkHasher",
     "FileDigest",
-    "FileProblem",
+    "FileProblemReport",
     "ObjectChecksum",
     "check_object_checksum",
     "chunk_count",
@@ -209,7 +209,7 @@ def _hash_fd(fd: int, chunk_size: int, *, read_block: int, name: str) -> FileDig
 
 
 @dataclass(frozen=True, slots=True)
-class FileProblem:
+class FileProblemReport:
     """One file of a cached model that failed verification."""
 
     path: str
@@ -225,19 +225,19 @@ def verify_files(
     directory: str | os.PathLike[str],
     expected: Iterable[tuple[str, int, str]],
     chunk_size: int,
-) -> list[FileProblem]:
+) -> list[FileProblemReport]:
     """Check files against (relative path, size, hex digest); report every failure.
 
     Sizes are checked first, so a truncated file costs a ``stat``, not a read.
     Only bytes count: each file is re-hashed, never taken from a journal, and
     reached without following a symlink. Blocking; run it in a thread.
     """
-    problems: list[FileProblem] = []
+    problems: list[FileProblemReport] = []
     try:
         root = open_dir(directory)
     except OSError as exc:
         gone = f"the snapshot directory cannot be opened as one ({exc.strerror})."
-        return [FileProblem(relative, "missing", gone) for relative, _, _ in expected]
+        return [FileProblemReport(relative, "missing", gone) for relative, _, _ in expected]
     try:
         for entry in expected:
             problem = _check_file(root, entry, chunk_size)
@@ -248,24 +248,26 @@ def verify_files(
     return problems
 
 
-def _check_file(root: int, entry: tuple[str, int, str], chunk_size: int) -> FileProblem | None:
+def _check_file(
+    root: int, entry: tuple[str, int, str], chunk_size: int
+) -> FileProblemReport | None:
     relative, size, digest = entry
     # Opened component by component without following links: a symlink in the
     # snapshot is a problem to report, never a path to hash (or to trust).
     try:
         fd = open_beneath(root, relative, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
-        return FileProblem(relative, "missing", "the file is gone.")
+        return FileProblemReport(relative, "missing", "the file is gone.")
     except OSError:
-        return FileProblem(relative, "missing", "the path is a link or not a regular file.")
+        return FileProblemReport(relative, "missing", "the path is a link or not a regular file.")
     try:
         actual = _digest_of_regular_file(fd, relative, size, chunk_size)
     finally:
         os.close(fd)
-    if isinstance(actual, FileProblem):
+    if isinstance(actual, FileProblemReport):
         return actual
     if actual != digest:
-        return FileProblem(
+        return FileProblemReport(
             relative,
             "hash",
             f"the content hash is {actual}, the manifest recorded {digest}; "
@@ -276,17 +278,19 @@ def _check_file(root: int, entry: tuple[str, int, str], chunk_size: int) -> File
 
 def _digest_of_regular_file(
     fd: int, relative: str, size: int, chunk_size: int
-) -> str | FileProblem:
+) -> str | FileProblemReport:
     """The file's content digest, or why it is not the file the manifest recorded."""
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
-        return FileProblem(relative, "missing", "the path is not a regular file.")
+        return FileProblemReport(relative, "missing", "the path is not a regular file.")
     if info.st_size != size:
-        return FileProblem(relative, "size", f"the file has {info.st_size} bytes, not {size}.")
+        return FileProblemReport(
+            relative, "size", f"the file has {info.st_size} bytes, not {size}."
+        )
     try:
         return _hash_fd(fd, chunk_size, read_block=READ_BLOCK, name=relative).digest
     except IntegrityError as exc:
-        return FileProblem(relative, "size", str(exc))
+        return FileProblemReport(relative, "size", str(exc))
 
 
 class ObjectChecksum(Protocol):

@@ -28,7 +28,7 @@ Without a readiness signal the agent uploads the key once it has been quiet.
 
 The key's versions (torch, Triton, the engine, Python, torch's CUDA build)
 come from the interpreter the command runs in, not this launcher's
-(``agent.compile.engine_world``); for vLLM and SGLang the parallel sizes and
+(``agent.compile.engine_runtime``); for vLLM and SGLang the parallel sizes and
 the compile-relevant settings are read from the command itself, by meaning
 (``_engine_flags``); ``--key-ignore`` leaves more out.
 
@@ -75,7 +75,7 @@ from agent.client import (
 from agent.client import Progress as PullProgress
 from agent.client._compile import key_fields_from_text
 from agent.client._messages import key_parts as key_parts_from
-from agent.compile.engine_world import engine_world_fields, interpreter_of, probe_interpreter
+from agent.compile.engine_runtime import engine_runtime_fields, interpreter_of, probe_interpreter
 from agent.compile.keys import CompileKeyParts
 
 from . import _render as render
@@ -357,12 +357,12 @@ def _key_parts(launch: _Launch, handle: ModelHandle, env: Mapping[str, str]) -> 
     """The key parts: given, then the command's flags, then the engine's own world.
 
     The versions come from the interpreter the command runs in (see
-    ``agent.compile.engine_world``); a command whose Python cannot be found (a
+    ``agent.compile.engine_runtime``); a command whose Python cannot be found (a
     shell script, a binary) is keyed on what this launcher's Python has, with a
     note on stderr. ``model_key`` defaults to the snapshot's key.
     """
     engine = launch.key_fields.get("engine", "").strip().lower()
-    world = _engine_world(engine, launch.command, env, launch.key_ignore)
+    world = _engine_runtime(engine, launch.command, env, launch.key_ignore)
     fields = key_fields_from_text(merged_key_fields(launch.key_fields, world))
     fields.setdefault("model_key", handle.key)
     if "torch_version" in fields:
@@ -377,7 +377,7 @@ def _key_parts(launch: _Launch, handle: ModelHandle, env: Mapping[str, str]) -> 
         return key_parts_from(None, **fields)
 
 
-def _engine_world(
+def _engine_runtime(
     engine: str, command: Sequence[str], env: Mapping[str, str], ignore: frozenset[str]
 ) -> dict[str, str]:
     """Key parts read from the command's interpreter and the node's GPU; {} if none found."""
@@ -385,7 +385,7 @@ def _engine_world(
     versions = probe_interpreter(interpreter, env) if interpreter else {}
     if not versions.get("torch"):
         return {}
-    world = engine_world_fields(engine, versions, env)
+    world = engine_runtime_fields(engine, versions, env)
     return {name: value for name, value in world.items() if name not in ignore}
 
 

@@ -51,7 +51,7 @@ from agent.compile.domains import (
     domain_specs,
     prepare_compile_root,
 )
-from agent.compile.index import CacheIndex, CacheRecord, CompileCacheInfo, has_artifacts
+from agent.compile.index import CacheIndex, CacheRecord, CompileCacheReport, has_artifacts
 from agent.compile.keys import KEY_LENGTH, CompileKeyParts, compile_key, engine_env, normalise_parts
 from agent.compile.lock import CompileLocks, LockEvent
 from agent.compile.remote import RemoteCompileCaches
@@ -80,7 +80,7 @@ __all__ = [
     "NODE_SCOPE",
     "CacheRef",
     "CompactOutcome",
-    "CompileCacheInfo",
+    "CompileCacheReport",
     "CompileCaches",
     "EnsuredCompileCache",
     "Explanation",
@@ -124,7 +124,7 @@ _KEY = re.compile(r"[0-9a-f]{32}")
 class EnsuredCompileCache:
     """A key's compile cache as handed to a pod: its record, env and how it was made."""
 
-    info: CompileCacheInfo
+    info: CompileCacheReport
     env: dict[str, str]
     restored: bool
     restore_seconds: float
@@ -267,7 +267,7 @@ class CompileCaches:
         indexes = [d.index for d in self._domains.values() if scope.sees(d.name)]
         return sum(len(i) for i in indexes), sum(i.total_bytes() for i in indexes)
 
-    async def caches(self, scope: Scope = NODE_SCOPE) -> list[CompileCacheInfo]:
+    async def caches(self, scope: Scope = NODE_SCOPE) -> list[CompileCacheReport]:
         """Every compile cache ``scope`` sees, with sizes measured now."""
         infos = []
         for ref, record in self._records(scope):
@@ -548,7 +548,7 @@ class CompileCaches:
                 raise NotFound(f"Compile cache {key} is not on this node.")
             return await domain.transfer.upload(key, record)
 
-    async def evict(self, ref: str, scope: Scope = NODE_SCOPE) -> list[CompileCacheInfo]:
+    async def evict(self, ref: str, scope: Scope = NODE_SCOPE) -> list[CompileCacheReport]:
         """Remove a key from this node now, unless a pod holds its compile lock."""
         found = self.find(ref, scope)
         domain, key = self._domains[found.domain], found.key

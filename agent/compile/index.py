@@ -43,7 +43,7 @@ from agent.compile.keys import (
 )
 from agent.compile.verdict import SubCacheSizes, Verdict, measure_sub_caches
 
-__all__ = ["CacheIndex", "CacheRecord", "CompileCacheInfo", "has_artifacts"]
+__all__ = ["CacheIndex", "CacheRecord", "CompileCacheReport", "has_artifacts"]
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ _BOOKKEEPING = (".meta", ".tmp", ".trash")
 
 
 @dataclass(frozen=True, slots=True)
-class CompileCacheInfo:
+class CompileCacheReport:
     """One key on the node, as listed: parts, path, size, use, upload record, last verdict."""
 
     key: str
@@ -150,9 +150,9 @@ class CacheIndex:
         """Bytes of every key of the domain, as last measured."""
         return sum(record.bytes for record in self._records.values())
 
-    def info(self, key: str, record: CacheRecord) -> CompileCacheInfo:
+    def info(self, key: str, record: CacheRecord) -> CompileCacheReport:
         """``key``'s record as the listing shows it."""
-        return CompileCacheInfo(
+        return CompileCacheReport(
             key=key,
             path=self.directory(key),
             parts=record.parts,

@@ -30,7 +30,7 @@ from typing import Self
 
 from watchfiles import Change, awatch
 
-from agent.compile.inotify_room import watch_limit_reached, watch_limit_text
+from agent.compile.inotify_limit import watch_limit_reached, watch_limit_text
 from agent.obs.metrics import COMPILE_WATCH_LIMIT, COMPILE_WATCH_POLLING
 
 __all__ = ["SettleWatcher"]

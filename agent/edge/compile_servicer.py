@@ -20,7 +20,7 @@ from agent._wire import parts_from_proto, parts_to_proto, timestamp_to_proto
 from agent.compile.cache import (
     NODE_SCOPE,
     CompactOutcome,
-    CompileCacheInfo,
+    CompileCacheReport,
     CompileCaches,
     EnsuredCompileCache,
     PushOutcome,
@@ -47,7 +47,7 @@ def compile_scope(tenant: Tenant | None) -> Scope:
     return Scope(tenant.compile_domain or tenant.name)
 
 
-def _info(info: CompileCacheInfo) -> pb.CompileCacheInfo:
+def _info(info: CompileCacheReport) -> pb.CompileCacheInfo:
     message = pb.CompileCacheInfo(
         domain=info.domain,
         key=info.key,

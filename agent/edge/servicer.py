@@ -29,7 +29,7 @@ from agent.pull.flight import Flight, PullProgress
 from agent.service.access import Requester, Tenant
 from agent.service.operations import AgentService
 from agent.service.request import EnsureRequest, LeaseAsk
-from agent.service.results import EnsureResult, EvictResult
+from agent.service.results import EnsureResult, EvictReport
 from agent.store.records import CachedModel, TierUsage
 
 __all__ = ["PrewarmServicer"]
@@ -236,7 +236,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
         )
 
     def _evict_response(
-        self, result: EvictResult, requester: Requester | None
+        self, result: EvictReport, requester: Requester | None
     ) -> pb.EvictModelResponse:
         return pb.EvictModelResponse(
             evicted=[self._model_info(m, requester, with_files=False) for m in result.evicted],

@@ -209,7 +209,7 @@ class Puller:
             return await self._pull_through(flight, plane, tuning, self._source)
         async with scoped as source:  # closed when this pull ends, however it ends
             return await self._pull_through(
-                flight, self._planes.through(plane, source), tuning, source
+                flight, self._planes.with_source(plane, source), tuning, source
             )
 
     async def _pull_through(

@@ -21,7 +21,7 @@ from agent.source.interface import ListedObject, ObjectSource
 from agent.store.catalog import Store
 from agent.store.records import CachedModel
 
-__all__ = ["Resolver", "Unchecked", "resolve"]
+__all__ = ["HitWithoutS3Check", "Resolver", "resolve"]
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ _SELECTING = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prewarm-selec
 
 
 @dataclass(frozen=True, slots=True)
-class Unchecked:
+class HitWithoutS3Check:
     """A cached snapshot served without asking S3 whether it is still current."""
 
     model: CachedModel
@@ -59,7 +59,7 @@ class Resolver:
         *,
         cached_only: bool,
         limits: Sequence[SnapshotLimit] = (),
-    ) -> Snapshot | Unchecked:
+    ) -> Snapshot | HitWithoutS3Check:
         """The snapshot S3 lists now, or the newest cached one when S3 is not asked or
         cannot answer.
 
@@ -71,7 +71,7 @@ class Resolver:
             if newest is None:
                 raise _not_cached(uri, include, exclude)
             log.info("serving cached %s (%s) without asking S3 (cached_only)", uri, newest.key)
-            return Unchecked(newest)
+            return HitWithoutS3Check(newest)
         if newest is None or not self._fallback:
             return await resolve(self._source, uri, include, exclude, limits=limits)
         try:
@@ -82,7 +82,7 @@ class Resolver:
             log.warning(
                 "S3 unreachable (%s); serving cached %s (%s) unchecked", why, uri, newest.key
             )
-            return Unchecked(newest)
+            return HitWithoutS3Check(newest)
 
 
 async def resolve(

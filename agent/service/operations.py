@@ -21,16 +21,16 @@ from agent.obs.logs import bind_request
 from agent.obs.metrics import EVICTIONS
 from agent.pull.flight import Flight, PullProgress, PullTimings
 from agent.pull.puller import Puller, ScopedSource
-from agent.pull.resolver import Resolver, Unchecked
+from agent.pull.resolver import HitWithoutS3Check, Resolver
 from agent.service import access
 from agent.service.access import Requester, RequesterKeys
 from agent.service.request import EnsureRequest
 from agent.service.results import (
-    AgentStatus,
     EnsureResult,
-    EvictResult,
+    EvictReport,
     RequestTimings,
-    Verification,
+    StatusReport,
+    VerifyReport,
     observe_lookup,
     pull_seconds,
 )
@@ -104,8 +104,8 @@ class AgentService:
             cached_only=request.cached_only,
             limits=access.snapshot_limits(request.requester),
         )
-        if isinstance(found, Unchecked):
-            yield await self._answer_unchecked(request, found.model, clock)
+        if isinstance(found, HitWithoutS3Check):
+            yield await self._answer_without_s3_check(request, found.model, clock)
             return
         await access.check_snapshot(self._source, found, request.requester)
         clock.resolved()
@@ -119,7 +119,7 @@ class AgentService:
         with self._leases.claim(found.key):
             cached = self._store.get(found.key)
             if cached is not None:
-                yield await self._answer(request, cached, _Lookup("hit", clock.hit_timings()))
+                yield await self._answer(request, cached, _Answered("hit", clock.hit_timings()))
                 return
             async for event in self._pull(request, found, clock, scoped=scoped):
                 yield event
@@ -146,7 +146,7 @@ class AgentService:
             )
 
     def _check(self, request: EnsureRequest) -> bool:
-        """Refuse what no S3 call is needed to refuse; whether a pull would be scoped.
+        """Refuse a request the settings forbid before S3 is asked; whether its pull is scoped.
 
         A scoped pull goes through the requester's own credentials.
         """
@@ -157,14 +157,14 @@ class AgentService:
             self._puller.check(request.options)
         return scoped
 
-    async def _answer_unchecked(
+    async def _answer_without_s3_check(
         self, request: EnsureRequest, model: CachedModel, clock: _Clock
     ) -> EnsureResult:
         """Answer from a cached snapshot that S3 was not asked about (offline)."""
         access.check_unchecked(request.requester)
         bind_request(key=model.key)
         clock.resolved()
-        return await self._answer(request, model, _Lookup("offline", clock.hit_timings()))
+        return await self._answer(request, model, _Answered("offline", clock.hit_timings()))
 
     async def _pull(
         self, request: EnsureRequest, snapshot: Snapshot, clock: _Clock, *, scoped: bool
@@ -190,7 +190,7 @@ class AgentService:
                 await self._evictor.enforce_watermarks([model.tier])
         waited = 0.0 if started_it else max(0.0, (time.monotonic() - joined) - pull_seconds(flight))
         timings = clock.miss_timings(flight.timings, waited)
-        yield await self._answer(request, model, _Lookup("miss", timings, flight.resumed_bytes))
+        yield await self._answer(request, model, _Answered("miss", timings, flight.resumed_bytes))
 
     async def _join(
         self, request: EnsureRequest, snapshot: Snapshot, *, scoped: bool
@@ -217,7 +217,7 @@ class AgentService:
         return flight, True
 
     async def _answer(
-        self, request: EnsureRequest, model: CachedModel, lookup: _Lookup
+        self, request: EnsureRequest, model: CachedModel, lookup: _Answered
     ) -> EnsureResult:
         """Hand ``model`` out: lease it, pin it, count the lookup."""
         if self._store.get(model.key) is None:
@@ -262,7 +262,7 @@ class AgentService:
             return leases
         return [lease for lease in leases if lease.grantee == requester.name]
 
-    def status(self, requester: Requester | None = None) -> AgentStatus:
+    def status(self, requester: Requester | None = None) -> StatusReport:
         """The agent's state as the requester's socket may see it.
 
         A tenant's socket sees only the pulls it started or joined and its own
@@ -280,7 +280,7 @@ class AgentService:
         self._forget_ended_pulls(pulls)
         if caller is not None:
             pulls = [f for f in pulls if caller in self._pulls_asked.get(f.key, ())]
-        return AgentStatus(
+        return StatusReport(
             version=__version__,
             tiers=tuple(self._store.tier_usage(t) for t in self._store.roots()),
             leased_per_tier=per_tier,
@@ -303,7 +303,7 @@ class AgentService:
 
     # -- management -----------------------------------------------------------------------
 
-    async def evict(self, ref: str, *, force: bool = False) -> EvictResult:
+    async def evict(self, ref: str, *, force: bool = False) -> EvictReport:
         """Evict every snapshot ``ref`` names; Conflict while one is being pulled."""
         in_flight = self._flights_matching(ref)
         if in_flight:
@@ -318,13 +318,13 @@ class AgentService:
         for model in evicted:
             EVICTIONS.labels(model.tier, "manual").inc()
             self._leases.end_all_for(model.key)  # nothing left to protect
-        return EvictResult(tuple(evicted), sum(m.total_bytes for m in evicted))
+        return EvictReport(tuple(evicted), sum(m.total_bytes for m in evicted))
 
-    async def collect_garbage(self, tier: TierName | None = None) -> EvictResult:
+    async def collect_garbage(self, tier: TierName | None = None) -> EvictReport:
         """Evict what is neither leased, pinned nor recently used, on one tier or both."""
         async with self._evictor.lock:
             evicted = await self._evictor.collect_garbage([tier] if tier else ["shm", "disk"])
-        return EvictResult(tuple(evicted), sum(m.total_bytes for m in evicted))
+        return EvictReport(tuple(evicted), sum(m.total_bytes for m in evicted))
 
     async def pin(self, ref: str, pinned: bool) -> CachedModel:
         """Pin (or unpin) the newest snapshot ``ref`` names."""
@@ -341,7 +341,7 @@ class AgentService:
         """End a lease; AccessDenied unless the requester's socket is the one it was granted on."""
         self._leases.release(lease_id, grantee=_grantee(requester))
 
-    async def verify(self, ref: str, *, every: bool, report_only: bool) -> list[Verification]:
+    async def verify(self, ref: str, *, every: bool, report_only: bool) -> list[VerifyReport]:
         """Re-hash cached files; a snapshot that changed is evicted unless report_only."""
         if every:
             models = self._store.models()
@@ -349,7 +349,7 @@ class AgentService:
             models = self._store.find(ref)
         else:
             raise NotFound("Name a model to verify (URI or key), or ask for --all.")
-        results: list[Verification] = []
+        results: list[VerifyReport] = []
         for model in models:
             started = time.monotonic()
             expected = [(f.path, f.size, f.digest) for f in model.files]
@@ -368,7 +368,7 @@ class AgentService:
                 EVICTIONS.labels(model.tier, "verify").inc()
                 evicted = True
             results.append(
-                Verification(model, tuple(problems), evicted, time.monotonic() - started)
+                VerifyReport(model, tuple(problems), evicted, time.monotonic() - started)
             )
         return results
 
@@ -407,7 +407,7 @@ class _Clock:
 
 
 @dataclass(frozen=True, slots=True)
-class _Lookup:
+class _Answered:
     """How a request was answered: from the cache (hit, offline) or by a pull (miss)."""
 
     kind: Literal["hit", "miss", "offline"]

@@ -5,18 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from agent._vocabulary import TierName
-from agent.check.hashes import FileProblem
+from agent.check.hashes import FileProblemReport
 from agent.leases.table import LeaseRecord
 from agent.obs.metrics import CACHE_LOOKUPS, PHASE_SECONDS
 from agent.pull.flight import Flight
 from agent.store.records import CachedModel, TierUsage
 
 __all__ = [
-    "AgentStatus",
     "EnsureResult",
-    "EvictResult",
+    "EvictReport",
     "RequestTimings",
-    "Verification",
+    "StatusReport",
+    "VerifyReport",
     "observe_lookup",
     "pull_seconds",
 ]
@@ -47,7 +47,7 @@ class EnsureResult:
 
 
 @dataclass(frozen=True, slots=True)
-class EvictResult:
+class EvictReport:
     """What an eviction removed and the bytes it freed."""
 
     evicted: tuple[CachedModel, ...]
@@ -55,17 +55,17 @@ class EvictResult:
 
 
 @dataclass(frozen=True, slots=True)
-class Verification:
+class VerifyReport:
     """One snapshot re-hashed: what differs, whether it was evicted, how long it took."""
 
     model: CachedModel
-    problems: tuple[FileProblem, ...]
+    problems: tuple[FileProblemReport, ...]
     evicted: bool
     seconds: float
 
 
 @dataclass(frozen=True, slots=True)
-class AgentStatus:
+class StatusReport:
     """The agent's state as a socket may see it (see AgentService.status)."""
 
     version: str

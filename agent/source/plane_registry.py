@@ -82,7 +82,7 @@ class DataPlanes:
     def choose(self, name: DataPlaneName | None) -> DataPlane:
         """The plane a request naming ``name`` gets (None: the configured one).
 
-        Both planes can pull through a source of the pull's own (``through``).
+        Both planes can pull through a source of the pull's own (``with_source``).
         InvalidRequest when the named plane cannot run on this agent's source.
         """
         wanted = name or self._settings.data_plane
@@ -97,7 +97,7 @@ class DataPlanes:
             "it has no processes data plane; ask for auto or the aiobotocore data plane."
         )
 
-    def through(self, plane: DataPlane, source: ObjectSource) -> DataPlane:
+    def with_source(self, plane: DataPlane, source: ObjectSource) -> DataPlane:
         """``plane`` pulling through ``source`` instead of the agent's own source."""
         if isinstance(plane, ProcessPlane) and isinstance(source, Presigner):
             return plane.with_source(source)

@@ -226,14 +226,14 @@ def _bracketed(host: str) -> str:
 
 
 # A kept connection's key: scheme, the URL's host and port, the address it connects to.
-_Place = tuple[str, str, int, str]
+_ConnectionKey = tuple[str, str, int, str]
 
 
 @dataclass(frozen=True, slots=True)
 class _Route:
     """Where a job's GETs go: the connection they take (its key) and what they ask there."""
 
-    place: _Place
+    connection_key: _ConnectionKey
     target: str  # the request target: origin-form, or absolute-form to a proxy
     host: str  # the Host header: the URL's host (and port, unless the scheme's default)
 
@@ -293,7 +293,7 @@ class Final(Exception):
         self.report = report
 
 
-Connections = dict[_Place, http.client.HTTPConnection]
+Connections = dict[_ConnectionKey, http.client.HTTPConnection]
 
 
 class ProgressReport:
@@ -636,8 +636,8 @@ class RangeWorker:
         response.close()  # the whole body was read: the connection serves the next GET
         if response.will_close:
             connection.close()
-            for place in [p for p, c in run.connections.items() if c is connection]:
-                del run.connections[place]
+            for key in [p for p, c in run.connections.items() if c is connection]:
+                del run.connections[key]
 
     def _request(
         self, run: JobRun, wanted: int
@@ -654,33 +654,33 @@ class RangeWorker:
             "If-Match": job.etag,
             "User-Agent": USER_AGENT,
         }
-        if self._proxy is not None and way.place[0] == "http":
+        if self._proxy is not None and way.connection_key[0] == "http":
             headers |= self._proxy.headers()  # to the proxy itself, which takes the GET
-        place = way.place
-        connection, sock, response = self._exchange(place, run, way.target, headers)
+        key = way.connection_key
+        connection, sock, response = self._exchange(key, run, way.target, headers)
         if response.status == 407 and self._proxy is not None:
             connection.close()
-            connections.pop(place, None)
+            connections.pop(key, None)
             raise Final({"kind": "connect", "message": _proxy_refusal(self._proxy, 407)})
         if response.status in (200, 206):
             length = response.getheader("Content-Length")
             if length is None or int(length) != wanted:
                 connection.close()
-                connections.pop(place, None)
+                connections.pop(key, None)
                 raise Transient(
                     {"kind": "broken", "message": f"S3 answered {length} bytes; expected {wanted}"}
                 )
             return connection, sock, response
         code = _error_code(response)
         connection.close()
-        connections.pop(place, None)
+        connections.pop(key, None)
         report = {"kind": "answer", "status": response.status, "code": code}
         if is_transient_answer(response.status, code):
             raise Transient(report)
         raise Final(report)
 
     def _exchange(
-        self, place: _Place, run: JobRun, target: str, headers: dict[str, str]
+        self, key: _ConnectionKey, run: JobRun, target: str, headers: dict[str, str]
     ) -> tuple[http.client.HTTPConnection, socket.socket, http.client.HTTPResponse]:
         """Send the request and read the answer's head; a kept connection gets one redo.
 
@@ -688,11 +688,11 @@ class RangeWorker:
         failure that says how long it waited, counted against the first-byte deadline.
         """
         job, connections = run.job, run.connections
-        reused = place in connections
+        reused = key in connections
         while True:
-            connection = connections.get(place)
+            connection = connections.get(key)
             if connection is None or connection.sock is None:
-                connection = self._connect(place, job, connections)
+                connection = self._connect(key, job, connections)
             # Taken now: http.client lets go of a connection the server will close.
             sock = connection.sock
             assert sock is not None
@@ -704,27 +704,27 @@ class RangeWorker:
                 return connection, sock, connection.getresponse()
             except TimeoutError:
                 connection.close()
-                connections.pop(place, None)
+                connections.pop(key, None)
                 silence = {"kind": "silent", "message": "no answer", "waited": waiting}
                 raise Transient(silence) from None
             except _BROKEN_OFF as exc:
                 connection.close()
-                connections.pop(place, None)
+                connections.pop(key, None)
                 if not reused:
                     failure = {"kind": "connect", "message": f"{type(exc).__name__}: {exc}"}
                     raise Transient(failure) from None
                 reused = False  # the server closed a kept connection while it sat idle
 
     def _connect(
-        self, place: _Place, job: GetJob, connections: Connections
+        self, key: _ConnectionKey, job: GetJob, connections: Connections
     ) -> http.client.HTTPConnection:
-        """A new connection for ``place``, kept in ``connections``; Transient or Final if none.
+        """A new connection for ``key``, kept in ``connections``; Transient or Final if none.
 
         A certificate that fails the check, or a proxy that refuses the tunnel for
         good (credentials, its rules), is final; anything else is worth a retry.
         """
         try:
-            connection = self._open(place, job)
+            connection = self._open(key, job)
         except ssl.SSLCertVerificationError as exc:
             raise Final({"kind": "connect", "message": f"{type(exc).__name__}: {exc}"}) from None
         except _BROKEN_OFF as exc:
@@ -734,22 +734,22 @@ class RangeWorker:
                 raise Transient(failure) from None
             assert self._proxy is not None
             status = int(refused.group(1))
-            failure["message"] = _proxy_refusal(self._proxy, status, place)
+            failure["message"] = _proxy_refusal(self._proxy, status, key)
             if status in _TUNNEL_TRANSIENT:
                 raise Transient(failure) from None
             raise Final(failure) from None
         assert connection.sock is not None
         connection.sock.settimeout(job.read_timeout)
-        connections[place] = connection
+        connections[key] = connection
         return connection
 
-    def _open(self, place: _Place, job: GetJob) -> http.client.HTTPConnection:
-        """Connect for ``place``: through the proxy, to the job's address, or to the URL's host.
+    def _open(self, key: _ConnectionKey, job: GetJob) -> http.client.HTTPConnection:
+        """Connect for ``key``: through the proxy, to the job's address, or to the URL's host.
 
         Whichever way, TLS is with the URL's host: its name is the server name
         sent and the one the certificate must carry.
         """
-        scheme, host, port, address = place
+        scheme, host, port, address = key
         timeout, proxy = job.connect_timeout, self._proxy
         connection: http.client.HTTPConnection
         if proxy is not None and scheme == "https":
@@ -849,9 +849,9 @@ def _read_body(
     return got
 
 
-def _proxy_refusal(proxy: Proxy, status: int, place: _Place | None = None) -> str:
+def _proxy_refusal(proxy: Proxy, status: int, key: _ConnectionKey | None = None) -> str:
     """What a proxy's refusal (its HTTP status) means, for the daemon's message."""
-    asked = f"a tunnel to {_bracketed(place[1])}:{place[2]}" if place else "a GET"
+    asked = f"a tunnel to {_bracketed(key[1])}:{key[2]}" if key else "a GET"
     why = f"the proxy {proxy.where} refused {asked} with HTTP {status}"
     if status == 407:
         if proxy.authorization:

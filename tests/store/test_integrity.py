@@ -18,7 +18,7 @@ from agent.check.hashes import (
     ALGORITHM,
     ChunkDigests,
     ChunkHasher,
-    FileProblem,
+    FileProblemReport,
     check_object_checksum,
     chunk_count,
     combine,
@@ -241,7 +241,7 @@ def test_missing_file_is_reported(model_dir: tuple[Path, list[tuple[str, int, st
     root, expected = model_dir
     (root / "sub/b.safetensors").unlink()
     assert verify_files(root, expected, CHUNK) == [
-        FileProblem("sub/b.safetensors", "missing", "the file is gone.")
+        FileProblemReport("sub/b.safetensors", "missing", "the file is gone.")
     ]
 
 
@@ -278,7 +278,7 @@ def test_truncated_file_is_reported_as_a_size_problem(
     path = root / "sub/b.safetensors"
     os.truncate(path, 10)
     [problem] = verify_files(root, expected, CHUNK)
-    assert problem == FileProblem(
+    assert problem == FileProblemReport(
         "sub/b.safetensors", "size", f"the file has 10 bytes, not {expected[1][1]}."
     )
 
@@ -312,8 +312,8 @@ def test_every_problem_is_reported_not_just_the_first(
 
 
 def test_problem_becomes_an_integrity_error_naming_file_and_check() -> None:
-    """A FileProblem becomes an IntegrityError carrying its path and check."""
-    error = FileProblem("a.safetensors", "hash", "it changed.").to_error()
+    """A FileProblemReport becomes an IntegrityError carrying its path and check."""
+    error = FileProblemReport("a.safetensors", "hash", "it changed.").to_error()
     assert isinstance(error, IntegrityError)
     assert (error.path, error.check, str(error)) == (
         "a.safetensors",

@@ -19,7 +19,7 @@ import pytest
 from agent_helpers import AgentFactory
 
 from agent.client import Client
-from agent.compile.engine_world import interpreter_of, probe_interpreter
+from agent.compile.engine_runtime import interpreter_of, probe_interpreter
 from agent.testing import SampleModel
 
 # The engine stand-in: says where its cache is, writes one artifact, and says it is ready.

@@ -24,7 +24,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["engine_world_fields", "interpreter_of", "probe_interpreter"]
+__all__ = ["engine_runtime_fields", "interpreter_of", "probe_interpreter"]
 
 PROBE_TIMEOUT_SECONDS = 30.0
 _SHEBANG_BYTES = 1024
@@ -156,7 +156,7 @@ def _gpu(env: Mapping[str, str]) -> tuple[str, str]:
     return (name.strip(), arch.strip()) if comma else ("", "")
 
 
-def engine_world_fields(
+def engine_runtime_fields(
     engine: str, versions: Mapping[str, str], env: Mapping[str, str]
 ) -> dict[str, str]:
     """Key parts (as ``--compile-key`` text) from a probe's ``versions`` and the node's GPU."""

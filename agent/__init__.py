@@ -7,6 +7,7 @@ must not drag in the daemon's dependencies.
 from agent._exceptions import (
     AccessDenied,
     AgentUnavailable,
+    Cancelled,
     Conflict,
     IntegrityError,
     InvalidRequest,
@@ -22,6 +23,7 @@ from agent._version import __version__
 __all__ = [
     "AccessDenied",
     "AgentUnavailable",
+    "Cancelled",
     "Conflict",
     "IntegrityError",
     "InvalidRequest",

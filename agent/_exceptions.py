@@ -16,6 +16,7 @@ the same class on either side of the socket::
      ├── SourceChanged             object changed during a pull   ABORTED
      ├── SourceUnavailable         S3 unreachable or failing      UNAVAILABLE
      ├── IntegrityError            a file failed a check          DATA_LOSS
+     ├── Cancelled                 a pull stopped by CancelPull   CANCELLED
      └── AgentUnavailable          (client side) no agent on the socket
 
 Any other ``PrewarmError`` is INTERNAL.
@@ -38,6 +39,7 @@ __all__ = [
     "MESSAGE_LIMIT",
     "AccessDenied",
     "AgentUnavailable",
+    "Cancelled",
     "Conflict",
     "IntegrityError",
     "InvalidRequest",
@@ -155,6 +157,13 @@ class IntegrityError(PrewarmError):
         self.check = check
 
 
+class Cancelled(PrewarmError):
+    """The work was stopped on purpose before it finished: a pull cancelled with CancelPull
+    (``prewarm cancel``). Asking again starts it again, resuming from what it had written."""
+
+    status = "CANCELLED"
+
+
 class AgentUnavailable(PrewarmError):
     """The client could not reach a prewarm agent on its socket."""
 
@@ -171,6 +180,7 @@ _BRANCHES: tuple[type[PrewarmError], ...] = (
     SourceChanged,
     SourceUnavailable,
     IntegrityError,
+    Cancelled,
 )
 
 

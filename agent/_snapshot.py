@@ -16,11 +16,24 @@ __all__ = [
     "Snapshot",
     "SourceObject",
     "check_globs",
+    "key_prefix",
     "select_objects",
     "snapshot_key",
 ]
 
 KEY_LENGTH = 32  # hex digits of sha256: 128 bits, plenty for one node's cache
+# The fewest digits a key prefix may have: fewer would name other snapshots by accident.
+MIN_KEY_PREFIX = 8
+_HEX = frozenset("0123456789abcdef")
+
+
+def key_prefix(ref: str) -> str | None:
+    """``ref`` in lower case if it is a snapshot key or a prefix of one (8 to KEY_LENGTH hex
+    digits), else None."""
+    key = ref.lower()
+    if MIN_KEY_PREFIX <= len(key) <= KEY_LENGTH and set(key) <= _HEX:
+        return key
+    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,6 +51,7 @@ from ._models import (
     LeaseGrant,
     ModelHandle,
     ModelInfo,
+    PullCancellation,
     TierName,
     Verification,
 )
@@ -162,6 +163,12 @@ class Client(_BaseClient, contextlib.AbstractContextManager["Client"]):
         read now, in the calling thread): the agent checks that they may list and
         read the snapshot, hit or miss, and pulls a miss with them. A
         requester-scoped socket refuses requests without them.
+
+        ``waiter_token`` (e.g. ``secrets.token_hex(16)``) names this call's wait
+        on a pull: ``cancel_pull(uri, only_if_unwatched=True, waiter_token=...)``
+        after giving up on it stops the pull unless another call waits on it. A
+        pull stopped by ``cancel_pull`` fails this call with ``Cancelled``.
+        ``handle.joined`` is True when this call joined a pull already running.
         """
         request = messages.ensure_request(uri, options)
         reader = messages.EnsureReader(uri, options.get("progress"))
@@ -248,6 +255,36 @@ class Client(_BaseClient, contextlib.AbstractContextManager["Client"]):
         with self._errors():
             answer = self._stub.EvictModel(request, timeout=self._timeout)
         return messages.evict_result_from_proto(answer)
+
+    def cancel_pull(
+        self,
+        ref: str,
+        *,
+        only_if_unwatched: bool = False,
+        waiter_token: str = "",
+        as_requester: bool = False,
+    ) -> list[PullCancellation]:
+        """Stop the pulls ``ref`` names: every pull of a URI, or one by key (8+ hex digits).
+
+        Every call waiting on a stopped pull fails with ``Cancelled``; the bytes
+        it had written stay in the agent's staging (``kept_bytes``), and the next
+        ``ensure`` of the snapshot resumes from them. ``only_if_unwatched=True``
+        leaves a pull running while any other call waits on it (``other_waiters``),
+        this process's own ``ensure`` aside when it passed the same
+        ``waiter_token``: how a client that gives up stops the pull only if nobody
+        else wants it. A tenant's socket stops only pulls it may start and that no
+        other socket waits on; ``as_requester`` as for ``ensure``. No pull of
+        ``ref`` in progress is ``NotFound``; one publishing already is ``Conflict``.
+        """
+        request = messages.cancel_request(
+            ref,
+            only_if_unwatched=only_if_unwatched,
+            waiter_token=waiter_token,
+            as_requester=as_requester,
+        )
+        with self._errors():
+            answer = self._stub.CancelPull(request, timeout=self._timeout)
+        return messages.cancellations_from_proto(answer)
 
     def pin(self, ref: str, pinned: bool = True) -> ModelInfo:
         """Pin a snapshot (``pinned=False``: unpin it); pressure never evicts a pinned one."""
@@ -451,6 +488,12 @@ class AsyncClient(_BaseClient, contextlib.AbstractAsyncContextManager["AsyncClie
         read now, in the calling thread): the agent checks that they may list and
         read the snapshot, hit or miss, and pulls a miss with them. A
         requester-scoped socket refuses requests without them.
+
+        ``waiter_token`` (e.g. ``secrets.token_hex(16)``) names this call's wait
+        on a pull: ``cancel_pull(uri, only_if_unwatched=True, waiter_token=...)``
+        after giving up on it stops the pull unless another call waits on it. A
+        pull stopped by ``cancel_pull`` fails this call with ``Cancelled``.
+        ``handle.joined`` is True when this call joined a pull already running.
         """
         request = messages.ensure_request(uri, options)
         reader = messages.EnsureReader(uri, options.get("progress"))
@@ -538,6 +581,36 @@ class AsyncClient(_BaseClient, contextlib.AbstractAsyncContextManager["AsyncClie
         with self._errors():
             answer = await self._stub().EvictModel(request, timeout=self._timeout)
         return messages.evict_result_from_proto(answer)
+
+    async def cancel_pull(
+        self,
+        ref: str,
+        *,
+        only_if_unwatched: bool = False,
+        waiter_token: str = "",
+        as_requester: bool = False,
+    ) -> list[PullCancellation]:
+        """Stop the pulls ``ref`` names: every pull of a URI, or one by key (8+ hex digits).
+
+        Every call waiting on a stopped pull fails with ``Cancelled``; the bytes
+        it had written stay in the agent's staging (``kept_bytes``), and the next
+        ``ensure`` of the snapshot resumes from them. ``only_if_unwatched=True``
+        leaves a pull running while any other call waits on it (``other_waiters``),
+        this process's own ``ensure`` aside when it passed the same
+        ``waiter_token``: how a client that gives up stops the pull only if nobody
+        else wants it. A tenant's socket stops only pulls it may start and that no
+        other socket waits on; ``as_requester`` as for ``ensure``. No pull of
+        ``ref`` in progress is ``NotFound``; one publishing already is ``Conflict``.
+        """
+        request = messages.cancel_request(
+            ref,
+            only_if_unwatched=only_if_unwatched,
+            waiter_token=waiter_token,
+            as_requester=as_requester,
+        )
+        with self._errors():
+            answer = await self._stub().CancelPull(request, timeout=self._timeout)
+        return messages.cancellations_from_proto(answer)
 
     async def pin(self, ref: str, pinned: bool = True) -> ModelInfo:
         """Pin a snapshot (``pinned=False``: unpin it); pressure never evicts a pinned one."""

@@ -23,6 +23,7 @@ import grpc
 from agent._exceptions import (
     AccessDenied,
     AgentUnavailable,
+    Cancelled,
     Conflict,
     IntegrityError,
     InvalidRequest,
@@ -38,6 +39,7 @@ from agent._exceptions import (
 __all__ = [
     "AccessDenied",
     "AgentUnavailable",
+    "Cancelled",
     "Conflict",
     "IntegrityError",
     "InvalidRequest",
@@ -68,6 +70,10 @@ class SafetensorsError(IntegrityError):
 _TRANSPORT_FAILURE = re.compile(
     r"^(failed to connect to all addresses|Stream removed|Socket closed|Broken pipe"
     r"|GOAWAY received|Connection reset by peer)"
+)
+# What grpc itself says when a call is cancelled, here or by a server going away.
+_GRPC_CANCEL_DETAILS = frozenset(
+    {"", "Cancelled", "CANCELLED", "Locally cancelled by application!"}
 )
 _START_HINT = "start it (systemctl start prewarmd) or pass --socket / PREWARM_SOCKET_PATH"
 
@@ -104,6 +110,13 @@ def translate_rpc_error(exc: grpc.RpcError, socket_path: Path) -> PrewarmError:
         if _TRANSPORT_FAILURE.match(details) or not socket_path.exists():
             return agent_unavailable(socket_path, details)
         return SourceUnavailable(details or "The agent reports that S3 is unavailable.")
+    if code == grpc.StatusCode.CANCELLED and details in _GRPC_CANCEL_DETAILS:
+        # grpc's own words: the call ended, not a pull (the agent says which pull it stopped).
+        said = details or "no detail"
+        return Cancelled(
+            f"The call to the prewarm agent on {socket_path} was cancelled ({said}) before it "
+            "was answered: this process cancelled it, or the agent is shutting down. Retry."
+        )
     message = details or f"The prewarm agent answered {code.name} without a message."
     error_type = error_type_for_status(code.name)
     if error_type is not PrewarmError:

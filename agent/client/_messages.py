@@ -57,6 +57,7 @@ from ._models import (
     ModelInfo,
     PhaseTimings,
     Progress,
+    PullCancellation,
     PullStatus,
     TierName,
     TierStatus,
@@ -69,6 +70,8 @@ __all__ = [
     "EnsureReader",
     "LockReader",
     "StreamReader",
+    "cancel_request",
+    "cancellations_from_proto",
     "compile_cache_from_proto",
     "compile_cache_request",
     "compile_caches_from_proto",
@@ -182,7 +185,21 @@ def ensure_request(uri: str, options: EnsureOptions) -> pb.EnsureModelRequest:
         pull_options=pull_options_to_proto(pull),
         cached_only=options.get("cached_only", False),
         requester_credentials=requester_credentials() if options.get("as_requester") else None,
+        waiter_token=_waiter_token(options.get("waiter_token", "")),
     )
+
+
+# The longest waiter token the agent takes (agent.edge.request_limits).
+_WAITER_TOKEN_LIMIT = 64
+
+
+def _waiter_token(token: str) -> str:
+    if len(token) > _WAITER_TOKEN_LIMIT or not token.isascii() or not token.isprintable():
+        raise InvalidRequest(
+            f"waiter_token must be at most {_WAITER_TOKEN_LIMIT} printable ASCII characters; "
+            "use secrets.token_hex(16)."
+        )
+    return token
 
 
 def leased_options(options: LeasedOptions) -> EnsureOptions:
@@ -257,6 +274,18 @@ def get_request(ref: str) -> pb.GetModelRequest:
 def evict_request(ref: str, *, force: bool) -> pb.EvictModelRequest:
     """EvictModel's request."""
     return pb.EvictModelRequest(ref=str(ref), force=force)
+
+
+def cancel_request(
+    ref: str, *, only_if_unwatched: bool, waiter_token: str, as_requester: bool
+) -> pb.CancelPullRequest:
+    """CancelPull's request (the pod's own credentials read now when ``as_requester``)."""
+    return pb.CancelPullRequest(
+        ref=str(ref),
+        only_if_unwatched=only_if_unwatched,
+        waiter_token=_waiter_token(waiter_token),
+        requester_credentials=requester_credentials() if as_requester else None,
+    )
 
 
 def renew_request(lease_id: str, ttl: float | None) -> pb.RenewLeaseRequest:
@@ -370,6 +399,7 @@ def _handle_from_proto(msg: pb.ModelHandle) -> ModelHandle:
         lease=lease_from_proto(msg.lease) if msg.HasField("lease") else None,
         resumed_bytes=msg.resumed_bytes,
         verified_by=msg.verified_by,
+        joined=msg.joined,
     )
 
 
@@ -438,7 +468,25 @@ def _tier_status_from_proto(t: pb.TierStatus) -> TierStatus:
         staging_bytes=t.staging_bytes,
         leased_count=t.leased_count,
         pinned_count=t.pinned_count,
+        resumable_count=t.resumable_count,
+        resumable_bytes=t.resumable_bytes,
     )
+
+
+def cancellations_from_proto(msg: pb.CancelPullResponse) -> list[PullCancellation]:
+    """What CancelPull did to each pull it named."""
+    return [
+        PullCancellation(
+            uri=p.uri,
+            key=p.key,
+            tier=_tier_from_proto(p.tier, f"the pull of {p.uri}"),
+            cancelled=p.cancelled,
+            other_waiters=p.other_waiters,
+            kept_bytes=p.kept_bytes,
+            total_bytes=p.total_bytes,
+        )
+        for p in msg.pulls
+    ]
 
 
 def _pull_status_from_proto(p: pb.PullStatus) -> PullStatus:

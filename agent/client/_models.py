@@ -26,6 +26,8 @@ client (here)               daemon                              why they differ
 ``AgentStatus``,            ``service.results.AgentStatus``,    the daemon's holds live objects
 ``TierStatus``,             ``store.TierUsage``, ``Flight``     (flights, usage); the client a
 ``PullStatus``                                                  snapshot of their numbers
+``PullCancellation``        ``service.results.                  the daemon's holds the live
+                            PullCancellationReport``            ``Flight`` it stopped
 ``CompileNearest``,         ``compile.why.Nearest``,            the daemon formats the
 ``CompileKeyChange``        ``compile.why.PartChange``          summary (one wording for logs,
                                                                 CLI and pods); a pod reads it
@@ -80,6 +82,7 @@ __all__ = [
     "PhaseName",
     "PhaseTimings",
     "Progress",
+    "PullCancellation",
     "PullStatus",
     "TierName",
     "TierStatus",
@@ -102,7 +105,7 @@ class PhaseTimings:
     """Where the time of one EnsureModel call went, in seconds."""
 
     resolve: float
-    # Time spent waiting for a pull that another request had started.
+    # This call's own wait on a pull another request had started (``ModelHandle.joined``).
     wait: float
     download: float
     verify: float
@@ -166,6 +169,9 @@ class ModelHandle:
     resumed_bytes: int = 0
     # What verified the model's signature before it was published ("": none was asked for).
     verified_by: str = ""
+    # True when this call joined a pull another request had started: ``timings.wait`` is
+    # this call's own wait; download, verify and publish are that pull's, begun before it.
+    joined: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +239,11 @@ class TierStatus:
     staging_bytes: int = 0
     leased_count: int = 0
     pinned_count: int = 0
+    # Stopped pulls (cancelled, S3 failing, agent stopped) whose staging a later pull of the
+    # same snapshot resumes, and the bytes complete there (counted in staging_bytes at their
+    # pulls' full size: that room stays reserved).
+    resumable_count: int = 0
+    resumable_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +257,22 @@ class PullStatus:
     # Requests currently attached to this pull.
     waiters: int
     started: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class PullCancellation:
+    """One pull ``cancel_pull`` named, and what became of it."""
+
+    uri: str
+    key: str
+    tier: TierName
+    # False when only_if_unwatched left it running: other requests wait on it.
+    cancelled: bool
+    # Requests still waiting on it, the caller's own not counted (0 once cancelled).
+    other_waiters: int
+    # Bytes complete in its staging directory: a later pull of the snapshot resumes from them.
+    kept_bytes: int
+    total_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -478,6 +505,9 @@ class LeasedOptions(TypedDict, total=False):
     chunk_size: int | None
     cached_only: bool
     as_requester: bool
+    # Names this call's wait on a pull (up to 64 characters, e.g. secrets.token_hex(16)), so
+    # that cancel_pull(..., only_if_unwatched=True, waiter_token=...) does not count it.
+    waiter_token: str
 
 
 class EnsureOptions(LeasedOptions, total=False):

@@ -35,6 +35,7 @@ _FIELD_BYTES = {
     "include": 1024,
     "exclude": 1024,
     "data_plane": 64,
+    "waiter_token": 64,  # compared, never stored: 32 random hex digits is plenty
 }
 # Limits for every string field of a message (compile key parts and their extras).
 _MESSAGE_BYTES = {

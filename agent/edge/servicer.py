@@ -29,7 +29,7 @@ from agent.pull.flight import Flight, PullProgress
 from agent.service.access import Requester, Tenant
 from agent.service.operations import AgentService
 from agent.service.request import EnsureRequest, LeaseAsk
-from agent.service.results import EnsureResult, EvictReport
+from agent.service.results import EnsureResult, EvictReport, PullCancellationReport
 from agent.store.records import CachedModel, TierUsage
 
 __all__ = ["PrewarmServicer"]
@@ -92,6 +92,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
             cached_only=request.cached_only,
             requester=self._requester(request),
             client_name=request.client_name,
+            waiter_token=request.waiter_token,
         )
 
     def _requester(self, request: Message) -> Requester | None:
@@ -139,6 +140,20 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
             result.bytes_freed,
         )
         return self._evict_response(result, self._requester(request))
+
+    async def CancelPull(
+        self,
+        request: pb.CancelPullRequest,
+        context: grpc.aio.ServicerContext[pb.CancelPullRequest, pb.CancelPullResponse],
+    ) -> pb.CancelPullResponse:
+        """Stop the pulls a ref names, as far as this socket's tenant may."""
+        reports = await self._service.cancel_pull(
+            request.ref,
+            self._requester(request),
+            only_if_unwatched=request.only_if_unwatched,
+            waiter_token=request.waiter_token,
+        )
+        return pb.CancelPullResponse(pulls=[_pull_cancellation(r) for r in reports])
 
     async def RenewLease(
         self,
@@ -295,6 +310,7 @@ class PrewarmServicer(CompileCacheApi, pb_grpc.PrewarmServicer):
             resumed_bytes=result.resumed_bytes,
             owner_uid=os.geteuid(),
             verified_by=model.verified_by,
+            joined=result.joined,
         )
         if result.lease is not None:
             handle.lease.CopyFrom(self._lease(result.lease))
@@ -343,6 +359,8 @@ def _tier_status(usage: TierUsage, leased: int) -> pb.TierStatus:
         staging_bytes=usage.staging_bytes,
         leased_count=leased,
         pinned_count=usage.pinned_count,
+        resumable_count=usage.resumable_count,
+        resumable_bytes=usage.resumable_bytes,
     )
 
 
@@ -358,6 +376,19 @@ def _lease_info(lease: LeaseRecord) -> pb.LeaseInfo:
     if lease.expires is not None:
         info.expires.CopyFrom(timestamp_to_proto(lease.expires))
     return info
+
+
+def _pull_cancellation(report: PullCancellationReport) -> pb.PullCancellation:
+    flight = report.flight
+    return pb.PullCancellation(
+        uri=str(flight.snapshot.uri),
+        key=flight.key,
+        tier=tier_to_proto(flight.tier),
+        cancelled=report.cancelled,
+        other_waiters=report.other_waiters,
+        kept_bytes=report.kept_bytes,
+        total_bytes=flight.snapshot.total_bytes,
+    )
 
 
 def _pull_status(flight: Flight) -> pb.PullStatus:

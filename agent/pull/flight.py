@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -14,7 +14,7 @@ from agent._vocabulary import PhaseName, TierName
 from agent.obs.metrics import BYTES_PULLED
 from agent.store.records import CachedModel
 
-__all__ = ["Flight", "PullProgress", "PullTimings"]
+__all__ = ["Flight", "PullProgress", "PullTimings", "Waiter"]
 
 # Longest a watcher waits to hear of new bytes.
 NOTIFY_SECONDS = 0.05
@@ -41,17 +41,31 @@ class PullTimings:
     publish: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class Waiter:
+    """A request waiting on a flight: the socket it came in on ("" in-process) and the token
+    its client chose for it ("" for none), by which the client can later name its own wait."""
+
+    socket: str = ""
+    token: str = ""
+
+
 class Flight:
-    """One pull in progress; any number of requests may watch it."""
+    """One pull in progress; any number of requests may wait on it."""
 
     def __init__(self, snapshot: Snapshot, tier: TierName) -> None:
         self.snapshot = snapshot
         self.tier = tier
         self.started = time.time()
         self.timings = PullTimings()
-        self.waiters = 0
         # Bytes a resumed pull found complete in the staging directory.
         self.resumed_bytes = 0
+        # Bytes complete (journaled) in staging when the pull stopped; None until it
+        # stops, or when it stopped before its staging directory was open.
+        self.kept_bytes: int | None = None
+        self._waiting: list[Waiter] = []
+        # Why the pull was stopped on request (cancel): what its waiters are told.
+        self._stopped_because: BaseException | None = None
         self.progress = PullProgress(
             phase="download",
             bytes_done=0,
@@ -83,14 +97,49 @@ class Flight:
         """The published model; shielded so a departing watcher never cancels the pull."""
         return await asyncio.shield(self._outcome)
 
+    @property
+    def waiters(self) -> int:
+        """Requests waiting on this pull now."""
+        return len(self._waiting)
+
+    @contextlib.contextmanager
+    def waiting(self, waiter: Waiter) -> Iterator[None]:
+        """Count ``waiter`` as waiting on this pull for the life of the block."""
+        self._waiting.append(waiter)
+        try:
+            yield
+        finally:
+            self._waiting.remove(waiter)
+
+    def waiting_besides(self, caller: Waiter) -> list[Waiter]:
+        """Who waits on this pull, ``caller``'s own request left out (once, if it waits yet).
+
+        A caller without a token names no request of its own: everyone counts.
+        """
+        others = list(self._waiting)
+        if caller.token and caller in others:
+            others.remove(caller)
+        return others
+
     def start(self, tasks: asyncio.TaskGroup, pull: Coroutine[Any, Any, None]) -> None:
         """Run ``pull`` as this flight's task in ``tasks``; ``cancel`` stops it."""
         self._task = tasks.create_task(pull, name=f"pull-{self.key}")
 
-    def cancel(self) -> None:
-        """Stop the pull's task; the pull settles the flight as it unwinds."""
+    def cancel(self, because: BaseException | None = None) -> None:
+        """Stop the pull's task; the pull settles the flight as it unwinds.
+
+        ``because``: the error its waiters get (a cancel asked for); without it
+        (shutdown) they see the flight cancelled.
+        """
+        if because is not None and self._stopped_because is None:
+            self._stopped_because = because
         if self._task is not None:
             self._task.cancel()
+
+    async def ended(self) -> None:
+        """Return once the pull's task has finished unwinding; never cancels it."""
+        if self._task is not None:
+            await asyncio.wait([self._task])
 
     def succeed(self, model: CachedModel) -> None:
         """The pull published ``model``: every watcher gets it."""
@@ -105,7 +154,11 @@ class Flight:
         self._notify()
 
     def abandon(self) -> None:
-        """The pull was cancelled (shutdown): watchers see the flight cancelled."""
+        """The pull was cancelled: watchers get the reason a cancel gave, else (shutdown) see
+        the flight cancelled."""
+        if self._stopped_because is not None:
+            self.fail(self._stopped_because)
+            return
         if not self._outcome.done():
             self._outcome.cancel()
         self._notify()
@@ -117,28 +170,24 @@ class Flight:
         progress goes out once the interval has passed, even if no further
         update comes (a pull can stall on a slow range).
         """
-        self.waiters += 1
-        try:
-            sent: PullProgress | None = None
-            last_sent = -min_interval
-            while True:
-                changed = self._changed
-                if self.done:
-                    yield self.progress
-                    return
-                wait = last_sent + min_interval - time.monotonic()
-                if self.progress != sent and wait <= 0:
-                    sent, last_sent = self.progress, time.monotonic()
-                    yield sent
-                    continue
-                if self.progress == sent:
-                    await changed.wait()
-                else:
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(wait):
-                            await changed.wait()
-        finally:
-            self.waiters -= 1
+        sent: PullProgress | None = None
+        last_sent = -min_interval
+        while True:
+            changed = self._changed
+            if self.done:
+                yield self.progress
+                return
+            wait = last_sent + min_interval - time.monotonic()
+            if self.progress != sent and wait <= 0:
+                sent, last_sent = self.progress, time.monotonic()
+                yield sent
+                continue
+            if self.progress == sent:
+                await changed.wait()
+            else:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(wait):
+                        await changed.wait()
 
     def set_phase(self, phase: PhaseName) -> None:
         """The pull moved on to ``phase``: watchers hear of it at once."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import replace
@@ -34,7 +35,7 @@ from agent.check.signatures import SignatureRule
 from agent.pull.flight import Flight
 from agent.pull.staging import StagingFiles, open_staging, verify_before_publish
 from agent.source.interface import ObjectSource
-from agent.source.plane import DataPlane, plan_ranges
+from agent.source.plane import DataPlane, plan_ranges, write_in_thread
 from agent.source.plane_registry import DataPlanes
 from agent.source.process_plane import Resolver
 from agent.source.tuning import Tuning, node_gbps, tune
@@ -117,6 +118,20 @@ class Puller:
         """The flight pulling ``key``, if one is."""
         return self._flights.get(key)
 
+    def stop(self, flight: Flight, because: PrewarmError) -> None:
+        """Cancel ``flight``'s pull on request: its waiters get ``because``, and what it
+        journaled stays in staging for a later pull to resume (``stopped`` waits for that)."""
+        flight.cancel(because)
+
+    async def stopped(self, flight: Flight) -> int:
+        """Wait until a stopped flight's pull has unwound, nothing writing to its staging any
+        more; the bytes complete there, which a later pull of the snapshot resumes from."""
+        await flight.ended()
+        if self._flights.get(flight.key) is flight:
+            self._abandon(flight)  # cancelled before its task ever ran
+        leftover = self._store.leftover(flight.key)
+        return leftover.kept_bytes if leftover is not None else 0
+
     def join(
         self,
         snapshot: Snapshot,
@@ -163,7 +178,7 @@ class Puller:
             await self._store.purge(superseded)
             model = await self._pull(flight)
         except asyncio.CancelledError:
-            self._abandon(flight)  # shutdown: the journal lets the next pull resume
+            self._abandon(flight)  # shutdown or a cancel: the journal lets the next pull resume
             raise
         except SourceUnavailable as exc:
             keep_staging = True  # S3 trouble is transient; resume once it is back
@@ -189,7 +204,8 @@ class Puller:
         self._flights.pop(flight.key, None)
         self._pulls.pop(flight.key, None)
         # Deleted in a worker thread: the loop keeps serving while a big tree goes.
-        await self._store.purge(self._store.end_staging(flight.key, keep=keep_staging))
+        ended = self._store.end_staging(flight.key, keep=keep_staging, kept_bytes=flight.kept_bytes)
+        await self._store.purge(ended)
         if model is not None:
             flight.succeed(model)
         else:
@@ -200,7 +216,7 @@ class Puller:
         """Settle a cancelled flight at once, keeping its staging directory for resume."""
         self._flights.pop(flight.key, None)
         self._pulls.pop(flight.key, None)
-        self._store.end_staging(flight.key, keep=True)
+        self._store.end_staging(flight.key, keep=True, kept_bytes=flight.kept_bytes)
         flight.abandon()
 
     async def _pull(self, flight: Flight) -> CachedModel:
@@ -218,14 +234,11 @@ class Puller:
         snapshot = flight.snapshot
         chunk = tuning.chunk_size
         root = self._store.staging_path(flight.tier, snapshot.key)
-        staging = await asyncio.to_thread(open_staging, root, snapshot, chunk, flight.tier)
+        staging = await _open_staging(root, snapshot, chunk, flight.tier)
         try:
             started = time.monotonic()
             for obj in snapshot.objects:
-                done = sum(
-                    min(chunk, obj.size - index * chunk)
-                    for index in staging.digests.get(obj.relative_path, {})
-                )
+                done = staging.done_bytes(obj)
                 if done or obj.size == 0:
                     flight.add_resumed(obj, done)
             if flight.resumed_bytes:
@@ -251,16 +264,21 @@ class Puller:
             log.info("published %s as %s", snapshot.uri, snapshot.key)
             return model
         finally:
+            # What a later pull resumes from, if this one stopped short.
+            flight.kept_bytes = staging.journaled_bytes()
             staging.close()
 
     async def _verify(
         self, flight: Flight, staging: StagingFiles, source: ObjectSource
     ) -> dict[str, str]:
-        await asyncio.to_thread(
-            verify_before_publish,
-            staging,
-            safetensors_headers=self._integrity.safetensors_headers,
-            durable=flight.tier == "disk",
+        # Let it finish if the pull is cancelled meanwhile: it reads the staging descriptors.
+        await write_in_thread(
+            functools.partial(
+                verify_before_publish,
+                staging,
+                safetensors_headers=self._integrity.safetensors_headers,
+                durable=flight.tier == "disk",
+            )
         )
         if self._integrity.s3_checksums:
             await self._check_s3_checksums(flight, staging, source)
@@ -295,6 +313,23 @@ class Puller:
     def check(self, options: PullOptions) -> None:
         """InvalidRequest if a pull with these options could not start."""
         self._planes.choose(options.data_plane)
+
+
+async def _open_staging(
+    root: Path, snapshot: Snapshot, chunk_size: int, tier: TierName
+) -> StagingFiles:
+    """``open_staging`` in a worker thread; if the pull is cancelled meanwhile, the files it
+    opened are closed once it returns, so a cancel never leaves a descriptor behind."""
+    opening = asyncio.ensure_future(
+        asyncio.to_thread(open_staging, root, snapshot, chunk_size, tier)
+    )
+    try:
+        return await asyncio.shield(opening)
+    except asyncio.CancelledError:
+        await asyncio.wait([opening])
+        if not opening.cancelled() and opening.exception() is None:
+            opening.result().close()
+        raise
 
 
 def _model_for(

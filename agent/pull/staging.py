@@ -87,6 +87,16 @@ class StagingFiles:
         except OSError as exc:
             raise _no_space_or(exc, self.snapshot, self.root) from exc
 
+    def done_bytes(self, obj: SourceObject) -> int:
+        """Bytes of ``obj`` complete here: its journaled chunks (re-hashed on resume)."""
+        chunk = self.chunk_size
+        done = self.digests.get(obj.relative_path, {})
+        return sum(min(chunk, obj.size - index * chunk) for index in done)
+
+    def journaled_bytes(self) -> int:
+        """Bytes of the snapshot complete here: what a later pull would not fetch again."""
+        return sum(self.done_bytes(obj) for obj in self.snapshot.objects)
+
     def file_digests(self) -> dict[str, str]:
         """Each file's digest, made from its ranges' digests in order."""
         digests: dict[str, str] = {}

@@ -38,6 +38,7 @@ __all__ = [
     "check_snapshot",
     "check_source",
     "check_unchecked",
+    "may_pull",
     "snapshot_limits",
     "start_pull",
     "tenants_from_settings",
@@ -212,6 +213,11 @@ def check_source(uri: ModelUri | str, requester: Requester | None) -> None:
             f"{_echo(parsed)} is not among the sources socket {tenant.name!r} may cache "
             f"({', '.join(allowed)}). Ask the node's admin to allow it in [access] sources."
         )
+
+
+def may_pull(uri: ModelUri, requester: Requester | None) -> bool:
+    """Whether ``check_source`` lets ``requester`` cache ``uri`` (no error, no S3 call)."""
+    return requester is None or requester.tenant.allows(uri)
 
 
 def snapshot_limits(requester: Requester | None) -> tuple[SnapshotLimit, ...]:

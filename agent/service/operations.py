@@ -7,11 +7,12 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from agent._config import Settings
-from agent._exceptions import Conflict, NoSpace, NotFound
-from agent._snapshot import Snapshot
+from agent._exceptions import Cancelled, Conflict, InvalidRequest, NoSpace, NotFound, quoted
+from agent._snapshot import Snapshot, key_prefix
 from agent._uri import parse_uri, refuse_whole_bucket
 from agent._version import __version__
 from agent._vocabulary import TierName
@@ -19,7 +20,7 @@ from agent.check.hashes import verify_files
 from agent.leases.table import LeaseRecord, LeaseTable
 from agent.obs.logs import bind_request
 from agent.obs.metrics import EVICTIONS
-from agent.pull.flight import Flight, PullProgress, PullTimings
+from agent.pull.flight import Flight, PullProgress, PullTimings, Waiter
 from agent.pull.puller import Puller, ScopedSource
 from agent.pull.resolver import HitWithoutS3Check, Resolver
 from agent.service import access
@@ -28,11 +29,11 @@ from agent.service.request import EnsureRequest
 from agent.service.results import (
     EnsureResult,
     EvictReport,
+    PullCancellationReport,
     RequestTimings,
     StatusReport,
     VerifyReport,
     observe_lookup,
-    pull_seconds,
 )
 from agent.source.interface import ObjectSource
 from agent.store.catalog import Store
@@ -170,39 +171,46 @@ class AgentService:
         self, request: EnsureRequest, snapshot: Snapshot, clock: _Clock, *, scoped: bool
     ) -> AsyncIterator[PullProgress | EnsureResult]:
         """Start or join the snapshot's pull, relay its progress, answer with its model."""
-        flight, started_it = await self._join(request, snapshot, scoped=scoped)
-        self._note_pull_asked(snapshot.key, request.grantee)
-        log.info(
-            "%s pull of %s (%s) on %s for %s",
-            "starting" if started_it else "joining",
-            request.uri,
-            snapshot.key,
-            flight.tier,
-            request.client_name or "anonymous",
-            extra={"uri": str(request.uri), "key": snapshot.key, "client": request.client_name},
-        )
-        joined = time.monotonic()
-        async for progress in flight.watch():
-            yield progress
-        model = await flight.result()
+        flight, started_it, stale = await self._join(request, snapshot, scoped=scoped)
+        # Counted as waiting from here, before any await, so that a cancel asked for
+        # only if nobody waits never stops a pull this request has just started or joined.
+        with flight.waiting(Waiter(request.grantee, request.waiter_token)):
+            await self._store.purge(stale)  # outside the lock: deleting can take a while
+            self._note_pull_asked(snapshot.key, request.grantee)
+            log.info(
+                "%s pull of %s (%s) on %s for %s",
+                "starting" if started_it else "joining",
+                request.uri,
+                snapshot.key,
+                flight.tier,
+                request.client_name or "anonymous",
+                extra={"uri": str(request.uri), "key": snapshot.key, "client": request.client_name},
+            )
+            joined = time.monotonic()
+            async for progress in flight.watch():
+                yield progress
+            model = await flight.result()
         if started_it:
             async with self._evictor.lock:
                 await self._evictor.enforce_watermarks([model.tier])
-        waited = 0.0 if started_it else max(0.0, (time.monotonic() - joined) - pull_seconds(flight))
+        # A joiner's wait is its own; the pull's phases, which began before it, are the pull's.
+        waited = 0.0 if started_it else time.monotonic() - joined
         timings = clock.miss_timings(flight.timings, waited)
-        yield await self._answer(request, model, _Answered("miss", timings, flight.resumed_bytes))
+        answered = _Answered("miss", timings, flight.resumed_bytes, joined=not started_it)
+        yield await self._answer(request, model, answered)
 
     async def _join(
         self, request: EnsureRequest, snapshot: Snapshot, *, scoped: bool
-    ) -> tuple[Flight, bool]:
-        """The snapshot's flight, started here (room made, leftovers dropped) if none runs.
+    ) -> tuple[Flight, bool, list[Path]]:
+        """The snapshot's flight, started here (room made) if none runs.
 
-        True when this request started it.
+        True when this request started it; then the leftovers of the URI's other
+        snapshots, which can never resume now, to purge.
         """
         async with self._evictor.lock:
             flight = self._puller.flight_for(snapshot.key)
             if flight is not None:
-                return flight, False
+                return flight, False, []
             in_flight = [f.key for f in self._puller.flights()]
             access.start_pull(snapshot.key, in_flight, request.requester)
             placed = await self._evictor.make_room(
@@ -213,8 +221,7 @@ class AgentService:
             # pull in progress has passed its own check (list + HEAD) above.
             source = _scoped_source(self._source, request.requester) if scoped else None
             flight, _ = self._puller.join(snapshot, placed, request.options, source=source)
-        await self._store.purge(stale)  # outside the lock: deleting can take a while
-        return flight, True
+        return flight, True, stale
 
     async def _answer(
         self, request: EnsureRequest, model: CachedModel, lookup: _Answered
@@ -238,7 +245,13 @@ class AgentService:
             await self._store.record_use(model.key, hit=True)
         observe_lookup(lookup.timings, lookup.kind)
         return EnsureResult(
-            model, hit, lookup.kind == "offline", lookup.timings, granted, lookup.resumed_bytes
+            model,
+            hit,
+            lookup.kind == "offline",
+            lookup.timings,
+            granted,
+            lookup.resumed_bytes,
+            joined=lookup.joined,
         )
 
     # -- inspection -----------------------------------------------------------------------
@@ -303,13 +316,98 @@ class AgentService:
 
     # -- management -----------------------------------------------------------------------
 
+    async def cancel_pull(
+        self,
+        ref: str,
+        requester: Requester | None = None,
+        *,
+        only_if_unwatched: bool = False,
+        waiter_token: str = "",
+    ) -> list[PullCancellationReport]:
+        """Stop the pulls ``ref`` names: every pull of a URI, or the one of a key (prefix).
+
+        The requester may stop only what it may pull, checked as EnsureModel checks it,
+        and a tenant's socket only pulls that no other socket waits on (Conflict).
+        ``only_if_unwatched`` leaves a pull running while any request waits on it but the
+        caller's own (its ``waiter_token``). Each stopped pull's waiters get Cancelled;
+        what it journaled stays in staging, and the next request resumes from it.
+        """
+        flights = self._pulls_named(ref, requester)
+        for flight in flights:
+            await access.check_snapshot(self._source, flight.snapshot, requester)
+        flights = self._still_pulling(ref, flights)
+        caller = Waiter(_grantee(requester) or "", waiter_token)
+        # From here to the stops nothing awaits: no request joins a pull unseen.
+        plans = [(flight, flight.waiting_besides(caller)) for flight in flights]
+        for flight, others in plans:
+            if not (only_if_unwatched and others):
+                _check_stoppable(flight, others, requester)
+        for flight, others in plans:
+            if not (only_if_unwatched and others):
+                self._puller.stop(flight, _cancelled(flight))
+        reports: list[PullCancellationReport] = []
+        for flight, others in plans:
+            if only_if_unwatched and others:
+                reports.append(PullCancellationReport(flight, False, len(others), 0))
+                continue
+            kept = await self._puller.stopped(flight)
+            log.info(
+                "cancelled the pull of %s (%s); %d bytes kept",
+                flight.snapshot.uri,
+                flight.key,
+                kept,
+            )
+            reports.append(PullCancellationReport(flight, True, 0, kept))
+        return reports
+
+    def _pulls_named(self, ref: str, requester: Requester | None) -> list[Flight]:
+        """The pulls in progress that ``ref`` names and the requester may see.
+
+        A URI the requester may not pull is AccessDenied; a key names only pulls of
+        sources it may pull (others are not its to see); NotFound when none matches.
+        """
+        flights = self._puller.flights()
+        if "://" in ref:
+            uri = parse_uri(ref)
+            access.check_source(uri, requester)
+            named = [f for f in flights if f.snapshot.uri == uri]
+        else:
+            key = key_prefix(ref)
+            if key is None:
+                raise InvalidRequest(
+                    f"{quoted(ref)} is neither an s3:// URI nor a snapshot key (8 to 32 hex "
+                    "digits). Copy the URI or the key of a pull from `prewarm status`."
+                )
+            named = [
+                f
+                for f in flights
+                if f.key.startswith(key) and access.may_pull(f.snapshot.uri, requester)
+            ]
+            if len(named) > 1:
+                raise InvalidRequest(
+                    f"Key prefix {key} matches {len(named)} pulls in progress; give more digits."
+                )
+        if not named:
+            raise _no_pull(ref)
+        return named
+
+    def _still_pulling(self, ref: str, flights: list[Flight]) -> list[Flight]:
+        """Those of ``flights`` not yet ended (the access checks took a while); NotFound if none."""
+        running = [f for f in flights if self._puller.flight_for(f.key) is f]
+        if not running:
+            raise _no_pull(ref)
+        return running
+
     async def evict(self, ref: str, *, force: bool = False) -> EvictReport:
         """Evict every snapshot ``ref`` names; Conflict while one is being pulled."""
         in_flight = self._flights_matching(ref)
         if in_flight:
+            key = in_flight[0].key
             raise Conflict(
-                f"{ref} is being pulled right now (snapshot {in_flight[0].key}); evict it "
-                "after the pull ends."
+                f"{quoted(ref)} is being pulled right now (snapshot {key}), and eviction "
+                f"{'even with --force ' if force else ''}never takes a model from under its "
+                f"pull. Stop the pull with `prewarm cancel {key}` (its bytes stay in staging "
+                "for a later pull to resume), or evict it after the pull ends."
             )
         targets = self._store.find(ref)
         async with self._evictor.lock:
@@ -408,11 +506,48 @@ class _Clock:
 
 @dataclass(frozen=True, slots=True)
 class _Answered:
-    """How a request was answered: from the cache (hit, offline) or by a pull (miss)."""
+    """How a request was answered: from the cache (hit, offline) or by a pull (miss) that it
+    started or ``joined``."""
 
     kind: Literal["hit", "miss", "offline"]
     timings: RequestTimings
     resumed_bytes: int = 0
+    joined: bool = False
+
+
+def _no_pull(ref: str) -> NotFound:
+    return NotFound(
+        f"No pull of {quoted(ref)} is in progress on this node, so there is nothing to cancel "
+        "(it may have finished already). `prewarm status` lists the pulls in flight."
+    )
+
+
+def _check_stoppable(flight: Flight, others: Sequence[Waiter], requester: Requester | None) -> None:
+    """Conflict when ``flight`` cannot be stopped: it is publishing, or the requester is a
+    tenant's socket and another socket's requests wait on it."""
+    if flight.progress.phase in ("publish", "done"):
+        raise Conflict(
+            f"The pull of {flight.snapshot.uri} is publishing its snapshot, past the point where "
+            f"it can be stopped; it is cached in a moment (`prewarm evict {flight.key}` then, "
+            "if it is not wanted)."
+        )
+    if requester is None or requester.sees_everything:
+        return
+    if any(waiter.socket != requester.name for waiter in others):
+        raise Conflict(
+            f"Requests on another socket wait on the pull of {flight.snapshot.uri}; socket "
+            f"{requester.name!r} may stop only pulls that no other socket waits on. Ask the "
+            "node's admin (`prewarm cancel` on the node's API socket)."
+        )
+
+
+def _cancelled(flight: Flight) -> Cancelled:
+    """What the requests waiting on ``flight`` are told when it is stopped."""
+    return Cancelled(
+        f"The pull of {flight.snapshot.uri} (snapshot {flight.key}) was cancelled (CancelPull, "
+        "`prewarm cancel`) before it finished. The bytes it had written stay in staging: ask "
+        "again and the pull resumes from them."
+    )
 
 
 def _grantee(requester: Requester | None) -> str | None:

@@ -36,8 +36,10 @@ class EnsureRequest:
     starts. ``cached_only`` answers from the cache without any S3 call.
     ``requester`` is who asks (None: in-process callers, not restricted); a
     lease belongs to its socket, which alone may renew or release it.
-    ``client_name`` names the caller in logs and leases. The filters are
-    checked (InvalidRequest) and put in canonical order when it is built.
+    ``client_name`` names the caller in logs and leases. ``waiter_token``
+    (the client's choice, "" for none) names this request's wait on a pull, so
+    its client can later cancel that pull unless others wait on it. The filters
+    are checked (InvalidRequest) and put in canonical order when it is built.
     """
 
     uri: ModelUri
@@ -51,6 +53,7 @@ class EnsureRequest:
     cached_only: bool = False
     requester: Requester | None = None
     client_name: str = ""
+    waiter_token: str = ""
 
     def __post_init__(self) -> None:
         """Check the filters and put them in canonical order (the snapshot key is made of them).

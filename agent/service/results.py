@@ -14,11 +14,11 @@ from agent.store.records import CachedModel, TierUsage
 __all__ = [
     "EnsureResult",
     "EvictReport",
+    "PullCancellationReport",
     "RequestTimings",
     "StatusReport",
     "VerifyReport",
     "observe_lookup",
-    "pull_seconds",
 ]
 
 
@@ -44,6 +44,9 @@ class EnsureResult:
     timings: RequestTimings
     lease: LeaseRecord | None = None
     resumed_bytes: int = 0
+    # The request joined a pull another had started: its timings' wait is its own, the
+    # phases are that pull's.
+    joined: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +55,20 @@ class EvictReport:
 
     evicted: tuple[CachedModel, ...]
     bytes_freed: int
+
+
+@dataclass(frozen=True, slots=True)
+class PullCancellationReport:
+    """One pull a CancelPull named: whether it stopped, who still waits, what stays staged.
+
+    ``kept_bytes`` are complete in its staging directory: a later pull of the
+    snapshot resumes from them (0 while it is still running).
+    """
+
+    flight: Flight
+    cancelled: bool
+    other_waiters: int
+    kept_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,9 +109,3 @@ def observe_lookup(timings: RequestTimings, lookup: str) -> None:
         }
     for phase, seconds in phases.items():
         PHASE_SECONDS.labels(phase, lookup).observe(seconds)
-
-
-def pull_seconds(flight: Flight) -> float:
-    """The seconds a flight spent moving, checking and publishing bytes (not waiting)."""
-    t = flight.timings
-    return t.download + t.verify + t.publish

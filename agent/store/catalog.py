@@ -20,7 +20,7 @@ from pathlib import Path
 
 from agent._exceptions import InvalidRequest, NotFound
 from agent._fs import remove_tree, retire
-from agent._snapshot import KEY_LENGTH
+from agent._snapshot import KEY_LENGTH, key_prefix
 from agent._uri import parse_uri
 from agent._vocabulary import TierName
 from agent.store.budget import Candidate, TierLimits, measure_limits
@@ -48,9 +48,6 @@ from agent.store.snapshot_names import SnapshotNames
 __all__ = ["Store"]
 
 log = logging.getLogger(__name__)
-
-_MIN_KEY_PREFIX = 8
-_HEX = frozenset("0123456789abcdef")
 
 
 @dataclass(slots=True)
@@ -155,8 +152,8 @@ class Store:
                     f"No cached snapshot of {uri}. See what is cached with `prewarm ls`."
                 )
             return sorted(matches, key=lambda m: m.created)
-        key = ref.lower()
-        if not (_MIN_KEY_PREFIX <= len(key) <= KEY_LENGTH) or not set(key) <= _HEX:
+        key = key_prefix(ref)
+        if key is None:
             raise InvalidRequest(
                 f"{ref!r} is neither an s3:// URI nor a snapshot key (8 to {KEY_LENGTH} hex "
                 "digits). Copy a key from `prewarm ls`."
@@ -196,11 +193,7 @@ class Store:
     def staging_bytes(self, tier: TierName) -> int:
         """Bytes reserved by pulls in progress and held by resumable leftovers on the tier."""
         in_flight = sum(size for t, size in self._in_flight.values() if t == tier)
-        waiting = sum(
-            lo.total_bytes
-            for lo in self._leftovers.values()
-            if lo.tier == tier and lo.key not in self._in_flight
-        )
+        waiting = sum(lo.total_bytes for lo in self.resumable(tier))
         return in_flight + waiting
 
     def candidates(self, tier: TierName, protected: Set[str]) -> list[Candidate]:
@@ -220,6 +213,7 @@ class Store:
         """The tier's figures for status and metrics."""
         limits = self.limits(tier)
         entries = [e for e in self._entries.values() if e.model.tier == tier]
+        resumable = self.resumable(tier)
         return TierUsage(
             tier=tier,
             root=self._roots[tier],
@@ -231,7 +225,17 @@ class Store:
             reserve_bytes=limits.reserve_bytes,
             staging_bytes=self.staging_bytes(tier),
             pinned_count=sum(1 for e in entries if e.usage.pinned),
+            resumable_count=len(resumable),
+            resumable_bytes=sum(lo.kept_bytes for lo in resumable),
         )
+
+    def resumable(self, tier: TierName) -> list[Leftover]:
+        """The tier's staging directories that stopped pulls left to be resumed (none running)."""
+        return [
+            lo
+            for lo in self._leftovers.values()
+            if lo.tier == tier and lo.key not in self._in_flight
+        ]
 
     # -- changes -----------------------------------------------------------------------
 
@@ -283,8 +287,9 @@ class Store:
             return self.discard_leftover(key)
         return []
 
-    def end_staging(self, key: str, *, keep: bool) -> list[Path]:
-        """A pull ended. ``keep`` leaves its directory for a later pull to resume.
+    def end_staging(self, key: str, *, keep: bool, kept_bytes: int | None = None) -> list[Path]:
+        """A pull ended. ``keep`` leaves its directory for a later pull to resume, holding
+        ``kept_bytes`` complete (None: the pull never opened it; what it held before stays).
 
         Otherwise the directory is moved into ``trash/`` at once (it stops
         counting and cannot be resumed) and returned for ``purge``, so the
@@ -296,7 +301,10 @@ class Store:
             tier, total = in_flight
             staging = self.staging_path(tier, key)
             if keep and staging.exists():
-                self._leftovers[key] = Leftover(key, tier, staging, total)
+                earlier = self._leftovers.get(key)
+                if kept_bytes is None:
+                    kept_bytes = earlier.kept_bytes if earlier is not None else 0
+                self._leftovers[key] = Leftover(key, tier, staging, total, kept_bytes)
                 return []
             doomed[staging] = tier
         leftover = self._leftovers.pop(key, None)

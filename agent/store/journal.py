@@ -37,7 +37,14 @@ from typing import Any, BinaryIO
 
 from agent._snapshot import Snapshot
 
-__all__ = ["DATA_DIR", "JOURNAL_NAME", "Journal", "JournalHeader", "read_header"]
+__all__ = [
+    "DATA_DIR",
+    "JOURNAL_NAME",
+    "Journal",
+    "JournalHeader",
+    "journaled_bytes",
+    "read_header",
+]
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +116,26 @@ def read_header(staging: Path, secret: bytes) -> JournalHeader | None:
             return _verified_header(fh.readline(), secret)[0]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def journaled_bytes(staging: Path, secret: bytes) -> int:
+    """Bytes the signed ranges of a staging directory's journal cover (0 without one).
+
+    What a pull resuming it will not fetch again, unless re-hashing finds a
+    range torn (a power loss): an estimate for status, read without hashing.
+    """
+    try:
+        with _open_journal(staging) as fh:
+            header, header_mac = _verified_header(fh.readline(), secret)
+            ranges = {
+                (done.path, done.offset): done.length
+                for done in _read_entries(
+                    fh, header, secret=secret, header_mac=header_mac, where=staging
+                )
+            }
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+    return sum(ranges.values())
 
 
 class Journal:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from agent._fs import open_beneath, open_dir, remove_tree
 from agent._vocabulary import TierName
-from agent.store.journal import DATA_DIR, read_header
+from agent.store.journal import DATA_DIR, journaled_bytes, read_header
 from agent.store.layout import (
     LAYOUT,
     read_manifest,
@@ -191,7 +191,8 @@ def _scan_staging(tier: TierName, root: Path, published: set[str], secret: bytes
             log.warning("removing %s: not a resumable pull", staging)
             remove_tree(staging)
             continue
-        leftovers.append(Leftover(header.key, tier, staging, header.total_bytes))
+        kept = journaled_bytes(staging, secret)
+        leftovers.append(Leftover(header.key, tier, staging, header.total_bytes, kept))
     return leftovers
 
 

@@ -72,6 +72,8 @@ class Leftover:
     tier: TierName
     path: Path
     total_bytes: int
+    # Bytes complete (journaled) in it: what a pull resuming it does not fetch again.
+    kept_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +90,9 @@ class TierUsage:
     reserve_bytes: int
     staging_bytes: int
     pinned_count: int
+    # Stopped pulls whose staging directories wait to be resumed, and their complete bytes.
+    resumable_count: int = 0
+    resumable_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,6 +53,8 @@ class MemorySource:
     # When set, every read after the first piece of a range waits for this event:
     # a test can hold a pull mid-transfer, then let it go.
     gate: asyncio.Event | None = None
+    # The keys the gate holds; empty: every key.
+    gate_keys: frozenset[str] = frozenset()
     # Checksums to report for keys (as S3 would from HEAD with ChecksumMode);
     # the listing then names their algorithm.
     checksums: dict[str, S3Checksum] = field(default_factory=dict)
@@ -113,8 +115,13 @@ class MemorySource:
         self.reads.append(record)
         failures = self.break_after.get(key, [])
         cut = failures.pop(0) if failures else None
+        held = not self.gate_keys or key in self.gate_keys
         yield _Reader(
-            data[start : start + length], record, piece=self.piece, cut=cut, gate=self.gate
+            data[start : start + length],
+            record,
+            piece=self.piece,
+            cut=cut,
+            gate=self.gate if held else None,
         )
 
     async def head_object(

@@ -95,6 +95,7 @@ class EnsureModelRequest(_message.Message):
     PULL_OPTIONS_FIELD_NUMBER: _builtins.int
     CACHED_ONLY_FIELD_NUMBER: _builtins.int
     REQUESTER_CREDENTIALS_FIELD_NUMBER: _builtins.int
+    WAITER_TOKEN_FIELD_NUMBER: _builtins.int
     uri: _builtins.str
     """s3://bucket/prefix ; the prefix is treated as a directory."""
     tier: Global___Tier.ValueType
@@ -115,6 +116,13 @@ class EnsureModelRequest(_message.Message):
     """Answer from this node's cache with no S3 call at all: the newest cached
     snapshot of this URI with the same include/exclude, whatever S3 holds now
     (it may be stale). NOT_FOUND when none is cached; nothing is pulled.
+    """
+    waiter_token: _builtins.str
+    """A token the caller picks for this request's wait on a pull (up to 64
+    characters, e.g. 32 random hex digits): a CancelPull with only_if_unwatched
+    and the same token, on the same socket, does not count this request as a
+    waiter. How a client that gives up on its own request stops the pull only
+    when nobody else waits for it.
     """
     @_builtins.property
     def include(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -148,10 +156,11 @@ class EnsureModelRequest(_message.Message):
         pull_options: Global___PullOptions | None = ...,
         cached_only: _builtins.bool = ...,
         requester_credentials: Global___RequesterCredentials | None = ...,
+        waiter_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["pull_options", b"pull_options", "requester_credentials", b"requester_credentials"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_only", b"cached_only", "client_name", b"client_name", "exclude", b"exclude", "include", b"include", "lease", b"lease", "lease_ttl_seconds", b"lease_ttl_seconds", "pin", b"pin", "pull_options", b"pull_options", "requester_credentials", b"requester_credentials", "strict_tier", b"strict_tier", "tier", b"tier", "uri", b"uri"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_only", b"cached_only", "client_name", b"client_name", "exclude", b"exclude", "include", b"include", "lease", b"lease", "lease_ttl_seconds", b"lease_ttl_seconds", "pin", b"pin", "pull_options", b"pull_options", "requester_credentials", b"requester_credentials", "strict_tier", b"strict_tier", "tier", b"tier", "uri", b"uri", "waiter_token", b"waiter_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -334,6 +343,7 @@ class ModelHandle(_message.Message):
     RESUMED_BYTES_FIELD_NUMBER: _builtins.int
     OWNER_UID_FIELD_NUMBER: _builtins.int
     VERIFIED_BY_FIELD_NUMBER: _builtins.int
+    JOINED_FIELD_NUMBER: _builtins.int
     uri: _builtins.str
     key: _builtins.str
     path: _builtins.str
@@ -357,6 +367,11 @@ class ModelHandle(_message.Message):
     verified_by: _builtins.str
     """What verified the model's signature before it was published
     ([[access.model_signatures]]); empty when no signature was asked for.
+    """
+    joined: _builtins.bool
+    """True when this request joined a pull another request had started:
+    timings.wait_seconds is then this request's own wait, and download, verify
+    and publish are the figures of the pull it joined, which began before it.
     """
     @_builtins.property
     def files(self) -> _containers.RepeatedCompositeFieldContainer[Global___FileEntry]: ...
@@ -382,10 +397,11 @@ class ModelHandle(_message.Message):
         resumed_bytes: _builtins.int = ...,
         owner_uid: _builtins.int | None = ...,
         verified_by: _builtins.str = ...,
+        joined: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_owner_uid", b"_owner_uid", "lease", b"lease", "owner_uid", b"owner_uid", "timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_owner_uid", b"_owner_uid", "files", b"files", "hit", b"hit", "key", b"key", "lease", b"lease", "owner_uid", b"owner_uid", "path", b"path", "resolved_offline", b"resolved_offline", "resumed_bytes", b"resumed_bytes", "tier", b"tier", "timings", b"timings", "total_bytes", b"total_bytes", "uri", b"uri", "verified_by", b"verified_by"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_owner_uid", b"_owner_uid", "files", b"files", "hit", b"hit", "joined", b"joined", "key", b"key", "lease", b"lease", "owner_uid", b"owner_uid", "path", b"path", "resolved_offline", b"resolved_offline", "resumed_bytes", b"resumed_bytes", "tier", b"tier", "timings", b"timings", "total_bytes", b"total_bytes", "uri", b"uri", "verified_by", b"verified_by"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__owner_uid: _TypeAlias = _typing.Literal["owner_uid"]  # noqa: Y015
     _WhichOneofArgType__owner_uid: _TypeAlias = _typing.Literal["_owner_uid", b"_owner_uid"]  # noqa: Y015
@@ -676,6 +692,110 @@ class EvictModelResponse(_message.Message):
 Global___EvictModelResponse: _TypeAlias = EvictModelResponse  # noqa: Y015
 
 @_typing.final
+class CancelPullRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REF_FIELD_NUMBER: _builtins.int
+    ONLY_IF_UNWATCHED_FIELD_NUMBER: _builtins.int
+    WAITER_TOKEN_FIELD_NUMBER: _builtins.int
+    REQUESTER_CREDENTIALS_FIELD_NUMBER: _builtins.int
+    ref: _builtins.str
+    """A URI stops every pull of it (whatever its include/exclude); a snapshot key,
+    or a prefix of 8 or more of its hex digits, stops that pull.
+    """
+    only_if_unwatched: _builtins.bool
+    """Stop a pull only if no request waits on it, besides the caller's own
+    EnsureModel named by waiter_token; otherwise leave it running and say so.
+    """
+    waiter_token: _builtins.str
+    """The waiter_token of the caller's own EnsureModel request (see there)."""
+    @_builtins.property
+    def requester_credentials(self) -> Global___RequesterCredentials:
+        """As in EnsureModelRequest: a requester-scoped socket checks them as it
+        would for pulling the snapshot.
+        """
+
+    def __init__(
+        self,
+        *,
+        ref: _builtins.str = ...,
+        only_if_unwatched: _builtins.bool = ...,
+        waiter_token: _builtins.str = ...,
+        requester_credentials: Global___RequesterCredentials | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["requester_credentials", b"requester_credentials"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["only_if_unwatched", b"only_if_unwatched", "ref", b"ref", "requester_credentials", b"requester_credentials", "waiter_token", b"waiter_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelPullRequest: _TypeAlias = CancelPullRequest  # noqa: Y015
+
+@_typing.final
+class PullCancellation(_message.Message):
+    """One pull a CancelPull named, and what became of it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    URI_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    TIER_FIELD_NUMBER: _builtins.int
+    CANCELLED_FIELD_NUMBER: _builtins.int
+    OTHER_WAITERS_FIELD_NUMBER: _builtins.int
+    KEPT_BYTES_FIELD_NUMBER: _builtins.int
+    TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    uri: _builtins.str
+    key: _builtins.str
+    tier: Global___Tier.ValueType
+    cancelled: _builtins.bool
+    """False when only_if_unwatched left it running because other requests wait on it."""
+    other_waiters: _builtins.int
+    """Requests still waiting on it, the caller's own not counted (0 once cancelled)."""
+    kept_bytes: _builtins.int
+    """Bytes complete in its staging directory, which a later pull of the snapshot
+    resumes from instead of fetching them again.
+    """
+    total_bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        uri: _builtins.str = ...,
+        key: _builtins.str = ...,
+        tier: Global___Tier.ValueType = ...,
+        cancelled: _builtins.bool = ...,
+        other_waiters: _builtins.int = ...,
+        kept_bytes: _builtins.int = ...,
+        total_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled", "kept_bytes", b"kept_bytes", "key", b"key", "other_waiters", b"other_waiters", "tier", b"tier", "total_bytes", b"total_bytes", "uri", b"uri"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullCancellation: _TypeAlias = PullCancellation  # noqa: Y015
+
+@_typing.final
+class CancelPullResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PULLS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def pulls(self) -> _containers.RepeatedCompositeFieldContainer[Global___PullCancellation]: ...
+    def __init__(
+        self,
+        *,
+        pulls: _abc.Iterable[Global___PullCancellation] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pulls", b"pulls"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelPullResponse: _TypeAlias = CancelPullResponse  # noqa: Y015
+
+@_typing.final
 class StatusRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -705,6 +825,8 @@ class TierStatus(_message.Message):
     STAGING_BYTES_FIELD_NUMBER: _builtins.int
     LEASED_COUNT_FIELD_NUMBER: _builtins.int
     PINNED_COUNT_FIELD_NUMBER: _builtins.int
+    RESUMABLE_COUNT_FIELD_NUMBER: _builtins.int
+    RESUMABLE_BYTES_FIELD_NUMBER: _builtins.int
     tier: Global___Tier.ValueType
     root: _builtins.str
     capacity_bytes: _builtins.int
@@ -722,6 +844,13 @@ class TierStatus(_message.Message):
     """Bytes held by pulls in progress (and resumable leftovers)."""
     leased_count: _builtins.int
     pinned_count: _builtins.int
+    resumable_count: _builtins.int
+    """Pulls that stopped (cancelled, S3 failing, the agent stopped) and left
+    their staging directory for a later pull of the same snapshot to resume,
+    and the bytes those directories hold complete (journaled). Counted in
+    staging_bytes at the pulls' full size: that room stays reserved.
+    """
+    resumable_bytes: _builtins.int
     def __init__(
         self,
         *,
@@ -736,10 +865,12 @@ class TierStatus(_message.Message):
         staging_bytes: _builtins.int = ...,
         leased_count: _builtins.int = ...,
         pinned_count: _builtins.int = ...,
+        resumable_count: _builtins.int = ...,
+        resumable_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget_bytes", b"budget_bytes", "capacity_bytes", b"capacity_bytes", "free_bytes", b"free_bytes", "leased_count", b"leased_count", "model_count", b"model_count", "pinned_count", b"pinned_count", "reserve_bytes", b"reserve_bytes", "root", b"root", "staging_bytes", b"staging_bytes", "tier", b"tier", "used_bytes", b"used_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget_bytes", b"budget_bytes", "capacity_bytes", b"capacity_bytes", "free_bytes", b"free_bytes", "leased_count", b"leased_count", "model_count", b"model_count", "pinned_count", b"pinned_count", "reserve_bytes", b"reserve_bytes", "resumable_bytes", b"resumable_bytes", "resumable_count", b"resumable_count", "root", b"root", "staging_bytes", b"staging_bytes", "tier", b"tier", "used_bytes", b"used_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -54,6 +54,11 @@ class PrewarmStub:
                 request_serializer=prewarm_dot_v1_dot_prewarm__pb2.EvictModelRequest.SerializeToString,
                 response_deserializer=prewarm_dot_v1_dot_prewarm__pb2.EvictModelResponse.FromString,
                 _registered_method=True)
+        self.CancelPull = channel.unary_unary(
+                '/prewarm.v1.Prewarm/CancelPull',
+                request_serializer=prewarm_dot_v1_dot_prewarm__pb2.CancelPullRequest.SerializeToString,
+                response_deserializer=prewarm_dot_v1_dot_prewarm__pb2.CancelPullResponse.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/prewarm.v1.Prewarm/Status',
                 request_serializer=prewarm_dot_v1_dot_prewarm__pb2.StatusRequest.SerializeToString,
@@ -159,7 +164,18 @@ class PrewarmServicer:
         raise NotImplementedError('Method not implemented!')
 
     def EvictModel(self, request, context):
-        """Remove snapshots from the cache. Refused while a pull of that snapshot runs.
+        """Remove snapshots from the cache. Refused while a pull of that snapshot runs
+        (stop that pull with CancelPull).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelPull(self, request, context):
+        """Stop pulls in progress. Every request waiting on a stopped pull fails with
+        CANCELLED; the bytes it journaled stay in staging and the next request for
+        the snapshot resumes from them. A tenant's socket stops only pulls it may
+        start (EnsureModel's access checks) and that no other socket waits on.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -300,6 +316,11 @@ def add_PrewarmServicer_to_server(servicer, server):
                     servicer.EvictModel,
                     request_deserializer=prewarm_dot_v1_dot_prewarm__pb2.EvictModelRequest.FromString,
                     response_serializer=prewarm_dot_v1_dot_prewarm__pb2.EvictModelResponse.SerializeToString,
+            ),
+            'CancelPull': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelPull,
+                    request_deserializer=prewarm_dot_v1_dot_prewarm__pb2.CancelPullRequest.FromString,
+                    response_serializer=prewarm_dot_v1_dot_prewarm__pb2.CancelPullResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -485,6 +506,33 @@ class Prewarm:
             '/prewarm.v1.Prewarm/EvictModel',
             prewarm_dot_v1_dot_prewarm__pb2.EvictModelRequest.SerializeToString,
             prewarm_dot_v1_dot_prewarm__pb2.EvictModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelPull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/prewarm.v1.Prewarm/CancelPull',
+            prewarm_dot_v1_dot_prewarm__pb2.CancelPullRequest.SerializeToString,
+            prewarm_dot_v1_dot_prewarm__pb2.CancelPullResponse.FromString,
             options,
             channel_credentials,
             insecure,

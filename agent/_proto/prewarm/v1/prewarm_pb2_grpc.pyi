@@ -47,7 +47,15 @@ class PrewarmStub:
     ListModels: _grpc.UnaryUnaryMultiCallable[_prewarm_pb2.ListModelsRequest, _prewarm_pb2.ListModelsResponse]
     """Every published snapshot on the node."""
     EvictModel: _grpc.UnaryUnaryMultiCallable[_prewarm_pb2.EvictModelRequest, _prewarm_pb2.EvictModelResponse]
-    """Remove snapshots from the cache. Refused while a pull of that snapshot runs."""
+    """Remove snapshots from the cache. Refused while a pull of that snapshot runs
+    (stop that pull with CancelPull).
+    """
+    CancelPull: _grpc.UnaryUnaryMultiCallable[_prewarm_pb2.CancelPullRequest, _prewarm_pb2.CancelPullResponse]
+    """Stop pulls in progress. Every request waiting on a stopped pull fails with
+    CANCELLED; the bytes it journaled stay in staging and the next request for
+    the snapshot resumes from them. A tenant's socket stops only pulls it may
+    start (EnsureModel's access checks) and that no other socket waits on.
+    """
     Status: _grpc.UnaryUnaryMultiCallable[_prewarm_pb2.StatusRequest, _prewarm_pb2.StatusResponse]
     """Agent version, tiers, in-flight pulls."""
     RenewLease: _grpc.UnaryUnaryMultiCallable[_prewarm_pb2.RenewLeaseRequest, _prewarm_pb2.Lease]
@@ -107,7 +115,15 @@ class PrewarmAsyncStub(PrewarmStub):
     ListModels: _aio.UnaryUnaryMultiCallable[_prewarm_pb2.ListModelsRequest, _prewarm_pb2.ListModelsResponse]  # type: ignore[assignment]
     """Every published snapshot on the node."""
     EvictModel: _aio.UnaryUnaryMultiCallable[_prewarm_pb2.EvictModelRequest, _prewarm_pb2.EvictModelResponse]  # type: ignore[assignment]
-    """Remove snapshots from the cache. Refused while a pull of that snapshot runs."""
+    """Remove snapshots from the cache. Refused while a pull of that snapshot runs
+    (stop that pull with CancelPull).
+    """
+    CancelPull: _aio.UnaryUnaryMultiCallable[_prewarm_pb2.CancelPullRequest, _prewarm_pb2.CancelPullResponse]  # type: ignore[assignment]
+    """Stop pulls in progress. Every request waiting on a stopped pull fails with
+    CANCELLED; the bytes it journaled stay in staging and the next request for
+    the snapshot resumes from them. A tenant's socket stops only pulls it may
+    start (EnsureModel's access checks) and that no other socket waits on.
+    """
     Status: _aio.UnaryUnaryMultiCallable[_prewarm_pb2.StatusRequest, _prewarm_pb2.StatusResponse]  # type: ignore[assignment]
     """Agent version, tiers, in-flight pulls."""
     RenewLease: _aio.UnaryUnaryMultiCallable[_prewarm_pb2.RenewLeaseRequest, _prewarm_pb2.Lease]  # type: ignore[assignment]
@@ -188,7 +204,21 @@ class PrewarmServicer(metaclass=_abc_1.ABCMeta):
         request: _prewarm_pb2.EvictModelRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_prewarm_pb2.EvictModelResponse, _abc.Awaitable[_prewarm_pb2.EvictModelResponse]]:
-        """Remove snapshots from the cache. Refused while a pull of that snapshot runs."""
+        """Remove snapshots from the cache. Refused while a pull of that snapshot runs
+        (stop that pull with CancelPull).
+        """
+
+    @_abc_1.abstractmethod
+    def CancelPull(
+        self,
+        request: _prewarm_pb2.CancelPullRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_prewarm_pb2.CancelPullResponse, _abc.Awaitable[_prewarm_pb2.CancelPullResponse]]:
+        """Stop pulls in progress. Every request waiting on a stopped pull fails with
+        CANCELLED; the bytes it journaled stay in staging and the next request for
+        the snapshot resumes from them. A tenant's socket stops only pulls it may
+        start (EnsureModel's access checks) and that no other socket waits on.
+        """
 
     @_abc_1.abstractmethod
     def Status(

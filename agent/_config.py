@@ -8,6 +8,7 @@ import json
 import os
 import re
 import tomllib
+import typing
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -149,6 +150,10 @@ def _known_data_plane(value: object) -> object:
     return value
 
 
+# Attempts a request that S3 leaves unanswered gets within first_byte_timeout_seconds.
+ATTEMPTS_PER_DEADLINE = 3
+
+
 class S3Settings(BaseModel):
     """How the agent talks to S3. Credentials come from the standard AWS chain."""
 
@@ -177,24 +182,24 @@ class S3Settings(BaseModel):
     # Size of each ranged GET, and of each range the journal records (resume granularity).
     # "auto": 8-64 MiB, so every stream reads several and S3's request limit is kept.
     chunk_size: Annotated[ByteSize, Field(ge=1024**2)] | Literal["auto"] = "auto"
-    # Bytes gathered from a response body before one positional write.
-    io_block: ByteSize = Field(default=ByteSize(4 * 1024**2), ge=64 * 1024)
-    # botocore's attempts per request (connection errors, throttling, 5xx).
-    max_attempts: int = Field(default=5, ge=1, le=20)
-    # Extra attempts per range when a response body breaks off mid-stream.
-    range_retries: int = Field(default=5, ge=0, le=20)
-    connect_timeout_seconds: float = Field(default=10.0, gt=0)
-    # Longest wait for one read of an attempt; shorter than first_byte_timeout_seconds,
-    # so a silent endpoint is tried (and each retry logged) more than once within it.
-    read_timeout_seconds: float = Field(default=20.0, gt=0)
-    # Most a request (listing page, HEAD, GET until its headers) waits for S3's
-    # answer over all its attempts: an endpoint that connects and stays silent fails
-    # within this, naming the endpoint, instead of after minutes (agent.source.deadlines).
+    # Retries after a request's first attempt (connection errors, throttling, 5xx, no
+    # answer), and after a range's body breaks off (each resumes after the last good byte).
+    retries: int = Field(default=5, ge=0, le=20)
+    # The deadline model (README "Deadlines"): connecting; S3's answer to a request over
+    # all its attempts (each attempt waits a third of it, so a silent endpoint is tried
+    # three times, each retry logged); a body's speed. A body that keeps moving is never
+    # cut for taking long: a 64 MiB part at 3 MB/s takes 22 s, and that is fine.
+    connect_timeout_seconds: float = Field(default=10.0, gt=0, le=600)
     first_byte_timeout_seconds: float = Field(default=60.0, gt=0, le=3600)
-    # A GET that moves less than low_speed_limit bytes/s for request_timeout_ms is
-    # abandoned and retried (both planes), so one slow connection never stalls a pull.
-    request_timeout_ms: int = Field(default=3000, ge=100)
+    # A GET that moves less than low_speed_limit bytes/s over low_speed_seconds is cut
+    # and resumed, so one slow connection never stalls a pull.
     low_speed_limit: ByteSize = Field(default=ByteSize(1024**2), ge=0)
+    low_speed_seconds: float = Field(default=3.0, ge=0.1, le=600)
+
+    @property
+    def attempt_timeout_seconds(self) -> float:
+        """Longest one attempt waits for S3's bytes: a third of the first-byte deadline."""
+        return self.first_byte_timeout_seconds / ATTEMPTS_PER_DEADLINE
 
 
 def _check_size_or_percent(value: object) -> object:
@@ -733,12 +738,176 @@ def load_settings(config_path: Path | None = None) -> Settings:
     except SettingsError as exc:
         raise ConfigError(_environment_problem(exc)) from exc
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
-        )
-        raise ConfigError(
-            f"Invalid configuration (file {path}, PREWARM_* environment): {problems}."
-        ) from exc
+        problems = config_problems(exc, path, os.environ)
+        raise ConfigError(f"Invalid configuration: {'; '.join(problems)}.") from exc
+
+
+# -- validation errors in the project's words --
+#
+# pydantic speaks of "Extra inputs are not permitted" and of union members such as
+# "constrained-int"; an operator needs the setting's name, where its value came
+# from (which file, which variable), what it must be, and the name they probably
+# meant. Each error becomes one sentence of that shape.
+
+# Settings that existed once, each with what to set instead.
+REMOVED_SETTINGS: dict[tuple[str, ...], str] = {
+    ("s3", "read_timeout_seconds"): (
+        "each attempt now waits a third of s3.first_byte_timeout_seconds: set that instead"
+    ),
+    ("s3", "request_timeout_ms"): (
+        "renamed s3.low_speed_seconds, in seconds (request_timeout_ms = 3000 is "
+        "low_speed_seconds = 3)"
+    ),
+    ("s3", "max_attempts"): "renamed s3.retries (the same count: retries after the first attempt)",
+    ("s3", "range_retries"): (
+        "s3.retries counts the retries of every request and of every range: set that instead"
+    ),
+    ("s3", "io_block"): (
+        "removed, with nothing to set instead: the read step is fixed at 4 MiB (64 KiB to "
+        "4 MiB made no measured difference)"
+    ),
+}
+
+# What a union member's error asks for, as the noun after "must be".
+_WANTED: dict[str, str] = {
+    "int_parsing": "a whole number",
+    "int_type": "a whole number",
+    "int_from_float": "a whole number",
+    "float_parsing": "a number",
+    "float_type": "a number",
+    "bool_parsing": "true or false",
+    "bool_type": "true or false",
+    "string_type": "text",
+    "list_type": "a list",
+    "dict_type": "a table",
+    "model_type": "a table",
+    "path_type": "a path",
+    "byte_size_unit": "a size such as 4MiB",
+    "byte_size": "a size such as 4MiB",
+}
+_BOUNDS = {
+    "greater_than": "more than {gt}",
+    "greater_than_equal": "at least {ge}",
+    "less_than": "less than {lt}",
+    "less_than_equal": "at most {le}",
+    "too_long": "at most {max_length} long",
+    "too_short": "at least {min_length} long",
+    "string_pattern_mismatch": "text matching {pattern}",
+    "literal_error": "{expected}",
+}
+# Union members show in an error's location ("constrained-int", "literal['auto']").
+_MEMBER_TAG = re.compile(r"[\[\]'\-]|^(int|float|str|bool|none|list|dict|bytes)$")
+
+
+def config_problems(exc: ValidationError, path: Path, environ: Mapping[str, str]) -> list[str]:
+    """One sentence per setting ``exc`` refuses: its name, its source, what it must be."""
+    by_setting: dict[tuple[str | int, ...], list[Any]] = {}
+    for error in exc.errors():
+        where = tuple(part for part in error["loc"] if not _is_member_tag(part))
+        by_setting.setdefault(where, []).append(error)
+    return [_problem(where, errors, path, environ) for where, errors in by_setting.items()]
+
+
+def _is_member_tag(part: str | int) -> bool:
+    return isinstance(part, str) and _MEMBER_TAG.search(part) is not None
+
+
+def _problem(
+    where: tuple[str | int, ...], errors: list[Any], path: Path, environ: Mapping[str, str]
+) -> str:
+    name = _dotted(where)
+    source = _source_of(where, path, environ)
+    first = errors[0]
+    if first["type"] == "extra_forbidden":
+        return f"{name} ({source}) is not a setting: {_instead(where)}"
+    if first["type"] == "missing":
+        return f"{name} ({source}) is required"
+    shown = _shown_value(first.get("input"))
+    custom = [e["msg"].removeprefix("Value error, ") for e in errors if e["type"] == "value_error"]
+    if custom:
+        return f"{name} ({source}) = {shown}: {' '.join(custom)}"
+    wanted = " or ".join(dict.fromkeys(_wanted(e) for e in errors))
+    return f"{name} ({source}) = {shown}: must be {wanted}"
+
+
+def _wanted(error: Any) -> str:
+    if error["type"] in _WANTED:
+        return _WANTED[error["type"]]
+    bound = _BOUNDS.get(error["type"])
+    if bound is not None:
+        try:
+            context = {key: _plain(value) for key, value in error.get("ctx", {}).items()}
+            return bound.format(**context)
+        except (KeyError, IndexError):
+            pass
+    return str(error["msg"]).removeprefix("Input should be ")
+
+
+def _plain(value: object) -> object:
+    """0.0 as 0: a bound as the operator would write it."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _dotted(where: tuple[str | int, ...]) -> str:
+    text = ""
+    for part in where:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else part)
+    return text or "the configuration"
+
+
+def _source_of(where: tuple[str | int, ...], path: Path, environ: Mapping[str, str]) -> str:
+    """The variable that set ``where`` (or a table above it), else the file."""
+    upper = {name.upper(): name for name in environ}
+    keys = [part for part in where if isinstance(part, str)]
+    for depth in range(len(keys), 0, -1):
+        variable = ENV_PREFIX + NESTED_DELIMITER.join(keys[:depth]).upper()
+        if variable in upper:
+            return f"from {upper[variable]}"
+    return f"in {path}"
+
+
+def _instead(where: tuple[str | int, ...]) -> str:
+    """What to write instead of a key no setting has: its replacement, or the likely name."""
+    keys = tuple(part for part in where if isinstance(part, str))
+    if keys in REMOVED_SETTINGS:
+        return f"it was removed; {REMOVED_SETTINGS[keys]}"
+    known = _fields_at(where[:-1])
+    close = difflib.get_close_matches(str(where[-1]), known, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean {_dotted((*where[:-1], close[0]))}?"
+    table = _dotted(where[:-1]) if len(where) > 1 else "the top level"
+    return f"{table} takes {', '.join(sorted(known))}"
+
+
+def _fields_at(where: tuple[str | int, ...]) -> list[str]:
+    """The setting names of the table at ``where`` (list indices step into the item)."""
+    model: type[BaseModel] = Settings
+    for part in where:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        inner = _model_in(field.annotation) if field is not None else None
+        if inner is None:
+            return []
+        model = inner
+    return list(model.model_fields)
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for argument in typing.get_args(annotation):
+        found = _model_in(argument)
+        if found is not None:
+            return found
+    return None
+
+
+def _shown_value(value: object) -> str:
+    """A value as the operator wrote it, cut short and without control characters."""
+    text = repr(value) if isinstance(value, str) else json.dumps(value, default=str)
+    text = "".join(ch if ch.isprintable() else "?" for ch in text)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _environment_problem(exc: SettingsError) -> str:

@@ -9,7 +9,7 @@ the event loop never blocks on the page cache: memory is about
 A range that breaks off (connection reset, short body, a 5xx botocore gave up
 on, a GET slower than the low-speed limit) is retried with full-jitter
 exponential backoff, asking only for the bytes after the last good one; after
-``range_retries`` extra attempts the pull fails naming the object and the cause.
+``retries`` extra attempts the pull fails naming the object and the cause.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class AiobotocorePlane:
         """Copy a response body into the file, gathering ``io_block`` bytes per write.
 
         Raises RangeReadError when fewer than ``low_speed_limit`` bytes/s arrive
-        over a ``request_timeout`` window (a stalled body included), so a slow
+        over a ``low_speed_seconds`` window (a stalled body included), so a slow
         connection is replaced instead of waited on.
         """
         window = _SpeedWindow(tuning, written.cursor.range.obj.key)
@@ -164,11 +164,11 @@ class _Writes:
 
 
 class _SpeedWindow:
-    """The low-speed check: ``low_speed_limit`` bytes/s over each ``request_timeout``."""
+    """The low-speed check: ``low_speed_limit`` bytes/s over each ``low_speed_seconds``."""
 
     def __init__(self, tuning: Tuning, key: str) -> None:
         self._loop = asyncio.get_running_loop()
-        self._length = tuning.request_timeout
+        self._length = tuning.low_speed_seconds
         self._limit = tuning.low_speed_limit
         self._needed = max(1, int(tuning.low_speed_limit * self._length))
         self._key = key

@@ -3,14 +3,14 @@
 An S3 endpoint that accepts the connection and never answers (a black-holed
 address, a proxy that lost its upstream, a wedged S3-compatible server) is not
 refused, so nothing fails fast: botocore waits its read timeout on every
-attempt (``max_attempts`` retries after the first), with backoff between. With a
+attempt (``retries`` after the first), with backoff between. With a
 60 s read timeout a cold pull sat silent for over seven minutes. Now each
 request has a deadline, ``first_byte_timeout_seconds`` after it is sent, over
 all of its attempts:
 
 - ``bound_requests`` hooks a botocore client (aiobotocore's, and the threads
   plane's synchronous one alike) so that each attempt waits for S3's bytes at
-  most ``read_timeout_seconds`` and never past the deadline (botocore's own
+  most a third of it (``attempt_timeout_seconds``) and never past the deadline (botocore's own
   per-request ``read_timeout``), and no retry starts once the deadline is near;
 - the aiobotocore source also puts the deadline on each request it waits on
   (``asyncio.timeout``), so a server that trickles bytes cannot stretch it.
@@ -50,8 +50,8 @@ _WAITED = "prewarm_waited"
 
 
 def total_attempts(settings: S3Settings) -> int:
-    """Attempts botocore makes of one request: its ``max_attempts`` counts the retries only."""
-    return settings.max_attempts + 1
+    """Attempts botocore makes of one request: ``retries`` counts those after the first."""
+    return settings.retries + 1
 
 
 def bound_requests(client: Any, settings: S3Settings) -> None:
@@ -59,12 +59,12 @@ def bound_requests(client: Any, settings: S3Settings) -> None:
 
     Its first attempt stamps the deadline on botocore's request context (one
     per API call, shared by its attempts); every attempt then reads with a
-    timeout of what is left, at most ``read_timeout_seconds``; and a retry is
+    timeout of what is left, at most ``attempt_timeout_seconds``; and a retry is
     refused (botocore's ``needs-retry`` answered False, ahead of its own retry
     handler) once less than ``_LEAST_USEFUL_ATTEMPT`` is left.
     """
     bound = settings.first_byte_timeout_seconds
-    longest_read = settings.read_timeout_seconds
+    longest_read = settings.attempt_timeout_seconds
 
     def time_the_attempt(request: Any, **_: Any) -> None:
         context = getattr(request, "context", None)

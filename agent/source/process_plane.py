@@ -152,7 +152,7 @@ def worker_processes(settings: S3Settings, *, gbps: float) -> int:
 def stream_step(tuning: Tuning, ceiling: int) -> int:
     """Bytes per read (the buffer each GET holds): the low-speed rule's step, within the
     node's read-buffer memory at its ceiling of GETs."""
-    step = read_step(tuning.low_speed_limit, tuning.request_timeout, tuning.io_block)
+    step = read_step(tuning.low_speed_limit, tuning.low_speed_seconds, tuning.io_block)
     share = max(MIN_STEP, STREAM_MEMORY // max(1, ceiling) // 4096 * 4096)
     return min(step, share)
 
@@ -581,10 +581,10 @@ class ProcessPlane:
             length=byte_range.length,
             step=stream_step(tuning, self._shared.ceiling),
             retries=tuning.range_retries,
-            window=tuning.request_timeout,
+            window=tuning.low_speed_seconds,
             low_speed_limit=tuning.low_speed_limit,
             connect_timeout=self._settings.connect_timeout_seconds,
-            read_timeout=self._settings.read_timeout_seconds,
+            read_timeout=self._settings.attempt_timeout_seconds,
             first_byte_timeout=self._settings.first_byte_timeout_seconds,
             direct=run.staging.bypass_page_cache,
             address=address,

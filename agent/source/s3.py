@@ -78,8 +78,8 @@ class S3Source:
         config = AioConfig(
             max_pool_connections=connection_pool_size(settings),
             connect_timeout=settings.connect_timeout_seconds,
-            read_timeout=settings.read_timeout_seconds,
-            retries={"max_attempts": settings.max_attempts, "mode": "standard"},
+            read_timeout=settings.attempt_timeout_seconds,
+            retries={"max_attempts": settings.retries, "mode": "standard"},
             s3={"addressing_style": settings.addressing_style},
             # Requests are SigV4 anyway; saying so makes presigned GETs SigV4 too (botocore
             # presigns SigV2 otherwise, which signs no If-Match and newer regions refuse).

@@ -239,3 +239,87 @@ def test_whole_buckets_take_bare_bucket_names(tmp_path: Path) -> None:
     config.write_text('[access]\nwhole_buckets = ["s3://models"]\n')
     with pytest.raises(ConfigError, match="write the bare name"):
         load_settings(config)
+
+
+# -- errors in the project's words --------------------------------------------------------
+
+
+def _refusal(config: Path, text: str) -> str:
+    config.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_settings(config)
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("removed", "named"),
+    [
+        ("read_timeout_seconds = 20", "first_byte_timeout_seconds"),
+        ("request_timeout_ms = 3000", "s3.low_speed_seconds"),
+        ("max_attempts = 5", "s3.retries"),
+        ("range_retries = 5", "s3.retries"),
+        ("io_block = '4MiB'", "fixed at 4 MiB"),
+    ],
+)
+def test_a_removed_setting_in_the_file_is_refused_naming_what_replaced_it(
+    tmp_path: Path, removed: str, named: str
+) -> None:
+    """Each removed [s3] setting is refused at load with its replacement named, never ignored."""
+    config = tmp_path / "agent.toml"
+    message = _refusal(config, f"[s3]\n{removed}\n")
+    key = removed.split(" ", maxsplit=1)[0]
+    assert f"s3.{key} (in {config}) is not a setting: it was removed;" in message
+    assert named in message
+    assert "Extra inputs" not in message
+
+
+def test_a_removed_setting_in_the_environment_is_refused_naming_the_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PREWARM_S3__REQUEST_TIMEOUT_MS is refused naming the variable and its replacement."""
+    monkeypatch.setenv("PREWARM_S3__REQUEST_TIMEOUT_MS", "3000")
+    message = _refusal(tmp_path / "agent.toml", "")
+    assert "s3.request_timeout_ms (from PREWARM_S3__REQUEST_TIMEOUT_MS)" in message
+    assert "s3.low_speed_seconds" in message
+
+
+def test_a_typo_in_the_file_gets_a_did_you_mean(tmp_path: Path) -> None:
+    """A misspelt key in a table is named with the setting it probably meant."""
+    config = tmp_path / "agent.toml"
+    message = _refusal(config, "[s3]\nregoin = 'us-east-1'\n[[access.sockets]]\nnmae = 'a'\n")
+    assert f"s3.regoin (in {config}) is not a setting: did you mean s3.region?" in message
+    assert "access.sockets[0].nmae" in message
+    assert "did you mean access.sockets[0].name?" in message
+
+
+def test_an_unknown_key_with_no_likely_name_lists_what_its_table_takes(tmp_path: Path) -> None:
+    """A key nothing resembles is answered with the keys its table does take."""
+    message = _refusal(tmp_path / "agent.toml", "[metrics]\nzzz = 1\n")
+    assert "metrics.zzz" in message
+    assert "metrics takes address, port" in message
+
+
+def test_a_bad_value_says_what_it_must_be_without_pydantic_words(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A setting that takes 'auto' or a number says so, with the value given and its source;
+    no union member names ("constrained-int") or pydantic phrases reach the operator."""
+    monkeypatch.setenv("PREWARM_S3__CONCURRENCY", "lots")
+    config = tmp_path / "agent.toml"
+    message = _refusal(config, "[tiers]\nhigh_watermark = 2\n[s3]\ntarget_gbps = 0\n")
+    assert (
+        "s3.concurrency (from PREWARM_S3__CONCURRENCY) = 'lots': must be a whole number or 'auto'"
+        in message
+    )
+    assert f"tiers.high_watermark (in {config}) = 2: must be at most 1" in message
+    assert f"s3.target_gbps (in {config}) = 0: must be more than 0 or 'auto'" in message
+    for pydantic_words in ("constrained", "literal[", "Input should", "Extra inputs"):
+        assert pydantic_words not in message
+
+
+def test_a_value_with_control_characters_is_shown_harmless(tmp_path: Path) -> None:
+    """A hostile value in the file reaches the message without its escape sequences."""
+    message = _refusal(tmp_path / "agent.toml", 'default_tier = "\\u001b]8;;x\\u0007ram"\n')
+    assert "\x1b" not in message
+    assert "\x07" not in message
+    assert "default_tier" in message

@@ -26,7 +26,7 @@ from agent.testing._process import purge_tree
 
 # A stalled GET is given up on after a second and retried; enough retries that the stall
 # outlasts the test's requests, which then end once the stall is lifted.
-_S3 = "[s3]\nrequest_timeout_ms = 1000\nrange_retries = 20\n\n"
+_S3 = "[s3]\nlow_speed_seconds = 1\nretries = 20\n\n"
 
 
 @pytest.fixture

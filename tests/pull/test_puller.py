@@ -25,7 +25,7 @@ MiB = 1024 * 1024
 
 
 def _settings(**overrides: object) -> S3Settings:
-    base: dict[str, object] = {"chunk_size": MiB, "io_block": 256 * 1024, "concurrency": 3}
+    base: dict[str, object] = {"chunk_size": MiB, "concurrency": 3}
     base.update(overrides)
     return S3Settings.model_validate(base)
 
@@ -87,7 +87,7 @@ async def test_persistent_failure_names_the_object_and_keeps_the_pull_resumable(
     source.break_after["m/sub/b.bin"] = [10] * 50
     store = Store({"shm": tmp_path / "shm", "disk": tmp_path / "disk"})
     await store.open()
-    async with Puller(store, source, _settings(range_retries=2, concurrency=1)) as puller:
+    async with Puller(store, source, _settings(retries=2, concurrency=1)) as puller:
         service = _service(tmp_path, source, puller, store)
         with pytest.raises(SourceUnavailable, match=r"m/sub/b\.bin after 3 attempts"):
             await _ensure(service, "s3://models/m")
@@ -126,7 +126,7 @@ async def test_a_watcher_leaving_does_not_cancel_the_pull(
     source.gate = asyncio.Event()  # hold the pull after its first piece
     store = Store({"shm": tmp_path / "shm", "disk": tmp_path / "disk"})
     await store.open()
-    async with Puller(store, source, _settings(concurrency=1, io_block=64 * 1024)) as puller:
+    async with Puller(store, source, _settings(concurrency=1)) as puller:
         service = _service(tmp_path, source, puller, store)
         moving = asyncio.Event()
 

@@ -24,14 +24,16 @@ def _load(tmp_path: Path, text: str) -> None:
 def test_a_tenant_socket_others_may_connect_to_is_refused(tmp_path: Path, mode: str) -> None:
     """A tenant socket with the others-write bit (connect permission) is a config error."""
     text = f'[[access.sockets]]\nname = "team-a"\npath = "{tmp_path / "a.sock"}"\nmode = "{mode}"\n'
-    with pytest.raises(ConfigError, match=r"access\.sockets\.0\.mode: .*any local user"):
+    with pytest.raises(
+        ConfigError, match=r"access\.sockets\[0\]\.mode \(in .*\) = .*any local user"
+    ):
         _load(tmp_path, text)
 
 
 @pytest.mark.parametrize("mode", ["0666", "0777", "0602"])
 def test_an_api_socket_others_may_connect_to_is_refused(tmp_path: Path, mode: str) -> None:
     """The node's API socket (evict, pin, list everything) is never world-connectable."""
-    with pytest.raises(ConfigError, match=r"socket_mode: .*any local user"):
+    with pytest.raises(ConfigError, match=r"socket_mode \(in .*\) = .*any local user"):
         _load(tmp_path, f'socket_mode = "{mode}"\n')
 
 

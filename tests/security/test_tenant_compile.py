@@ -135,7 +135,7 @@ def test_a_tenants_status_shows_only_its_own_pulls_and_leases(
 ) -> None:
     """While B's pull is in flight (its GETs stalled) and B holds a lease, A's Status lists no
     pull and no lease; B's and the node's list them."""
-    config = "[s3]\nrequest_timeout_ms = 1000\nrange_retries = 20\n\n" + _config(bucket, short_dir)
+    config = "[s3]\nlow_speed_seconds = 1\nretries = 20\n\n" + _config(bucket, short_dir)
     with FaultProxy(s3_server.endpoint_url) as proxy, ThreadPoolExecutor(1) as pool:
         proxy.add(Fault.stall(key=f"/{small_model.bucket}/{small_model.prefix}", times=None))
         env = s3_server.env() | {"AWS_ENDPOINT_URL": proxy.endpoint_url}

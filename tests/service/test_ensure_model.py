@@ -101,7 +101,7 @@ def test_uncached_model_with_s3_stopped_is_unavailable(
     start_agent: AgentFactory, stoppable_s3: S3Server
 ) -> None:
     """With S3 down, a model never pulled is SourceUnavailable and leaves nothing in the cache."""
-    agent = start_agent("[s3]\nmax_attempts = 2\n", s3=stoppable_s3)
+    agent = start_agent("[s3]\nretries = 2\n", s3=stoppable_s3)
     stoppable_s3.stop()
     from agent import SourceUnavailable
 

@@ -32,7 +32,7 @@ from agent.store.catalog import Store
 from agent.testing import Fault, FaultProxy, MemorySource, S3Server, SampleModel, upload_model
 
 # Long enough that waiting for it, or for botocore's 20 attempts, trips the test timeout.
-PATIENT = "offline_after_seconds = 600\n[s3]\nmax_attempts = 20\n"
+PATIENT = "offline_after_seconds = 600\n[s3]\nretries = 20\n"
 
 ServiceFactory = Callable[..., AbstractAsyncContextManager[AgentService]]
 
@@ -146,7 +146,7 @@ async def test_listing_a_refused_endpoint_is_unreachable_after_one_attempt(
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    settings = _s3_settings(f"http://127.0.0.1:{_closed_port()}", max_attempts=20)
+    settings = _s3_settings(f"http://127.0.0.1:{_closed_port()}", retries=20)
     async with S3Source(settings) as source:
         with pytest.raises(SourceUnreachable, match="Cannot reach S3"):
             await source.list_objects(parse_uri("s3://refused/models/m/"))

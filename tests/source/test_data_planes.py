@@ -86,8 +86,7 @@ async def running_agent(
         "addressing_style": "path",
         "chunk_size": MiB,
         "concurrency": 2,
-        "max_attempts": 2,
-        "range_retries": 2,
+        "retries": 2,
     }
     values.update(s3_settings)
     settings = Settings.model_validate(
@@ -180,9 +179,7 @@ async def test_a_pull_resumes_from_another_planes_journal(
     # aiobotocore gives up on the last shard half way (every GET of it fails)...
     last = shards(small_model)[-1]
     proxy.add(Fault.internal_error(key=last, times=None))
-    async with running_agent(
-        tmp_path, s3_server, proxy.endpoint_url, range_retries=0, max_attempts=1
-    ) as agent:
+    async with running_agent(tmp_path, s3_server, proxy.endpoint_url, retries=0) as agent:
         with pytest.raises(SourceUnavailable):
             await agent.ensure(small_model.uri, PullOptions(data_plane="aiobotocore"))
         proxy.clear()
@@ -236,9 +233,7 @@ async def test_a_stalled_get_is_abandoned_and_retried(
 ) -> None:
     """A GET that goes silent is dropped after the low-speed window, not the read timeout."""
     proxy.add(Fault.stall(after_bytes=10_000, key=small_model.prefix, times=1))
-    async with running_agent(
-        tmp_path, s3_server, proxy.endpoint_url, request_timeout_ms=1000, read_timeout_seconds=60
-    ) as agent:
+    async with running_agent(tmp_path, s3_server, proxy.endpoint_url, low_speed_seconds=1) as agent:
         result = await agent.ensure(small_model.uri, PullOptions(data_plane=plane))
     assert proxy.injected("stall") == 1
     assert_identical(result, small_model)
@@ -260,9 +255,7 @@ async def test_a_persistent_fault_fails_the_pull_naming_the_object(
     """An object that keeps failing fails the pull with its S3 URI and cause; nothing published."""
     victim = shards(small_model)[1]
     proxy.add(Fault.slow_down(key=victim, times=None))
-    async with running_agent(
-        tmp_path, s3_server, proxy.endpoint_url, range_retries=1, max_attempts=1
-    ) as agent:
+    async with running_agent(tmp_path, s3_server, proxy.endpoint_url, retries=1) as agent:
         with pytest.raises(SourceUnavailable) as failure:
             # Only the victim: the failure names it, and nothing else is pulled.
             await agent.ensure(small_model.uri, PullOptions(data_plane=plane), (only(victim),))
@@ -283,9 +276,7 @@ async def test_a_body_that_is_always_cut_short_is_never_published(
     """A body always cut short fails the pull naming the object, and publishes nothing."""
     victim = shards(small_model)[0]
     proxy.add(Fault.truncate(after_bytes=1000, key=victim, times=None))
-    async with running_agent(
-        tmp_path, s3_server, proxy.endpoint_url, range_retries=1, max_attempts=1
-    ) as agent:
+    async with running_agent(tmp_path, s3_server, proxy.endpoint_url, retries=1) as agent:
         with pytest.raises(SourceUnavailable, match=victim):
             await agent.ensure(small_model.uri, PullOptions(data_plane=plane), (only(victim),))
     assert published(tmp_path) == []
@@ -300,9 +291,7 @@ async def test_stopping_a_pull_does_not_wait_out_a_silent_s3(
     """Shutdown stops a pull stuck on a silent S3 promptly and keeps its staging."""
     # Every GET goes silent: the workers would wait for the first-byte deadline.
     proxy.add(Fault.stall(key=small_model.prefix, times=None))
-    async with running_agent(
-        tmp_path, s3_server, proxy.endpoint_url, request_timeout_ms=1000
-    ) as agent:
+    async with running_agent(tmp_path, s3_server, proxy.endpoint_url, low_speed_seconds=1) as agent:
         pull = asyncio.create_task(
             agent.ensure(small_model.uri, PullOptions(data_plane="processes"))
         )

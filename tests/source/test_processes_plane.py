@@ -113,7 +113,7 @@ async def test_an_object_replaced_mid_pull_fails_with_source_changed(
     victim = shards(small_model)[0]
     proxy.add(Fault.stall(after_bytes=10_000, key=victim, times=1))
     async with running_agent(
-        tmp_path, s3_server, proxy.endpoint_url, request_timeout_ms=500, concurrency=1
+        tmp_path, s3_server, proxy.endpoint_url, low_speed_seconds=0.5, concurrency=1
     ) as agent:
         pull = asyncio.create_task(agent.ensure(small_model.uri, PROCESSES))
         await asyncio.to_thread(proxy.wait_injected, "stall")
@@ -162,7 +162,7 @@ async def test_killed_workers_lose_only_their_ranges_and_are_replaced(
     range retries, the files come out identical, and the pool is whole again."""
     proxy.add(Fault.stall(after_bytes=10_000, key=small_model.prefix, times=1))
     async with running_agent(
-        tmp_path, s3_server, proxy.endpoint_url, request_timeout_ms=60_000, worker_processes=2
+        tmp_path, s3_server, proxy.endpoint_url, low_speed_seconds=60, worker_processes=2
     ) as agent:
         pool = await _pool(agent.puller)
         pull = asyncio.create_task(agent.ensure(small_model.uri, PROCESSES))
@@ -187,8 +187,7 @@ async def test_stopping_a_pull_cuts_its_reads_and_the_workers_exit_with_the_agen
         tmp_path,
         s3_server,
         proxy.endpoint_url,
-        request_timeout_ms=60_000,
-        read_timeout_seconds=60,
+        low_speed_seconds=60,
     ) as agent:
         pids = (await _pool(agent.puller)).pids()
         pull = asyncio.create_task(agent.ensure(small_model.uri, PROCESSES))
@@ -212,7 +211,7 @@ async def test_a_worker_that_does_not_answer_stop_is_killed_before_the_pull_retu
     so nothing of the stopped pull can write into its staging files afterwards."""
     proxy.add(Fault.stall(after_bytes=10_000, key=small_model.prefix, times=None))
     async with running_agent(
-        tmp_path, s3_server, proxy.endpoint_url, request_timeout_ms=60_000, worker_processes=1
+        tmp_path, s3_server, proxy.endpoint_url, low_speed_seconds=60, worker_processes=1
     ) as agent:
         pool = await _pool(agent.puller)
         pool.stop_grace = 1.0
@@ -238,7 +237,7 @@ async def test_a_frozen_worker_is_killed_and_its_ranges_finish_on_another(
     hanging until someone sends SIGCONT."""
     proxy.add(Fault.stall(after_bytes=10_000, key=small_model.prefix, times=1))
     async with running_agent(
-        tmp_path, s3_server, proxy.endpoint_url, request_timeout_ms=60_000, worker_processes=1
+        tmp_path, s3_server, proxy.endpoint_url, low_speed_seconds=60, worker_processes=1
     ) as agent:
         pool = await _pool(agent.puller)
         pool.stall_seconds = 2.0

@@ -34,10 +34,9 @@ from agent.source.s3 import S3Source, SourceSilent
 from agent.store.catalog import Store
 from agent.testing import AgentProcess, Fault, FaultProxy, S3Server, SampleModel
 
-# The bound these tests give the agent, and how long one attempt may wait for a
-# byte: a silent endpoint is tried about three times within the bound.
+# The bound these tests give the agent; each attempt waits a third of it, so a silent
+# endpoint is tried three times within the bound.
 BOUND = 3.0
-READ = 1.0
 # What a test's wall clock allows beyond the bound: interpreter start-up for the CLI,
 # a loaded machine. The wait the agent itself reports is held to the bound exactly.
 SLACK = 6.0
@@ -71,7 +70,6 @@ def _settings(endpoint_url: str, **overrides: Any) -> S3Settings:
         "endpoint_url": endpoint_url,
         "addressing_style": "path",
         "first_byte_timeout_seconds": BOUND,
-        "read_timeout_seconds": READ,
     }
     return S3Settings(**(values | overrides))
 
@@ -132,7 +130,7 @@ def test_a_cold_pull_from_a_silent_s3_fails_within_the_bound_and_says_what_to_ch
     wait and what to check; the daemon logged each retry with the endpoint while it waited.
     """
     silent_proxy.add(Fault.silent(times=None))
-    config = f"[s3]\nfirst_byte_timeout_seconds = {BOUND}\nread_timeout_seconds = {READ}\n"
+    config = f"[s3]\nfirst_byte_timeout_seconds = {BOUND}\n"
     env = s3_server.env() | {"AWS_ENDPOINT_URL": silent_proxy.endpoint_url}
     with AgentProcess(env=env, config=config, parent=tmp_path) as agent:
         started = time.monotonic()
@@ -164,19 +162,17 @@ async def test_a_data_plane_get_that_gets_no_answer_fails_within_the_bound(
     silent_proxy: FaultProxy,
     tmp_path: Path,
 ) -> None:
-    """The ranged-GET planes keep the listing's bound, also with a read timeout longer
-    than it: a swallowed GET fails the pull within the bound (range retries off; the
-    processes plane counts the silence of a range's every retry against the bound, so
-    with retries on too), UNAVAILABLE naming the endpoint, nothing published.
+    """The ranged-GET planes keep the listing's bound: a swallowed GET fails the pull
+    within the bound (range retries off; the processes plane counts the silence of a
+    range's every retry against the bound, so with retries on too), UNAVAILABLE naming
+    the endpoint, nothing published.
     """
     silent_proxy.add(Fault.silent(key=small_model.prefix, times=None))
     settings = Settings.model_validate(
         {
             "socket_path": tmp_path / "agent.sock",
             "tiers": {"shm_root": tmp_path / "shm", "disk_root": tmp_path / "disk"},
-            "s3": _settings(
-                silent_proxy.endpoint_url, range_retries=range_retries, read_timeout_seconds=60
-            ).model_dump(),
+            "s3": _settings(silent_proxy.endpoint_url, retries=range_retries).model_dump(),
         }
     )
     store = Store({"shm": tmp_path / "shm", "disk": tmp_path / "disk"})

@@ -25,7 +25,7 @@ def s3_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
 
 
 def _settings(endpoint_url: str) -> S3Settings:
-    return S3Settings(endpoint_url=endpoint_url, addressing_style="path", max_attempts=5)
+    return S3Settings(endpoint_url=endpoint_url, addressing_style="path", retries=5)
 
 
 async def test_a_listing_whose_connection_is_reset_is_retried(

@@ -180,7 +180,7 @@ def _open_files(
         try:
             for obj in snapshot.objects:
                 # On tmpfs, fallocate zero-fills every page that the pull then overwrites
-                # (0.72 s of a 3.5 s cold pull of 2 GiB, docs/benchmarks.md); the budget
+                # (0.55 s of a 3.0 s cold pull of 2 GiB, docs/benchmarks.md); the budget
                 # check has already reserved the room, and ENOSPC while writing is still
                 # a clean NoSpace. Disk filesystems reserve extents without writing them.
                 fds[obj.relative_path] = _open_file(

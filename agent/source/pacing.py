@@ -79,7 +79,7 @@ def is_transient_answer(status: int, code: str) -> bool:
 
 
 # A read is never under 64 KiB (per-call overhead) nor over 512 KiB: the buffer is per
-# worker, and 256 KiB, 512 KiB and 1.5 MiB measured alike (docs/data-planes.md).
+# GET, and read steps of 64 KiB to 4 MiB cost the same CPU per GiB (docs/benchmarks.md).
 _MIN_STEP = 64 * 1024
 _MAX_STEP = 512 * 1024
 

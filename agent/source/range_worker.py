@@ -2,8 +2,9 @@
 
 Why a process: over HTTPS, Python's ``SSLSocket`` hands back one TLS record
 (at most 16 KiB) per read and takes the interpreter lock again for each, and
-every thread of a process shares that one lock. In the daemon's own threads
-that capped a node near 6 GiB/s whatever its cores (docs/data-planes.md).
+every thread of a process shares that one lock: a process's GETs hold it
+0.32-0.43 s per GiB, which caps one process at 2.4-3.1 GiB/s whatever its
+cores (docs/benchmarks.md).
 Each worker has an interpreter, and a lock, of its own.
 
 What a worker does, and no more: the daemon (agent.source.process_plane) sends

@@ -6,7 +6,8 @@ It makes one ``grpc.health.v1.Health/Check`` call and answers with its exit stat
 
 - 0: SERVING (the cache index is rebuilt and the sockets are bound);
 - 1: the agent answered but is not serving (starting, or draining after SIGTERM);
-- 3: nothing answered on the socket within ``--timeout``.
+- 3: no agent could be reached on the socket (said as every command says it:
+  ``agent.client._unreachable``), or none answered within ``--timeout``.
 
 ``--wait-for-agent SECONDS`` makes it an init container's wait: it follows the
 health service's Watch stream (grpc waits for the socket to appear) until the
@@ -26,9 +27,10 @@ import typer
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from agent.client import AgentUnavailable, wait_for_agent
+from agent.client._exceptions import translate_rpc_error
 from agent.client._transport import CHANNEL_OPTIONS, channel_target, resolve_socket_path
 
-from ._errors import EXIT_NO_AGENT
+from ._errors import EXIT_NO_AGENT, say
 from ._options import JsonOption, SocketOption, WaitForAgentOption
 
 __all__ = ["health_command"]
@@ -54,15 +56,18 @@ def health_command(
     agent to start and report SERVING before answering.
     """
     path = resolve_socket_path(socket)
-    if wait_for_agent > 0:
-        status, error = _wait_until_serving(path, service, wait_for_agent)
-    else:
-        status, error = _check(path, service, timeout)
+    try:
+        if wait_for_agent > 0:
+            status, error = _wait_until_serving(path, service, wait_for_agent)
+        else:
+            status, error = _check(path, service, timeout)
+    except AgentUnavailable as exc:
+        status, error = "UNREACHABLE", str(exc)
     if json_out:
         document = {"socket": str(path), "service": service, "status": status, "error": error}
         sys.stdout.write(json.dumps(document) + "\n")
     elif error:
-        sys.stderr.write(f"error: {error}\n")
+        say(f"error: {error}")
     else:
         sys.stdout.write(f"{status}\n")
     if status == "SERVING":
@@ -77,23 +82,25 @@ def _check(path: Path, service: str, timeout: float) -> tuple[str, str]:
         try:
             response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         except grpc.RpcError as exc:
-            code = exc.code()
-            if code == grpc.StatusCode.NOT_FOUND:
-                return "SERVICE_UNKNOWN", f"the agent on {path} knows no service {service!r}"
-            return "UNREACHABLE", (
-                f"no prewarm agent answered on {path} ({code.name}, timeout {timeout:g} s); "
-                "is prewarmd running (systemctl status prewarmd), and is the socket mounted?"
-            )
+            return _unanswered(exc, path, service, timeout)
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status), ""
+
+
+def _unanswered(exc: grpc.RpcError, path: Path, service: str, timeout: float) -> tuple[str, str]:
+    """(status name, error sentence) for a Check that failed: a socket that cannot be
+    reached is diagnosed by the client, in the words every other command uses."""
+    code = exc.code()
+    if code == grpc.StatusCode.NOT_FOUND:
+        return "SERVICE_UNKNOWN", f"the agent on {path} knows no service {service!r}"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "UNREACHABLE", f"the prewarm agent on {path} did not answer within {timeout:g} s"
+    return "UNREACHABLE", str(translate_rpc_error(exc, path))
 
 
 def _wait_until_serving(path: Path, service: str, seconds: float) -> tuple[str, str]:
     """Wait for the socket, then follow the health Watch stream until SERVING or the deadline."""
     deadline = time.monotonic() + seconds
-    try:
-        wait_for_agent(path, seconds, waiting=_say_waiting)
-    except AgentUnavailable as exc:
-        return "UNREACHABLE", str(exc)
+    wait_for_agent(path, seconds, waiting=_say_waiting)
     request = health_pb2.HealthCheckRequest(service=service)
     status = "UNREACHABLE"
     with grpc.insecure_channel(channel_target(path), options=CHANNEL_OPTIONS) as channel:
@@ -113,5 +120,5 @@ def _wait_until_serving(path: Path, service: str, seconds: float) -> tuple[str, 
 
 
 def _say_waiting(why: str) -> None:
-    sys.stderr.write(f"prewarm: the agent is not serving yet ({why}); waiting for it\n")
+    say(f"the agent is not serving yet ({why}); waiting for it", prefix="prewarm: ")
     sys.stderr.flush()

@@ -36,6 +36,8 @@ from agent._exceptions import (
     error_type_for_status,
 )
 
+from ._unreachable import diagnose
+
 __all__ = [
     "AccessDenied",
     "AgentUnavailable",
@@ -75,24 +77,17 @@ _TRANSPORT_FAILURE = re.compile(
 _GRPC_CANCEL_DETAILS = frozenset(
     {"", "Cancelled", "CANCELLED", "Locally cancelled by application!"}
 )
-_START_HINT = "start it (systemctl start prewarmd) or pass --socket / PREWARM_SOCKET_PATH"
 
 
 def agent_unavailable(socket_path: Path, details: str) -> AgentUnavailable:
     """The error for an agent this process could not reach, saying what to do about it."""
-    if not socket_path.exists():
+    if details.startswith("failed to connect") or not socket_path.exists():
+        unreachable = diagnose(socket_path)
+        if unreachable is not None:
+            return unreachable.error()
         return AgentUnavailable(
-            f"no prewarm agent is listening on {socket_path} (the socket does not exist): "
-            f"{_START_HINT}."
-        )
-    if "Permission denied" in details:
-        return AgentUnavailable(
-            f"permission denied on the prewarm agent's socket {socket_path}: run as a member "
-            "of the socket's group (see socket_group in /etc/prewarm/agent.toml) or as root."
-        )
-    if details.startswith("failed to connect"):
-        return AgentUnavailable(
-            f"no prewarm agent is listening on {socket_path} (connection refused): {_START_HINT}."
+            f"the prewarm agent on {socket_path} did not take the connection ({details}), "
+            "though it takes one now: it may have just started; retry."
         )
     return AgentUnavailable(
         f"lost the connection to the prewarm agent on {socket_path} mid-call ({details}); "

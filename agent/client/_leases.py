@@ -40,6 +40,7 @@ from typing import Generic, Self, TypeVar
 
 from ._exceptions import AgentUnavailable, Conflict, NotFound, PrewarmError, error_for_code
 from ._models import LeaseGrant, ModelHandle
+from ._unreachable import diagnose
 
 __all__ = [
     "HOLD_TIMEOUT",
@@ -184,11 +185,8 @@ class _Hold(Generic[Connection]):
                 "is older than this client, or its directory is mounted elsewhere in this "
                 "pod (pass socket_path)."
             )
-        if isinstance(exc, PermissionError):
-            return AgentUnavailable(
-                f"permission denied on the prewarm lease socket {path}: run as a member of "
-                "the socket's group (see socket_group in /etc/prewarm/agent.toml) or as root."
-            )
+        if isinstance(exc, PermissionError) and (unreachable := diagnose(path, exc)):
+            return unreachable.error()  # names the group, as the API socket's refusal does
         if isinstance(exc, ConnectionRefusedError):
             return AgentUnavailable(
                 f"nobody is listening on the prewarm lease socket {path} (connection refused): "

@@ -5,24 +5,25 @@ bound its socket. ``wait_for_agent`` returns as soon as the socket accepts a
 connection, and gives up after a bounded time with a sentence saying what was
 missing. The waiting itself is grpc's: a channel reconnecting with a short
 backoff until it is ready, so the agent is found within about a second of
-binding its socket, and nothing here sleeps or polls. A socket this user may
-not open (EACCES) is not waited for: group membership does not change while a
-process runs, so it fails at once with the fix.
+binding its socket, and nothing here sleeps or polls. What waiting cannot
+change is not waited for: a socket this user may not open (group membership
+does not change while a process runs), a path that names a directory or a
+file (the agent refuses to bind over it), a path too long for a socket
+address; each fails at once with the fix (``_unreachable``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
-import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import grpc
 
-from ._exceptions import AgentUnavailable, agent_unavailable, translate_rpc_error
+from ._exceptions import AgentUnavailable, translate_rpc_error
+from ._unreachable import diagnose, too_long
 
 __all__ = [
     "CHANNEL_OPTIONS",
@@ -74,20 +75,12 @@ def resolve_socket_path(socket_path: str | os.PathLike[str] | None) -> Path:
     return Path(from_env) if from_env else DEFAULT_SOCKET_PATH
 
 
-# A Unix socket address holds 108 bytes, the terminating NUL included.
-MAX_SOCKET_PATH_BYTES = 107
-
-
 def channel_target(socket_path: Path) -> str:
     """The grpc target that names a Unix socket; AgentUnavailable for a path no socket
-    address can hold (grpc itself would log the path raw on stderr and answer nothing)."""
-    size = len(os.fsencode(socket_path))
-    if size > MAX_SOCKET_PATH_BYTES:
-        raise AgentUnavailable(
-            f"no prewarm agent can be reached at {socket_path}: the path is {size} bytes, longer "
-            f"than the {MAX_SOCKET_PATH_BYTES} a Unix socket address holds; use a shorter path "
-            "(--socket / PREWARM_SOCKET_PATH)"
-        )
+    address can hold."""
+    unreachable = too_long(socket_path)
+    if unreachable is not None:
+        raise unreachable.error()
     return f"unix:{socket_path}"
 
 
@@ -122,51 +115,27 @@ def wait_for_agent(
 ) -> None:
     """Return once the agent accepts connections on its socket; wait at most ``timeout`` s.
 
-    ``waiting`` is called once, with the reason (``the socket does not exist
-    yet``), when the agent is not there at the first try and the wait begins.
+    ``waiting`` is called once, with the reason (``the socket does not
+    exist``), when the agent is not there at the first try and the wait begins.
     Raises ``AgentUnavailable`` when the time runs out (naming what was
-    missing), at once when ``timeout`` is 0, and at once when this user may not
-    open the socket. Blocking; from asyncio, ``await asyncio.to_thread(...)``.
+    missing), at once when ``timeout`` is 0, and at once when waiting cannot
+    change it (this user may not open the socket; the path is not a socket, or
+    too long for one). Blocking; from asyncio, ``await asyncio.to_thread(...)``.
     """
     path = resolve_socket_path(socket_path)
-    problem = _connect_once(path)
-    if problem is None:
+    unreachable = diagnose(path)
+    if unreachable is None:
         return
-    if isinstance(problem, PermissionError) or timeout <= 0:
-        raise _unavailable(path, problem)
+    if unreachable.lasting or timeout <= 0:
+        raise unreachable.error()
     if waiting is not None:
-        waiting(_why(problem))
+        waiting(unreachable.cause)
     with grpc.insecure_channel(channel_target(path), options=_WAITING_OPTIONS) as channel:
         try:
             grpc.channel_ready_future(channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
-            last = _connect_once(path) or problem
+            last = diagnose(path) or unreachable
             raise AgentUnavailable(
-                f"no prewarm agent answered on {path} within {timeout:g} s ({_why(last)}): "
-                "check that the agent runs on this node (the prewarm DaemonSet's pod, or "
-                "systemctl status prewarmd) and that its socket directory is mounted here."
+                f"no prewarm agent answered on {path} within {timeout:g} s ({last.cause}). "
+                f"{last.fix}"
             ) from None
-
-
-def _connect_once(path: Path) -> OSError | None:
-    """One plain connect: None if the socket accepted it, else why not."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(str(path))
-        except OSError as exc:
-            return exc
-    return None
-
-
-def _why(problem: OSError) -> str:
-    if isinstance(problem, FileNotFoundError):
-        return "the socket does not exist yet"
-    if isinstance(problem, ConnectionRefusedError):
-        return "nothing listens on the socket yet"
-    return problem.strerror or errno.errorcode.get(problem.errno or 0, str(problem))
-
-
-def _unavailable(path: Path, problem: OSError) -> AgentUnavailable:
-    # The same sentences as a failed call (permission: which group to join).
-    details = "Permission denied" if isinstance(problem, PermissionError) else "failed to connect"
-    return agent_unavailable(path, details)

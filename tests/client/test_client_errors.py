@@ -5,8 +5,9 @@ The server is tests.scripted_agent, a stand-in that answers what the test asks f
 
 from __future__ import annotations
 
+import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -85,7 +86,9 @@ def test_missing_socket_is_agent_unavailable_with_a_hint(tmp_path: Path) -> None
     missing = tmp_path / "nobody.sock"
     with Client(missing) as client, pytest.raises(AgentUnavailable) as info:
         client.status()
-    assert str(info.value).startswith(f"no prewarm agent is listening on {missing}")
+    assert str(info.value).startswith(
+        f"cannot reach the prewarm agent at {missing}: the socket does not exist."
+    )
     assert "PREWARM_SOCKET_PATH" in str(info.value)
 
 
@@ -94,7 +97,10 @@ def test_socket_nobody_listens_on_is_agent_unavailable(tmp_path: Path) -> None:
     dead = tmp_path / "dead.sock"
     with socket.socket(socket.AF_UNIX) as sock:
         sock.bind(str(dead))
-    with Client(dead) as client, pytest.raises(AgentUnavailable, match="connection refused"):
+    with (
+        Client(dead) as client,
+        pytest.raises(AgentUnavailable, match="the connection was refused"),
+    ):
         client.list_models()
 
 
@@ -153,7 +159,7 @@ async def test_async_client_streams_progress_and_maps_errors(socket_path: Path) 
 async def test_async_client_on_missing_socket_is_agent_unavailable(tmp_path: Path) -> None:
     """The async client reports a missing socket as AgentUnavailable."""
     async with AsyncClient(tmp_path / "nobody.sock") as client:
-        with pytest.raises(AgentUnavailable, match="no prewarm agent is listening"):
+        with pytest.raises(AgentUnavailable, match="the socket does not exist"):
             await client.status()
 
 
@@ -177,9 +183,9 @@ def test_wait_for_agent_gives_up_after_its_timeout_naming_what_was_missing(
     saying how long it waited and that the socket does not exist; 0 fails at once."""
     missing = tmp_path / "agent.sock"
     said: list[str] = []
-    with pytest.raises(AgentUnavailable, match=r"within 0\.3 s \(the socket does not exist yet\)"):
+    with pytest.raises(AgentUnavailable, match=r"within 0\.3 s \(the socket does not exist\)"):
         wait_for_agent(missing, 0.3, waiting=said.append)
-    assert said == ["the socket does not exist yet"]
+    assert said == ["the socket does not exist"]
     with pytest.raises(AgentUnavailable, match="the socket does not exist"):
         wait_for_agent(missing, 0, waiting=said.append)
     assert len(said) == 1
@@ -190,3 +196,52 @@ def test_wait_for_agent_returns_at_once_when_the_agent_serves(agent_daemon: Agen
     said: list[str] = []
     wait_for_agent(agent_daemon.socket_path, 5, waiting=said.append)
     assert said == []
+
+
+def _directory(path: Path) -> None:
+    path.mkdir()
+
+
+def _regular_file(path: Path) -> None:
+    path.write_text("not a socket")
+
+
+def _named_pipe(path: Path) -> None:
+    os.mkfifo(path)
+
+
+@pytest.mark.parametrize(
+    ("make", "kind"),
+    [(_directory, "a directory"), (_regular_file, "a regular file"), (_named_pipe, "a named pipe")],
+    ids=["directory", "regular-file", "named-pipe"],
+)
+def test_wait_for_agent_fails_at_once_on_a_path_that_is_not_a_socket(
+    tmp_path: Path, make: Callable[[Path], None], kind: str
+) -> None:
+    """A path naming something other than a socket is said to be what it is, at once: the agent
+    refuses to bind over it, so waiting (here up to 30 s) could never end well."""
+    path = tmp_path / "agent.sock"
+    make(path)
+    said: list[str] = []
+    with pytest.raises(AgentUnavailable) as info:
+        wait_for_agent(path, 30, waiting=said.append)
+    assert str(info.value).startswith(
+        f"cannot reach the prewarm agent at {path}: it is {kind}, not a socket. "
+    )
+    assert said == []
+
+
+def test_a_path_too_long_for_a_socket_address_is_not_waited_for(tmp_path: Path) -> None:
+    """A path over the 107 bytes a socket address holds is AgentUnavailable at once, naming its
+    length, from a call and from wait_for_agent alike (nothing reaches grpc)."""
+    path = tmp_path / ("d" * 120) / "agent.sock"
+    size = len(os.fsencode(path))
+    expected = (
+        f"cannot reach the prewarm agent at {path}: the path is {size} bytes, longer than the 107 "
+        "a Unix socket address holds. Use a shorter path (--socket / PREWARM_SOCKET_PATH)."
+    )
+    with pytest.raises(AgentUnavailable) as waited:
+        wait_for_agent(path, 30)
+    with pytest.raises(AgentUnavailable) as called, Client(path) as client:
+        client.status()
+    assert str(waited.value) == str(called.value) == expected

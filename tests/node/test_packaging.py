@@ -137,7 +137,7 @@ def test_health_exits_3_when_nothing_answers(tmp_path: Path) -> None:
     result = prewarm_health("--socket", str(tmp_path / "agent.sock"))
     assert result.returncode == 3
     assert result.stderr.startswith(
-        f"error: no prewarm agent answered on {tmp_path / 'agent.sock'}"
+        f"error: cannot reach the prewarm agent at {tmp_path / 'agent.sock'}: "
     )
 
 

@@ -1,0 +1,208 @@
+"""Every ``prewarm`` command on a socket path it cannot use: one sentence, one exit status.
+
+The commands are read from the typer app, so a command added later is held to the same
+sentence without a line here. Each case runs every command as a real process, all at once
+(each is an interpreter start, and they wait on nothing but the CPU).
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import re
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+import typer
+from agent_helpers import NOBODY, outside_the_socket_group
+from typer.core import TyperArgument, TyperCommand, TyperGroup
+
+from agent.cli import app
+
+# A value each argument accepts before any call: a URI where one is asked for, a whole
+# compile-cache key (it is a snapshot key prefix too) elsewhere, a command for `exec`.
+_URI = "s3://models/llama/"
+_KEY = "0123456789abcdef0123456789abcdef"
+_COMMAND = "true"
+# What `prewarm exec` adds around the sentence: its name in a pod's log, the fallback's hint.
+_EXEC_PREFIX = "prewarm: "
+_EXEC_SUFFIX = re.compile(r" \(--fallback would run the command against \S+\)$")
+_WHERE_THE_PATH_IS_SET = (
+    "The agent serves on socket_path from its config (/etc/prewarm/agent.toml, or the file "
+    "given to prewarmd --config); point this client at that path with --socket or "
+    "PREWARM_SOCKET_PATH."
+)
+_START = "Start the agent (systemctl start prewarmd, or the prewarm DaemonSet's pod on this node)."
+
+
+def _leaves(command: object, path: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
+    if isinstance(command, TyperGroup):
+        for name, sub in sorted(command.commands.items()):
+            yield from _leaves(sub, (*path, name))
+    else:
+        yield path
+
+
+def _command(path: Sequence[str]) -> TyperCommand:
+    command: object = typer.main.get_command(app)
+    for name in path:
+        assert isinstance(command, TyperGroup)
+        command = command.commands[name]
+    assert isinstance(command, TyperCommand)
+    return command
+
+
+def every_command() -> list[tuple[str, ...]]:
+    """Every leaf command of ``prewarm``, as its words: ("ls",), ("compile", "push")..."""
+    return list(_leaves(typer.main.get_command(app), ()))
+
+
+def _argv(path: Sequence[str], socket_path: Path) -> list[str]:
+    """``prewarm PATH --socket SOCKET -- ARGS``, each argument given a value it accepts."""
+    values: list[str] = []
+    for parameter in _command(path).params:
+        if not isinstance(parameter, TyperArgument):
+            continue
+        if parameter.nargs == -1:
+            values.append(_COMMAND)
+        else:
+            values.append(_URI if parameter.name == "uri" else _KEY)
+    return [*path, "--socket", str(socket_path), "--", *values]
+
+
+def _run_every_command(socket_path: Path, prefix: Sequence[str] = ()) -> dict[str, tuple[int, str]]:
+    """Each command's (exit status, stderr), all run at once: a fresh interpreter each."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}
+    env["PREWARM_WAIT_FOR_AGENT"] = "0"  # `exec` would wait a minute for a missing socket
+    started = {
+        " ".join(path): subprocess.Popen(
+            [*prefix, sys.executable, "-m", "agent.cli", *_argv(path, socket_path)],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for path in every_command()
+    }
+    return {name: (run.wait(120), run.communicate()[1]) for name, run in started.items()}
+
+
+def _the_one_sentence(ran: dict[str, tuple[int, str]]) -> str:
+    """The sentence every command said (exec's name and fallback hint set aside), after
+    checking each exited 3 with that one line and nothing else."""
+    said: dict[str, str] = {}
+    for name, (status, stderr) in ran.items():
+        assert status == 3, (name, stderr)
+        assert stderr.count("\n") == 1, (name, stderr)
+        line = stderr.removesuffix("\n")
+        if name == "exec":
+            line = _EXEC_SUFFIX.sub("", line.removeprefix(_EXEC_PREFIX))
+        said[name] = line
+    assert len(set(said.values())) == 1, said
+    return next(iter(said.values()))
+
+
+def test_the_command_list_reaches_every_command() -> None:
+    """The list the cases run is the app's: the top-level commands, exec and health, and every
+    compile sub-command."""
+    commands = every_command()
+    for expected in [("ls",), ("pull",), ("exec",), ("health",), ("compile", "push")]:
+        assert expected in commands
+    assert ("compile", "compact") in commands
+    assert ("compile",) not in commands
+
+
+@pytest.mark.slow  # every command, each a fresh interpreter
+def test_a_missing_socket_is_one_sentence_from_every_command(tmp_path: Path) -> None:
+    """No file at the path: every command exits 3 saying the socket does not exist, how to
+    start the agent, and where its path is set on each side."""
+    missing = tmp_path / "agent.sock"
+    said = _the_one_sentence(_run_every_command(missing))
+    assert said == (
+        f"error: cannot reach the prewarm agent at {missing}: the socket does not exist. "
+        f"{_START} {_WHERE_THE_PATH_IS_SET}"
+    )
+
+
+@pytest.mark.slow  # every command, each a fresh interpreter
+def test_a_directory_is_one_sentence_from_every_command(tmp_path: Path) -> None:
+    """A directory at the path (a connect to it is refused, like a dead socket's): every
+    command exits 3 saying it is a directory, not a socket, never "connection refused"."""
+    directory = tmp_path / "agent.sock"
+    directory.mkdir()
+    said = _the_one_sentence(_run_every_command(directory))
+    assert said == (
+        f"error: cannot reach the prewarm agent at {directory}: it is a directory, not a socket. "
+        f"{_WHERE_THE_PATH_IS_SET}"
+    )
+
+
+@pytest.mark.slow  # every command, each a fresh interpreter
+def test_a_regular_file_is_one_sentence_from_every_command(tmp_path: Path) -> None:
+    """A regular file at the path: every command exits 3 saying it is a regular file, not a
+    socket, and where the agent's socket path is set."""
+    regular = tmp_path / "agent.sock"
+    regular.write_text("not a socket")
+    said = _the_one_sentence(_run_every_command(regular))
+    assert said == (
+        f"error: cannot reach the prewarm agent at {regular}: it is a regular file, not a "
+        f"socket. {_WHERE_THE_PATH_IS_SET}"
+    )
+
+
+@pytest.mark.slow  # every command, each a fresh interpreter
+def test_a_socket_this_user_may_not_open_is_one_sentence_from_every_command(
+    tmp_path: Path,
+) -> None:
+    """A listening socket of another group, mode 0660, to a user outside that group: every
+    command (health too, which once said no agent answered) exits 3 naming the socket's
+    group and the fix, never click's "path is not readable" (exit 2)."""
+    path = tmp_path / "agent.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(path))
+        listener.listen()
+        outsider = outside_the_socket_group(path)
+        said = _the_one_sentence(_run_every_command(path, prefix=outsider))
+    group = grp.getgrgid(NOBODY).gr_name
+    assert said == (
+        f"error: cannot reach the prewarm agent at {path}: permission denied on the socket "
+        f"(group {group}, mode 0660). Run as a member of group {group} or as root (in a pod: "
+        f"securityContext.supplementalGroups: [{NOBODY}])."
+    )
+
+
+def test_a_socket_directory_this_user_may_not_enter_is_named_with_its_group(
+    tmp_path: Path,
+) -> None:
+    """A socket inside a directory of another group, mode 0750, to a user outside that group:
+    the command names that directory and its group (the socket itself cannot be seen)."""
+    directory = tmp_path / "prewarm"
+    directory.mkdir()
+    path = directory / "agent.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(path))
+        listener.listen()
+        outsider = outside_the_socket_group(path)
+        os.chown(directory, NOBODY, NOBODY)
+        directory.chmod(0o750)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}
+        done = subprocess.run(
+            [*outsider, sys.executable, "-m", "agent.cli", *_argv(("status",), path)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    group = grp.getgrgid(NOBODY).gr_name
+    assert (done.returncode, done.stderr) == (
+        3,
+        f"error: cannot reach the prewarm agent at {path}: permission denied on the directory "
+        f"{directory} (group {group}, mode 0750). Run as a member of group {group} or as root "
+        f"(in a pod: securityContext.supplementalGroups: [{NOBODY}]).\n",
+    )

@@ -537,11 +537,13 @@ class CompileCaches:
             domain.compacting.discard(found.key)
 
     async def push(self, ref: str, scope: Scope = NODE_SCOPE) -> PushOutcome:
-        """Pack and upload a key now (skipped when S3 already has the same content)."""
+        """Pack and upload a key now (skipped when S3 already has the same content);
+        Conflict without compile_cache.uri."""
         found = self.find(ref, scope)
         domain, key = self._domains[found.domain], found.key
         if domain.transfer is None:
-            return PushOutcome(False, "", "", 0, "compile_cache.uri is not set")
+            # Nothing to push to is a setting to fix, as for pull and compact, not a skip.
+            raise Conflict("compile_cache.uri is not set; there is nowhere to push to.")
         async with domain.key_locks[key]:
             record = domain.index.get(key)
             if record is None:

@@ -174,16 +174,16 @@ async def test_pull_refuses_a_manifest_whose_parts_hash_to_another_key(
     assert not list((tmp_path / "b" / "disk" / "compile" / "node" / ".tmp").iterdir())
 
 
-async def test_pull_without_a_shared_prefix_is_a_conflict(
+async def test_pull_push_and_compact_without_a_shared_prefix_are_conflicts(
     tmp_path: Path, source: MemorySource
 ) -> None:
-    """Pull needs compile_cache.uri; push without it is skipped with the reason."""
+    """Pull, push and compact need compile_cache.uri: without it each is a Conflict naming it
+    (a setting to fix, never a skip that looks like success)."""
     async with node(tmp_path, source, shared=False) as caches:
         await caches.ensure(PARTS)
-        with pytest.raises(Conflict, match=r"compile_cache\.uri is not set"):
-            await caches.pull(KEY)
-        skipped = await caches.push(KEY)
-    assert (skipped.uploaded, skipped.skipped_reason) == (False, "compile_cache.uri is not set")
+        for operation in (caches.pull, caches.push, caches.compact):
+            with pytest.raises(Conflict, match=r"compile_cache\.uri is not set"):
+                await operation(KEY)
 
 
 async def test_keys_are_named_by_a_unique_hex_prefix(tmp_path: Path, source: MemorySource) -> None:

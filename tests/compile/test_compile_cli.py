@@ -75,6 +75,22 @@ def test_ls_show_push_evict_pull(start_agent: AgentFactory, bucket: str) -> None
     assert "No compile cache has a key starting with 0123456789" in missing.stderr
 
 
+def test_push_pull_and_compact_without_a_compile_uri_all_exit_1_naming_it(
+    start_agent: AgentFactory,
+) -> None:
+    """With no compile_cache.uri on the agent, `compile push`, `pull` and `compact` of a key on
+    the node each exit 1 (push once exited 0, as if skipped) with a line naming the setting."""
+    agent = start_agent()
+    with Client(agent.socket_path) as client:
+        handle = client.compile_cache(torch_version="2.13.0", model_key="m")
+    for command in ("push", "pull", "compact"):
+        done = prewarm(command, handle.key, socket=agent.socket_path)
+        assert done.returncode == 1, (command, done.stdout, done.stderr)
+        assert done.stderr.startswith("error: compile_cache.uri is not set; "), command
+        assert done.stderr.count("\n") == 1, (command, done.stderr)
+        assert done.stdout == "", command
+
+
 def _exec(*args: str, socket: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}
     env["PREWARM_SOCKET_PATH"] = str(socket)

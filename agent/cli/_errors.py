@@ -2,9 +2,11 @@
 
 The statuses, shared by all commands (``prewarm exec`` adds the child's own):
 
-- 1 (``EXIT_ERROR``): the agent answered with an error, or a check failed;
+- 1 (``EXIT_ERROR``): the agent answered with an error (a setting the request needs left
+  unset included: ``compile push`` without ``compile_cache.uri``), or a check failed;
 - 2 (``EXIT_INVALID``): the request was refused as invalid;
-- 3 (``EXIT_NO_AGENT``): no agent answered on the socket.
+- 3 (``EXIT_NO_AGENT``): no agent could be reached on the socket (missing, not a
+  socket, not permitted, nothing listening: ``agent.client._unreachable`` says which).
 
 A message may quote what the caller typed or what the agent sent, and either
 may be hostile: it is written escaped (``agent._exceptions.printable``), as

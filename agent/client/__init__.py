@@ -15,8 +15,9 @@ The modules, each one concept: ``_client`` (``Client``, ``AsyncClient`` and the
 one-call shortcuts), ``_models`` (every value returned, the options taken),
 ``_exceptions`` (the error tree and grpc errors mapped onto it), ``_messages``
 (requests built and answers read), ``_transport`` (the socket, the channel,
-waiting for the agent), ``_leases`` (holding a lease open), ``_compile`` (key
-parts, Mega-Cache), ``_tensors`` (``load_safetensors``).
+waiting for the agent), ``_unreachable`` (why the socket cannot be reached, in
+one sentence for every caller), ``_leases`` (holding a lease open),
+``_compile`` (key parts, Mega-Cache), ``_tensors`` (``load_safetensors``).
 """
 
 from ._client import AsyncClient, Client, acompile_cache, aensure, compile_cache, ensure

@@ -181,8 +181,11 @@ def why(key: KeyArgument, socket: SocketOption = None, json_out: JsonOption = Fa
     if nearest is None:
         lines = [f"{why.key[:_KEY_WIDTH]}: no other compile cache of its model and engine"]
     else:
-        where = "cached key" if nearest.location == "node" else "key in S3"
-        lines = [f"{why.key[:_KEY_WIDTH]}: nearest {where} {nearest.key[:_KEY_WIDTH]}, differs in"]
+        where = f"cached key {nearest.key[:_KEY_WIDTH]}"
+        if nearest.location != "node":
+            signer = f"signed by {nearest.signed_by}" if nearest.signed_by else "unsigned"
+            where = f"key in S3 {nearest.key[:_KEY_WIDTH]} ({signer})"
+        lines = [f"{why.key[:_KEY_WIDTH]}: nearest {where}, differs in"]
         lines += [f"  {c.part} {c.cached or '-'} -> {c.wanted or '-'}" for c in nearest.changes]
     if why.s3_note:
         lines.append(f"note: {why.s3_note}")
@@ -200,6 +203,7 @@ def _why_document(why: CompileExplanation) -> dict[str, object]:
         "key": why.key,
         "nearest": nearest.key if nearest else None,
         "location": nearest.location if nearest else None,
+        "signed_by": nearest.signed_by if nearest else None,
         "changes": changes,
         "s3_note": why.s3_note,
     }

@@ -667,7 +667,7 @@ def compile_ready_from_proto(msg: pb.CompileReadyResponse) -> CompileReady:
 
 def _nearest_from_proto(msg: pb.CompileNearest) -> CompileNearest:
     changes = tuple(CompileKeyChange(c.part, c.cached, c.wanted) for c in msg.changes)
-    return CompileNearest(msg.key, msg.location, changes, msg.summary)
+    return CompileNearest(msg.key, msg.location, changes, msg.summary, msg.signed_by)
 
 
 def compile_explanation_from_proto(msg: pb.ExplainCompileCacheResponse) -> CompileExplanation:

@@ -423,6 +423,8 @@ class CompileNearest:
     changes: tuple[CompileKeyChange, ...]
     # One clause for a verdict line, as the agent logs it.
     summary: str
+    # For a key in S3: the trusted key that signed its index entry ("" if unsigned).
+    signed_by: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -505,8 +507,8 @@ class LeasedOptions(TypedDict, total=False):
     chunk_size: int | None
     cached_only: bool
     as_requester: bool
-    # Names this call's wait on a pull (up to 64 characters, e.g. secrets.token_hex(16)), so
-    # that cancel_pull(..., only_if_unwatched=True, waiter_token=...) does not count it.
+    # Names this call's wait on a pull (up to 64 characters, e.g. secrets.token_hex(16)), for
+    # cancel_pull(uri, only_if_unwatched=True, waiter_token=...) after giving up on it.
     waiter_token: str
 
 

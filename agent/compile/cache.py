@@ -513,7 +513,7 @@ class CompileCaches:
             return None, f"compile_cache.uri is not set: {only_node}"
         found = await domain.transfer.keys_like(parts)
         uploaded = ((other, p) for other, p in found.keys if other not in domain.index)
-        nearest = nearest_key(parts, uploaded, own_key=key, location="s3")
+        nearest = nearest_key(parts, uploaded, own_key=key, location="s3", signers=found.signers)
         note = found.note + (f": {only_node}" if found.note and not found.keys else "")
         return nearest, note
 

@@ -35,7 +35,8 @@ import logging
 import re
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from agent._exceptions import Conflict, InvalidRequest, PrewarmError, quoted
 from agent._uri import ModelUri
@@ -83,6 +84,18 @@ class KeysFound:
     note: str = ""
     # Bytes of the entries read, for the bound on what is kept.
     size: int = 0
+    # Who signed each key's entry (the trusted key's name; "" for an accepted unsigned one).
+    signers: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    """One index entry as read and verified."""
+
+    key: str
+    parts: CompileKeyParts
+    signer: str
+    size: int
 
 
 class RemoteKeyIndex:
@@ -181,7 +194,7 @@ class RemoteKeyIndex:
         keys = [m[1] for n in names if (m := _ENTRY_NAME.fullmatch(n.removeprefix(directory)))]
         gate = asyncio.Semaphore(_CONCURRENT_READS)
 
-        async def read(key: str) -> tuple[str, CompileKeyParts, int] | None:
+        async def read(key: str) -> _Entry | None:
             async with gate:
                 return await self._entry(f"{directory}{key}.json", key)
 
@@ -195,10 +208,13 @@ class RemoteKeyIndex:
             else ""
         )
         return KeysFound(
-            tuple((key, parts) for key, parts, _ in found), note, sum(n for *_, n in found)
+            tuple((entry.key, entry.parts) for entry in found),
+            note,
+            sum(entry.size for entry in found),
+            {entry.key: entry.signer for entry in found},
         )
 
-    async def _entry(self, name: str, key: str) -> tuple[str, CompileKeyParts, int] | None:
+    async def _entry(self, name: str, key: str) -> _Entry | None:
         """One entry's parts (and size), or None (logged) when it is gone or untrustworthy."""
         try:
             stored = await self._source.get_object(
@@ -206,7 +222,8 @@ class RemoteKeyIndex:
             )
             if stored is None:
                 return None
-            document = json.loads(self._signing.open(self._relative(name), stored.data).document)
+            opened = self._signing.open(self._relative(name), stored.data)
+            document = json.loads(opened.document)
             if not isinstance(document, dict) or document.get("format") != ENTRY_FORMAT:
                 raise InvalidRequest("not an index entry of a format this agent reads")
             if not isinstance(document.get("parts"), dict):
@@ -225,4 +242,4 @@ class RemoteKeyIndex:
                 quoted(str(exc) or type(exc).__name__),
             )
             return None
-        return key, parts, len(stored.data)
+        return _Entry(key, parts, opened.signer, len(stored.data))

@@ -13,7 +13,7 @@ and the daemon (its log line and metric) both use it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Literal
 
@@ -49,14 +49,23 @@ class Nearest:
     key: str
     changes: tuple[PartChange, ...]
     location: KeyLocation = "node"
+    # For a key in S3: the trusted key that signed its index entry ("" when unsigned and
+    # the domain accepts that). Another node's upload is worth naming by who made it.
+    signed_by: str = ""
 
     def describe(self) -> str:
         """One clause for a verdict line: the nearest key, where it is, its first differences."""
         shown = ", ".join(change.describe() for change in self.changes[:_SHOWN_CHANGES])
         more = len(self.changes) - _SHOWN_CHANGES
         tail = f" and {more} more" if more > 0 else ""
-        where = "cached key" if self.location == "node" else "key in S3"
-        return f"nearest {where} {self.key[:_KEY_SHOWN]} differs in {shown}{tail}"
+        return f"nearest {self.where()} differs in {shown}{tail}"
+
+    def where(self) -> str:
+        """``cached key 9a41c07e3d12``, or ``key in S3 9a41c07e3d12 (signed by node-a)``."""
+        if self.location == "node":
+            return f"cached key {self.key[:_KEY_SHOWN]}"
+        signer = f"signed by {self.signed_by}" if self.signed_by else "unsigned"
+        return f"key in S3 {self.key[:_KEY_SHOWN]} ({signer})"
 
 
 def _flat(parts: CompileKeyParts) -> dict[str, str]:
@@ -82,11 +91,12 @@ def nearest_key(
     *,
     own_key: str = "",
     location: KeyLocation = "node",
+    signers: Mapping[str, str] | None = None,
 ) -> Nearest | None:
     """The key of the same model (and engine) with the fewest differing parts; None if none.
 
     ``own_key`` (the wanted key itself, when it is cached) is never its own nearest.
-    Ties go to the key listed first.
+    Ties go to the key listed first. ``signers`` names who signed each key's entry.
     """
     target = normalise_parts(wanted)
     best: Nearest | None = None
@@ -98,7 +108,7 @@ def nearest_key(
             continue
         changes = part_changes(other, target)
         if changes and (best is None or len(changes) < len(best.changes)):
-            best = Nearest(key, changes, location)
+            best = Nearest(key, changes, location, (signers or {}).get(key, ""))
     return best
 
 

@@ -95,6 +95,7 @@ def _nearest(nearest: Nearest) -> pb.CompileNearest:
     return pb.CompileNearest(
         key=nearest.key,
         location=nearest.location,
+        signed_by=nearest.signed_by,
         changes=[
             pb.CompileKeyChange(part=c.name, cached=c.cached, wanted=c.wanted)
             for c in nearest.changes

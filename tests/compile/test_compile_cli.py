@@ -174,8 +174,9 @@ def test_why_names_the_nearest_key_of_the_model_and_the_parts_that_differ(
 def test_why_finds_a_key_another_node_uploaded_and_compact_makes_its_archives_one(
     start_agent: AgentFactory, bucket: str, s3_client: Any
 ) -> None:
-    """On node 2, `compile why` names node 1's key from S3 (not on node 2) with the part that
-    differs; `compile compact` on node 2 makes node 1's three archives of that key one."""
+    """On node 2, `compile why` names node 1's key from S3 (not on node 2), who signed it and
+    the part that differs; `compile compact` on node 2 makes node 1's three archives of that
+    key one."""
     config = f'[compile_cache]\nuri = "s3://{bucket}/cc"\nquiet_seconds = 3600\n'
     first = start_agent(config)
     with Client(first.socket_path) as client:
@@ -189,10 +190,12 @@ def test_why_finds_a_key_another_node_uploaded_and_compact_makes_its_archives_on
         new = client.compile_cache(torch_version="2.13.0", model_key="m", skip_restore=True)
     said = _ok(prewarm("why", new.key[:10], socket=second.socket_path))
     assert said.splitlines() == [
-        f"{new.key[:12]}: nearest key in S3 {old.key[:12]}, differs in",
+        f"{new.key[:12]}: nearest key in S3 {old.key[:12]} (signed by test-nodes), differs in",
         "  engine_version 2.12.0 -> 2.13.0",
         "  torch_version 2.12.0 -> 2.13.0",
     ]
+    document = json.loads(_ok(prewarm("why", new.key, "--json", socket=second.socket_path)))
+    assert (document["location"], document["signed_by"]) == ("s3", "test-nodes")
 
     compacted = _ok(prewarm("compact", old.key, socket=second.socket_path))
     assert re.fullmatch(

@@ -48,7 +48,8 @@ async def _upload(root: Path, source: MemorySource, parts: CompileKeyParts) -> s
 async def test_a_key_uploaded_by_another_node_is_named_with_the_part_that_differs(
     tmp_path: Path,
 ) -> None:
-    """A new key on node 2 is explained by node 1's upload: its key, "s3", the changed flag."""
+    """A new key on node 2 is explained by node 1's upload: its key, "s3", the changed flag,
+    and the trusted key that signed its index entry."""
     source = MemorySource(objects={BUCKET: {}})
     uploaded = await _upload(tmp_path / "one", source, UPLOADED)
     assert f"{INDEX}{uploaded}.json" in source.objects[BUCKET]
@@ -62,7 +63,27 @@ async def test_a_key_uploaded_by_another_node_is_named_with_the_part_that_differ
     assert [c.describe() for c in why.nearest.changes] == [
         "extras.flag.max_num_batched_tokens 8192 -> 16384"
     ]
-    assert why.nearest.describe().startswith(f"nearest key in S3 {uploaded[:12]} differs in ")
+    assert why.nearest.signed_by == "test-nodes"
+    assert why.nearest.describe().startswith(
+        f"nearest key in S3 {uploaded[:12]} (signed by test-nodes) differs in "
+    )
+
+
+async def test_an_unsigned_entry_a_domain_accepts_is_named_unsigned(tmp_path: Path) -> None:
+    """During a migration (accept_unsigned, no signing key on the uploader) the nearest key
+    in S3 is still named, and said to be unsigned rather than given a signer."""
+    source = MemorySource(objects={BUCKET: {}})
+    unsigned = {"signing_key": None, "trusted_keys": [], "accept_unsigned": True}
+    async with node(tmp_path / "one", source, **unsigned) as other:
+        path = (await other.ensure(UPLOADED)).info.path
+        (path / "inductor" / "kernel.so").write_bytes(b"\x7fELF kernel")
+        assert (await other.push(compile_key(UPLOADED))).uploaded
+    async with node(tmp_path / "two", source, **unsigned) as second:
+        wanted = await second.ensure(WANTED)
+        why = await second.explain(wanted.info.key)
+    assert why.nearest is not None
+    assert (why.nearest.key, why.nearest.signed_by) == (compile_key(UPLOADED), "")
+    assert f"key in S3 {compile_key(UPLOADED)[:12]} (unsigned) differs in" in why.nearest.describe()
 
 
 async def test_a_miss_reported_ready_names_the_s3_key_and_counts_the_part(

@@ -119,10 +119,10 @@ class EnsureModelRequest(_message.Message):
     """
     waiter_token: _builtins.str
     """A token the caller picks for this request's wait on a pull (up to 64
-    characters, e.g. 32 random hex digits): a CancelPull with only_if_unwatched
-    and the same token, on the same socket, does not count this request as a
-    waiter. How a client that gives up on its own request stops the pull only
-    when nobody else waits for it.
+    characters, e.g. 32 random hex digits). A CancelPull with the same token, on
+    the same socket, names only the pulls this request waited on and does not
+    count it as waiting: how a client that gives up on its request stops that
+    pull, and with only_if_unwatched only when nobody else waits on it.
     """
     @_builtins.property
     def include(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -704,11 +704,14 @@ class CancelPullRequest(_message.Message):
     or a prefix of 8 or more of its hex digits, stops that pull.
     """
     only_if_unwatched: _builtins.bool
-    """Stop a pull only if no request waits on it, besides the caller's own
-    EnsureModel named by waiter_token; otherwise leave it running and say so.
+    """Stop a pull only if no other request waits on it; otherwise leave it
+    running and say so (PullCancellation.other_waiters).
     """
     waiter_token: _builtins.str
-    """The waiter_token of the caller's own EnsureModel request (see there)."""
+    """The waiter_token of the caller's own EnsureModel request: only the pulls
+    that request waited on (or waits on still) are named, and it is not counted
+    as waiting. Empty: every pull the ref names, every waiter counted.
+    """
     @_builtins.property
     def requester_credentials(self) -> Global___RequesterCredentials:
         """As in EnsureModelRequest: a requester-scoped socket checks them as it
@@ -1373,11 +1376,16 @@ class CompileNearest(_message.Message):
     LOCATION_FIELD_NUMBER: _builtins.int
     CHANGES_FIELD_NUMBER: _builtins.int
     SUMMARY_FIELD_NUMBER: _builtins.int
+    SIGNED_BY_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     location: _builtins.str
     """"node" (cached on this node) or "s3" (uploaded by another node, not here)."""
     summary: _builtins.str
     """One clause for a verdict line: "nearest cached key 9a41c07e3d12 differs in ..."."""
+    signed_by: _builtins.str
+    """For a key in S3: the name of the trusted key that signed its index entry ("" when the
+    entry is unsigned and the domain accepts that).
+    """
     @_builtins.property
     def changes(self) -> _containers.RepeatedCompositeFieldContainer[Global___CompileKeyChange]: ...
     def __init__(
@@ -1387,10 +1395,11 @@ class CompileNearest(_message.Message):
         location: _builtins.str = ...,
         changes: _abc.Iterable[Global___CompileKeyChange] | None = ...,
         summary: _builtins.str = ...,
+        signed_by: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "key", b"key", "location", b"location", "summary", b"summary"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes", "key", b"key", "location", b"location", "signed_by", b"signed_by", "summary", b"summary"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

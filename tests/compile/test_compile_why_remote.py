@@ -12,6 +12,7 @@ import json
 from collections.abc import AsyncGenerator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from compile_helpers import BUCKET
 from compile_helpers import compile_node as node
@@ -73,7 +74,7 @@ async def test_an_unsigned_entry_a_domain_accepts_is_named_unsigned(tmp_path: Pa
     """During a migration (accept_unsigned, no signing key on the uploader) the nearest key
     in S3 is still named, and said to be unsigned rather than given a signer."""
     source = MemorySource(objects={BUCKET: {}})
-    unsigned = {"signing_key": None, "trusted_keys": [], "accept_unsigned": True}
+    unsigned: dict[str, Any] = {"signing_key": None, "trusted_keys": [], "accept_unsigned": True}
     async with node(tmp_path / "one", source, **unsigned) as other:
         path = (await other.ensure(UPLOADED)).info.path
         (path / "inductor" / "kernel.so").write_bytes(b"\x7fELF kernel")

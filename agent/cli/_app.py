@@ -26,6 +26,7 @@ from ._compile import compile_app
 from ._errors import EXIT_ERROR, agent_errors, fail
 from ._exec import exec_command
 from ._health import health_command
+from ._interrupt import PullWatch, stop_pull_when_interrupted
 from ._options import (
     AsRequesterOption,
     CachedOnlyOption,
@@ -109,15 +110,20 @@ class _Bar:
         )
 
 
-def _pull_with_bar(client: Client, uri: str, options: EnsureOptions) -> ModelHandle:
+def _pull(
+    client: Client, uri: str, options: EnsureOptions, watch: PullWatch, *, bar: bool
+) -> ModelHandle:
+    """``ensure``, its wait named by ``watch``'s token and its progress shown through
+    ``watch``: with ``bar``, a bar on a terminal."""
+    watching: EnsureOptions = {**options, "progress": watch, "waiter_token": watch.token}
     console = render.console(stderr=True)
-    if not console.is_terminal:
-        # Logs and pipes get the summary line only, not bar frames.
-        return client.ensure(uri, **options)
+    if not (bar and console.is_terminal):
+        # Logs, pipes and --json get the summary line (or the JSON) only, not bar frames.
+        return client.ensure(uri, **watching)
     progress = render.pull_progress(console, files=True)
     with progress:
-        with_bar: EnsureOptions = {**options, "progress": _Bar(progress)}
-        return client.ensure(uri, **with_bar)
+        watch.show = _Bar(progress)
+        return client.ensure(uri, **watching)
 
 
 @app.command()
@@ -163,7 +169,10 @@ def pull(
 
     --data-plane, --concurrency and --chunk-size apply only when this request
     starts the pull; joining a pull in progress keeps that pull's settings.
+    Ctrl-C stops the pull too, unless another client waits on it; what it
+    wrote stays in staging, and the next pull resumes from it.
     """
+    watch = PullWatch()
     options = EnsureOptions(
         tier=tier,
         include=include or (),
@@ -178,12 +187,38 @@ def pull(
         as_requester=as_requester,
     )
     with agent_errors(), Client(socket) as client:
+        with stop_pull_when_interrupted(client, uri, watch, as_requester=as_requester):
+            handle = _pull(client, uri, options, watch, bar=not json_out)
         if json_out:
-            handle = client.ensure(uri, **options)
             sys.stdout.write(render.to_json(handle) + "\n")
         else:
-            handle = _pull_with_bar(client, uri, options)
             _stdout().print(render.pull_summary(handle, cached_only=cached_only), soft_wrap=True)
+
+
+@app.command()
+def cancel(
+    ref: Annotated[
+        str,
+        typer.Argument(
+            help="A URI stops every pull of it; a key (or a unique prefix, 8+ hex digits) that "
+            "pull. `prewarm status` lists the pulls in flight."
+        ),
+    ],
+    as_requester: AsRequesterOption = False,
+    socket: SocketOption = None,
+    json_out: JsonOption = False,
+) -> None:
+    """Stop a pull in progress: what it wrote stays in staging, and the next pull resumes.
+
+    Clients waiting on it fail with CANCELLED. A pull already publishing cannot
+    be stopped; a tenant's socket stops only pulls no other socket waits on.
+    """
+    with agent_errors(), Client(socket) as client:
+        pulls = client.cancel_pull(ref, as_requester=as_requester)
+    if json_out:
+        sys.stdout.write(render.to_json(pulls) + "\n")
+    else:
+        _stdout().print(render.cancel_summary(pulls), soft_wrap=True)
 
 
 @app.command("ls")

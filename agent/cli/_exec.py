@@ -3,7 +3,9 @@
     prewarm exec s3://models/llama-3-8b/ -- vllm serve {model} --port 8000
 
 1. ensures the model through the agent (a progress display on stderr) with a
-   lease, and the compile cache when ``--compile-key`` asks for one;
+   lease, and the compile cache when ``--compile-key`` asks for one; Ctrl-C
+   while it waits stops the pull unless another client waits on it, and exits
+   130 saying what became of it (``_interrupt``);
 2. replaces ``{model}`` in every argument of the command with the model's
    local directory and adds the compile cache's environment variables;
 3. runs the command as a child in its own process group, holding the lease
@@ -81,6 +83,7 @@ from agent.compile.keys import CompileKeyParts
 from . import _render as render
 from ._engine_flags import detect_engine, engine_key_fields, merged_key_fields
 from ._errors import EXIT_INVALID, EXIT_NO_AGENT, fail, say
+from ._interrupt import PullWatch, stop_pull_when_interrupted
 from ._options import (
     AsRequesterOption,
     CachedOnlyOption,
@@ -276,10 +279,15 @@ def _lease_model(
     fallback: bool,
 ) -> ModelHandle:
     """The model's handle, leased until ``stack`` closes; without an agent, the fallback."""
+    watch = PullWatch()
+    interrupted = stop_pull_when_interrupted(
+        client, model.uri, watch, as_requester=model.as_requester, prefix=PREFIX
+    )
     try:
         wait_for_agent(client.socket_path, wait_seconds, waiting=_say_waiting)
         # The display ends with the pull; the lease stays in the stack.
-        with _progress_display(model.uri) as show:
+        with interrupted, _progress_display(model.uri) as show:
+            watch.show = show
             return stack.enter_context(
                 client.leased(
                     model.uri,
@@ -287,9 +295,10 @@ def _lease_model(
                     include=model.include,
                     exclude=model.exclude,
                     client_name=model.client_name,
-                    progress=show,
+                    progress=watch,
                     cached_only=model.cached_only,
                     as_requester=model.as_requester,
+                    waiter_token=watch.token,
                 )
             )
     except AgentUnavailable as exc:

@@ -37,13 +37,17 @@ from agent.client import (
     LeaseInfo,
     ModelHandle,
     ModelInfo,
+    PullCancellation,
     PullStatus,
+    TierStatus,
     Verification,
 )
 
 __all__ = [
     "BinarySpeedColumn",
     "InertConsole",
+    "cancel_line",
+    "cancel_summary",
     "console",
     "evict_summary",
     "filters_text",
@@ -180,21 +184,36 @@ def _pull_line(handle: ModelHandle, cached_only: bool) -> str:
     offline = _unchecked_note(handle, cached_only)
     if handle.hit:
         return f"hit: {handle.uri} in {t.total:.3f} s{offline} -> {handle.path}"
-    phases = [f"resolve {t.resolve:.2f} s"]
-    # A non-zero wait means another request had already started this pull.
-    what = "cold pull"
-    if t.wait > 0:
-        what = "joined pull"
-        phases.append(f"wait {t.wait:.2f} s")
-    phases += [
-        f"download {t.download:.2f} s",
-        f"verify {t.verify:.2f} s",
-        f"publish {t.publish:.2f} s",
-    ]
+    phases = f"download {t.download:.2f} s, verify {t.verify:.2f} s, publish {t.publish:.2f} s"
+    size = human_bytes(handle.total_bytes)
+    if handle.joined:
+        # The pull began before this request: its figures are the pull's, not this wait's.
+        pulled = t.download + t.verify + t.publish
+        return (
+            f"joined a pull of {handle.uri} in progress: waited {t.total:.2f} s for it "
+            f"(resolve {t.resolve:.2f} s, wait {t.wait:.2f} s); the pull took {pulled:.2f} s "
+            f"({phases}), {size} at {rate(handle.total_bytes, pulled)}{offline} -> {handle.path}"
+        )
     return (
-        f"{what} of {handle.uri} in {t.total:.2f} s ({', '.join(phases)}), "
-        f"{human_bytes(handle.total_bytes)} at {rate(handle.total_bytes, t.total)}{offline} "
-        f"-> {handle.path}"
+        f"cold pull of {handle.uri} in {t.total:.2f} s (resolve {t.resolve:.2f} s, {phases}), "
+        f"{size} at {rate(handle.total_bytes, t.total)}{offline} -> {handle.path}"
+    )
+
+
+def cancel_summary(pulls: list[PullCancellation]) -> Text:
+    """``prewarm cancel``: one line per pull it named."""
+    return plain("\n".join(cancel_line(p) for p in pulls))
+
+
+def cancel_line(pull: PullCancellation) -> str:
+    """What became of one pull: stopped, with what stays in staging, or why it goes on."""
+    if not pull.cancelled:
+        others = "another client waits" if pull.other_waiters == 1 else "other clients wait"
+        return f"the pull of {pull.uri} goes on: {others} for it"
+    kept = human_bytes(pull.kept_bytes)
+    return (
+        f"cancelled the pull of {pull.uri} ({pull.key[:_KEY_WIDTH]}); {kept} of "
+        f"{human_bytes(pull.total_bytes)} kept in staging, a later pull resumes from them"
     )
 
 
@@ -409,7 +428,7 @@ def status_view(status: AgentStatus) -> RenderableType:
             str(t.leased_count),
             str(t.pinned_count),
         )
-    parts: list[RenderableType] = [head, "", tiers, ""]
+    parts: list[RenderableType] = [head, "", tiers, *_resumable_lines(status.tiers), ""]
     if status.pulls:
         pulls = Table(box=None, header_style="bold", pad_edge=False)
         for column in ("key", "uri", "tier", "phase", "bytes", "files", "waiters", "started"):
@@ -420,6 +439,17 @@ def status_view(status: AgentStatus) -> RenderableType:
     else:
         parts.append("no pulls in flight")
     return Group(*parts)
+
+
+def _resumable_lines(tiers: tuple[TierStatus, ...]) -> list[RenderableType]:
+    """What stopped pulls left in staging, per tier: counted in staging, resumed by a pull."""
+    return [
+        f"{t.tier}: {human_bytes(t.resumable_bytes)} kept in staging by {t.resumable_count} "
+        f"stopped pull{'s' if t.resumable_count > 1 else ''}; pulling the same snapshot "
+        "again resumes from them"
+        for t in tiers
+        if t.resumable_count
+    ]
 
 
 def _json_default(value: object) -> object:

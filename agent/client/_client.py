@@ -166,7 +166,7 @@ class Client(_BaseClient, contextlib.AbstractContextManager["Client"]):
 
         ``waiter_token`` (e.g. ``secrets.token_hex(16)``) names this call's wait
         on a pull: ``cancel_pull(uri, only_if_unwatched=True, waiter_token=...)``
-        after giving up on it stops the pull unless another call waits on it. A
+        after giving up on it stops that pull unless another call waits on it. A
         pull stopped by ``cancel_pull`` fails this call with ``Cancelled``.
         ``handle.joined`` is True when this call joined a pull already running.
         """
@@ -268,13 +268,14 @@ class Client(_BaseClient, contextlib.AbstractContextManager["Client"]):
 
         Every call waiting on a stopped pull fails with ``Cancelled``; the bytes
         it had written stay in the agent's staging (``kept_bytes``), and the next
-        ``ensure`` of the snapshot resumes from them. ``only_if_unwatched=True``
-        leaves a pull running while any other call waits on it (``other_waiters``),
-        this process's own ``ensure`` aside when it passed the same
-        ``waiter_token``: how a client that gives up stops the pull only if nobody
-        else wants it. A tenant's socket stops only pulls it may start and that no
-        other socket waits on; ``as_requester`` as for ``ensure``. No pull of
-        ``ref`` in progress is ``NotFound``; one publishing already is ``Conflict``.
+        ``ensure`` of the snapshot resumes from them. ``waiter_token``, the one an
+        ``ensure`` of this client passed, names only the pulls that call waited
+        on, and does not count it as waiting; ``only_if_unwatched=True`` leaves a
+        pull running while another call waits on it (``other_waiters``): how a
+        client that gives up stops its pull only if nobody else wants it. A
+        tenant's socket stops only pulls it may start and that no other socket
+        waits on; ``as_requester`` as for ``ensure``. No pull of ``ref`` in
+        progress is ``NotFound``; one publishing already is ``Conflict``.
         """
         request = messages.cancel_request(
             ref,
@@ -491,7 +492,7 @@ class AsyncClient(_BaseClient, contextlib.AbstractAsyncContextManager["AsyncClie
 
         ``waiter_token`` (e.g. ``secrets.token_hex(16)``) names this call's wait
         on a pull: ``cancel_pull(uri, only_if_unwatched=True, waiter_token=...)``
-        after giving up on it stops the pull unless another call waits on it. A
+        after giving up on it stops that pull unless another call waits on it. A
         pull stopped by ``cancel_pull`` fails this call with ``Cancelled``.
         ``handle.joined`` is True when this call joined a pull already running.
         """
@@ -594,13 +595,14 @@ class AsyncClient(_BaseClient, contextlib.AbstractAsyncContextManager["AsyncClie
 
         Every call waiting on a stopped pull fails with ``Cancelled``; the bytes
         it had written stay in the agent's staging (``kept_bytes``), and the next
-        ``ensure`` of the snapshot resumes from them. ``only_if_unwatched=True``
-        leaves a pull running while any other call waits on it (``other_waiters``),
-        this process's own ``ensure`` aside when it passed the same
-        ``waiter_token``: how a client that gives up stops the pull only if nobody
-        else wants it. A tenant's socket stops only pulls it may start and that no
-        other socket waits on; ``as_requester`` as for ``ensure``. No pull of
-        ``ref`` in progress is ``NotFound``; one publishing already is ``Conflict``.
+        ``ensure`` of the snapshot resumes from them. ``waiter_token``, the one an
+        ``ensure`` of this client passed, names only the pulls that call waited
+        on, and does not count it as waiting; ``only_if_unwatched=True`` leaves a
+        pull running while another call waits on it (``other_waiters``): how a
+        client that gives up stops its pull only if nobody else wants it. A
+        tenant's socket stops only pulls it may start and that no other socket
+        waits on; ``as_requester`` as for ``ensure``. No pull of ``ref`` in
+        progress is ``NotFound``; one publishing already is ``Conflict``.
         """
         request = messages.cancel_request(
             ref,

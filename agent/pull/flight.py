@@ -64,6 +64,9 @@ class Flight:
         # stops, or when it stopped before its staging directory was open.
         self.kept_bytes: int | None = None
         self._waiting: list[Waiter] = []
+        # Everyone who has waited on it, still waiting or not: a client that gave up can
+        # still name the pull it waited on.
+        self._waited: set[Waiter] = set()
         # Why the pull was stopped on request (cancel): what its waiters are told.
         self._stopped_because: BaseException | None = None
         self.progress = PullProgress(
@@ -106,10 +109,15 @@ class Flight:
     def waiting(self, waiter: Waiter) -> Iterator[None]:
         """Count ``waiter`` as waiting on this pull for the life of the block."""
         self._waiting.append(waiter)
+        self._waited.add(waiter)
         try:
             yield
         finally:
             self._waiting.remove(waiter)
+
+    def waited_on_by(self, waiter: Waiter) -> bool:
+        """Whether ``waiter``'s request waits or has waited on this pull."""
+        return waiter in self._waited
 
     def waiting_besides(self, caller: Waiter) -> list[Waiter]:
         """Who waits on this pull, ``caller``'s own request left out (once, if it waits yet).

@@ -130,7 +130,9 @@ class Puller:
         if self._flights.get(flight.key) is flight:
             self._abandon(flight)  # cancelled before its task ever ran
         leftover = self._store.leftover(flight.key)
-        return leftover.kept_bytes if leftover is not None else 0
+        kept = leftover.kept_bytes if leftover is not None else 0
+        log.info("pull of %s cancelled; %d bytes kept for a later pull", flight.snapshot.uri, kept)
+        return kept
 
     def join(
         self,

@@ -327,38 +327,36 @@ class AgentService:
         """Stop the pulls ``ref`` names: every pull of a URI, or the one of a key (prefix).
 
         The requester may stop only what it may pull, checked as EnsureModel checks it,
-        and a tenant's socket only pulls that no other socket waits on (Conflict).
-        ``only_if_unwatched`` leaves a pull running while any request waits on it but the
-        caller's own (its ``waiter_token``). Each stopped pull's waiters get Cancelled;
-        what it journaled stays in staging, and the next request resumes from it.
+        and a tenant's socket only pulls that no other socket waits on (Conflict). With a
+        ``waiter_token``, only the pulls the caller's own request of that token waited on
+        (waits on, or did until it gave up) are named, and that request is not counted as
+        waiting. ``only_if_unwatched`` leaves a pull running while another request waits
+        on it. Each stopped pull's waiters get Cancelled; what it journaled stays in
+        staging, and the next request resumes from it.
         """
+        caller = Waiter(_grantee(requester) or "", waiter_token)
         flights = self._pulls_named(ref, requester)
+        if waiter_token:  # only the pulls the caller's own request waited on
+            flights = [flight for flight in flights if flight.waited_on_by(caller)]
+            if not flights:
+                raise _no_pull(ref)
         for flight in flights:
             await access.check_snapshot(self._source, flight.snapshot, requester)
         flights = self._still_pulling(ref, flights)
-        caller = Waiter(_grantee(requester) or "", waiter_token)
         # From here to the stops nothing awaits: no request joins a pull unseen.
         plans = [(flight, flight.waiting_besides(caller)) for flight in flights]
-        for flight, others in plans:
-            if not (only_if_unwatched and others):
-                _check_stoppable(flight, others, requester)
-        for flight, others in plans:
-            if not (only_if_unwatched and others):
-                self._puller.stop(flight, _cancelled(flight))
-        reports: list[PullCancellationReport] = []
-        for flight, others in plans:
-            if only_if_unwatched and others:
-                reports.append(PullCancellationReport(flight, False, len(others), 0))
-                continue
-            kept = await self._puller.stopped(flight)
-            log.info(
-                "cancelled the pull of %s (%s); %d bytes kept",
-                flight.snapshot.uri,
-                flight.key,
-                kept,
-            )
-            reports.append(PullCancellationReport(flight, True, 0, kept))
-        return reports
+        left = {flight.key for flight, others in plans if only_if_unwatched and others}
+        stopping = [(flight, others) for flight, others in plans if flight.key not in left]
+        for flight, others in stopping:
+            _check_stoppable(flight, others, requester)
+        for flight, _ in stopping:
+            self._puller.stop(flight, _cancelled(flight))
+        return [
+            PullCancellationReport(flight, False, len(others), 0)
+            if flight.key in left
+            else PullCancellationReport(flight, True, 0, await self._puller.stopped(flight))
+            for flight, others in plans
+        ]
 
     def _pulls_named(self, ref: str, requester: Requester | None) -> list[Flight]:
         """The pulls in progress that ``ref`` names and the requester may see.

@@ -191,20 +191,38 @@ async def test_only_if_unwatched_does_not_count_the_callers_own_request(
         await mine
 
 
-async def test_a_token_from_another_socket_does_not_hide_its_waiter(
-    service: AgentService, source: MemorySource
+async def test_a_waiter_token_names_only_the_pulls_its_own_request_waited_on(
+    service: AgentService, source: MemorySource, puller: Puller
 ) -> None:
-    """A waiter token counts only on the socket that sent it: another socket naming the same
-    token still sees the request as a waiter and leaves the pull running."""
+    """With a waiter token, a cancel names only pulls that token's request (on the same
+    socket) waited on: a token never sent, or sent on another socket, finds nothing to
+    cancel, and the pull goes on."""
     theirs = await _held_pull(service, source, _request(_tenant("team-a"), token="t-1"))
-    [report] = await service.cancel_pull(
-        URI, _tenant("team-b"), only_if_unwatched=True, waiter_token="t-1"
-    )
-    assert not report.cancelled
-    assert report.other_waiters == 1
+    for socket, token in (("team-a", "t-never-sent"), ("team-b", "t-1")):
+        with pytest.raises(NotFound, match="nothing to cancel"):
+            await service.cancel_pull(
+                URI, _tenant(socket), only_if_unwatched=True, waiter_token=token
+            )
+    assert len(puller.flights()) == 1
     assert source.gate is not None
     source.gate.set()
     await theirs
+
+
+async def test_a_request_that_gave_up_still_names_the_pull_it_waited_on(
+    service: AgentService, source: MemorySource, puller: Puller, store: Store
+) -> None:
+    """A request that has already gone away (its client interrupted) still names, by its
+    token, the pull it waited on: nobody waits now, so it is stopped, its bytes kept."""
+    mine = await _held_pull(service, source, _request(token="t-gone"))
+    mine.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await mine
+    assert puller.flights()[0].waiters == 0
+    [report] = await service.cancel_pull(URI, only_if_unwatched=True, waiter_token="t-gone")
+    assert report.cancelled
+    assert puller.flights() == []
+    assert store.leftover(report.flight.key) is not None
 
 
 async def test_a_tenant_stops_its_own_pull_but_not_one_another_socket_waits_on(

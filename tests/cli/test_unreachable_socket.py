@@ -1,8 +1,8 @@
 """Every ``prewarm`` command on a socket path it cannot use: one sentence, one exit status.
 
 The commands are read from the typer app, so a command added later is held to the same
-sentence without a line here. Each case runs every command as a real process, all at once
-(each is an interpreter start, and they wait on nothing but the CPU).
+sentence without a line here. Each case runs every command as a real process, one after
+another: all at once, they took the CPU the tests beside them on the other worker need.
 """
 
 from __future__ import annotations
@@ -75,21 +75,23 @@ def _argv(path: Sequence[str], socket_path: Path) -> list[str]:
 
 
 def _run_every_command(socket_path: Path, prefix: Sequence[str] = ()) -> dict[str, tuple[int, str]]:
-    """Each command's (exit status, stderr), all run at once: a fresh interpreter each."""
+    """Each command's (exit status, stderr), each a fresh interpreter."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}
     env["PREWARM_WAIT_FOR_AGENT"] = "0"  # `exec` would wait a minute for a missing socket
-    started = {
-        " ".join(path): subprocess.Popen(
+    ran: dict[str, tuple[int, str]] = {}
+    for path in every_command():
+        done = subprocess.run(
             [*prefix, sys.executable, "-m", "agent.cli", *_argv(path, socket_path)],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
+            timeout=120,
+            check=False,
         )
-        for path in every_command()
-    }
-    return {name: (run.wait(120), run.communicate()[1]) for name, run in started.items()}
+        ran[" ".join(path)] = (done.returncode, done.stderr)
+    return ran
 
 
 def _the_one_sentence(ran: dict[str, tuple[int, str]]) -> str:

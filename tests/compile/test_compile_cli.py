@@ -75,6 +75,7 @@ def test_ls_show_push_evict_pull(start_agent: AgentFactory, bucket: str) -> None
     assert "No compile cache has a key starting with 0123456789" in missing.stderr
 
 
+@pytest.mark.slow  # three CLI runs, each a fresh interpreter
 def test_push_pull_and_compact_without_a_compile_uri_all_exit_1_naming_it(
     start_agent: AgentFactory,
 ) -> None:

@@ -469,6 +469,17 @@ class AccessLimits(BaseModel):
     max_concurrent_pulls: int = Field(default=0, ge=0)
 
 
+def _printable(value: str) -> str:
+    if not value.isprintable():
+        raise ValueError("must be printable text (no control characters)")
+    return value
+
+
+# An identity or issuer: printable (handles and logs echo it), as long as a workload's
+# URI gets.
+SigstoreText = Annotated[str, Field(min_length=1, max_length=512), AfterValidator(_printable)]
+
+
 class ModelSignatureSettings(BaseModel):
     """A signature the models of some sources must carry to be published (OpenSSF
     model signing; the signatures extra)."""
@@ -478,10 +489,18 @@ class ModelSignatureSettings(BaseModel):
     # The sources it applies to (the patterns of [access] sources).
     sources: SourcePatterns
     # "key": the publisher's elliptic-curve public key (PEM) in public_key;
-    # "certificate": the chain (PEM files) its signing certificate must chain to.
-    method: Literal["key", "certificate"] = "key"
+    # "certificate": the chain (PEM files) its signing certificate must chain to;
+    # "sigstore": a Sigstore bundle, verified offline against trust_root, signed by
+    # identity as oidc_issuer vouched for it.
+    method: Literal["key", "certificate", "sigstore"] = "key"
     public_key: Annotated[Path | None, BeforeValidator(_empty_to_none)] = None
     certificates: list[Path] = Field(default_factory=list, max_length=16)
+    # A Sigstore client trust config or trusted_root.json (root-owned, read at start).
+    trust_root: Annotated[Path | None, BeforeValidator(_empty_to_none)] = None
+    # The signer's identity as its certificate names it (an email, or a workload's URI)
+    # and the OIDC issuer that vouched for it; both must match exactly.
+    identity: Annotated[SigstoreText | None, BeforeValidator(_empty_to_none)] = None
+    oidc_issuer: Annotated[SigstoreText | None, BeforeValidator(_empty_to_none)] = None
     # The signature's file name in the model's prefix.
     signature: Annotated[str, Field(pattern=r"^[A-Za-z0-9._-]{1,255}$")] = "model.sig"
 
@@ -493,7 +512,24 @@ class ModelSignatureSettings(BaseModel):
             raise ValueError('method "key" needs public_key (the publisher\'s PEM public key)')
         if self.method == "certificate" and not self.certificates:
             raise ValueError('method "certificate" needs certificates (the chain, PEM files)')
+        if self.method == "sigstore":
+            _has_what_sigstore_needs(self)
         return self
+
+
+def _has_what_sigstore_needs(entry: ModelSignatureSettings) -> None:
+    missing = [
+        f"{name} ({what})"
+        for name, what, value in (
+            ("trust_root", "the Sigstore trust root's JSON file", entry.trust_root),
+            ("identity", "the signer's email or workload URI", entry.identity),
+            ("oidc_issuer", "the OIDC issuer that vouched for it", entry.oidc_issuer),
+        )
+        if value is None
+    ]
+    if missing:
+        needed = f"{', '.join(missing[:-1])} and {missing[-1]}" if len(missing) > 1 else missing[0]
+        raise ValueError(f'method "sigstore" needs {needed}')
 
 
 class TenantSocketSettings(BaseModel):

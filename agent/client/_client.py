@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar, Unpack
 
@@ -378,9 +378,19 @@ class Client(_BaseClient, contextlib.AbstractContextManager["Client"]):
             answer = self._stub.PullCompileCache(request, timeout=self._timeout)
         return messages.compile_cache_from_proto(answer)
 
-    def compile_ready(self, key: str, *, client_name: str = "") -> CompileReady:
-        """The engine using ``key`` is ready: its verdict, after the key was uploaded (merged)."""
-        request = messages.compile_ready_request(key, client_name)
+    def compile_ready(
+        self,
+        key: str,
+        *,
+        client_name: str = "",
+        launch_phases: Mapping[str, float] | None = None,
+    ) -> CompileReady:
+        """The engine using ``key`` is ready: its verdict, after the key was uploaded (merged).
+
+        ``launch_phases``: where the launch's time went, in seconds (agent.LAUNCH_PHASES),
+        for the agent's prewarm_engine_launch_seconds.
+        """
+        request = messages.compile_ready_request(key, client_name, launch_phases)
         with self._errors():
             answer = self._stub.CompileReady(request, timeout=self._timeout)
         return messages.compile_ready_from_proto(answer)
@@ -705,9 +715,18 @@ class AsyncClient(_BaseClient, contextlib.AbstractAsyncContextManager["AsyncClie
             answer = await self._stub().PullCompileCache(request, timeout=self._timeout)
         return messages.compile_cache_from_proto(answer)
 
-    async def compile_ready(self, key: str, *, client_name: str = "") -> CompileReady:
-        """The engine using ``key`` is ready: its verdict, after the key was uploaded (merged)."""
-        request = messages.compile_ready_request(key, client_name)
+    async def compile_ready(
+        self,
+        key: str,
+        *,
+        client_name: str = "",
+        launch_phases: Mapping[str, float] | None = None,
+    ) -> CompileReady:
+        """The engine using ``key`` is ready: its verdict, after the key was uploaded (merged).
+
+        ``launch_phases``: as ``Client.compile_ready``.
+        """
+        request = messages.compile_ready_request(key, client_name, launch_phases)
         with self._errors():
             answer = await self._stub().CompileReady(request, timeout=self._timeout)
         return messages.compile_ready_from_proto(answer)

@@ -601,9 +601,15 @@ def compile_cache_request(
     )
 
 
-def compile_ready_request(key: str, client_name: str) -> pb.CompileReadyRequest:
+def compile_ready_request(
+    key: str, client_name: str, launch_phases: Mapping[str, float] | None = None
+) -> pb.CompileReadyRequest:
     """CompileReady's request; no name is this process's."""
-    return pb.CompileReadyRequest(key=key, client_name=client_name or default_client_name())
+    return pb.CompileReadyRequest(
+        key=key,
+        client_name=client_name or default_client_name(),
+        launch_phases=dict(launch_phases or {}),
+    )
 
 
 def compile_lock_request(parts: CompileKeyParts, client_name: str) -> pb.CompileLockRequest:

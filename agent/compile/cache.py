@@ -22,7 +22,7 @@ import logging
 import re
 import time
 from collections import defaultdict
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -41,6 +41,7 @@ from agent._exceptions import (
     quoted,
 )
 from agent._uri import parse_uri
+from agent._vocabulary import check_launch_phases
 from agent.compile.archive import is_ignored
 from agent.compile.domains import (
     NODE_SCOPE,
@@ -70,6 +71,7 @@ from agent.obs.metrics import (
     COMPILE_CACHE_PHASE_SECONDS,
     COMPILE_KEYS_REFUSED,
     COMPILE_LAUNCHES,
+    ENGINE_LAUNCH_SECONDS,
     REGISTRY,
 )
 from agent.source.interface import ObjectSource
@@ -434,13 +436,19 @@ class CompileCaches:
         return await self._publish(ref, parts, fetched)
 
     async def ready(
-        self, ref: str, client_name: str = "", scope: Scope = NODE_SCOPE
+        self,
+        ref: str,
+        client_name: str = "",
+        scope: Scope = NODE_SCOPE,
+        launch_phases: Mapping[str, float] | None = None,
     ) -> LaunchReady:
         """A launch on ``ref``'s key is ready: judge what it compiled, then publish it.
 
         A miss or partial miss also names the nearest other key of the model
-        (on the node or in S3), in the answer, the log line and the metric.
+        (on the node or in S3), in the answer, the log line and the metric. Where the
+        launch's time went (``launch_phases``, checked) is counted by engine and phase.
         """
+        phases = check_launch_phases(launch_phases or {})
         found = self.find(ref, scope)
         domain, key = self._domains[found.domain], found.key
         async with domain.key_locks[key]:
@@ -462,6 +470,8 @@ class CompileCaches:
             self._report_verdict(
                 found, record.parts.engine, verdict, nearest=nearest, client=client_name
             )
+            for phase, seconds in phases.items():
+                ENGINE_LAUNCH_SECONDS.labels(record.parts.engine, phase).observe(seconds)
         return LaunchReady(key, verdict, push, nearest)
 
     async def _publish_ready(

@@ -164,7 +164,10 @@ class CompileCacheApi:
     ) -> pb.CompileReadyResponse:
         """A compile finished: record its verdict and, if uploads are on, push the cache."""
         ready = await self._caches().ready(
-            request.key, request.client_name, scope=compile_scope(self._tenant)
+            request.key,
+            request.client_name,
+            scope=compile_scope(self._tenant),
+            launch_phases=dict(request.launch_phases),
         )
         response = pb.CompileReadyResponse(key=ready.key, verdict=_verdict(ready.verdict))
         if ready.nearest is not None:

@@ -31,6 +31,7 @@ __all__ = [
     "COMPILE_SIGNATURES_REFUSED",
     "COMPILE_WATCH_LIMIT",
     "COMPILE_WATCH_POLLING",
+    "ENGINE_LAUNCH_SECONDS",
     "EVICTIONS",
     "MANIFEST_ERRORS",
     "PHASE_SECONDS",
@@ -82,6 +83,15 @@ COMPILE_CACHE_PHASE_SECONDS = Histogram(
     "Duration of compile-cache restores and uploads.",
     ["phase"],
     buckets=_PHASE_BUCKETS,
+    registry=REGISTRY,
+)
+ENGINE_LAUNCH_SECONDS = Histogram(
+    "prewarm_engine_launch_seconds",
+    "Where engine launches through prewarm exec spent their time, by engine and phase "
+    "(ready: start to ready; weights, compile, kv_cache_and_warmup, start_and_rest: from "
+    "the engine's own log lines, vLLM's today).",
+    ["engine", "phase"],
+    buckets=(1, 2.5, 5, 10, 20, 30, 45, 60, 90, 120, 180, 300, 600, 1200),
     registry=REGISTRY,
 )
 COMPILE_LAUNCHES = Counter(

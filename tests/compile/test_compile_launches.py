@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 from agent_helpers import AgentFactory
+from prometheus_client.parser import text_string_to_metric_families
 
 from agent.testing import SampleModel, unsealed
 
@@ -113,6 +116,73 @@ def test_the_cache_is_uploaded_once_the_health_url_answers_and_the_verdict_is_pr
     assert manifest["file_count"] == 1
     _, rest = launcher.communicate("exit\n", timeout=60)
     assert launcher.returncode == 0, rest
+
+
+_LAUNCH_SAMPLES = ("prewarm_engine_launch_seconds_count", "prewarm_engine_launch_seconds_sum")
+
+
+def _launch_samples(port: int) -> dict[str, float]:
+    """prewarm_engine_launch_seconds' count and sum per phase (engine torch), as served."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in _LAUNCH_SAMPLES and sample.labels["engine"] == "torch":
+                suffix = sample.name.rsplit("_", 1)[1]
+                samples[f"{sample.labels['phase']}.{suffix}"] = sample.value
+    return samples
+
+
+@pytest.mark.slow
+def test_the_verdict_line_says_where_the_launch_went_and_the_agent_counts_it(
+    start_agent: AgentFactory, small_model: SampleModel, bucket: str
+) -> None:
+    """An engine printing vLLM 0.16's start-up lines: its output still reaches exec's stdout,
+    the verdict line breaks the launch down (weights, compile from the cache, KV cache and
+    warm-up, the rest), and the agent counts each phase for the engine."""
+    metrics_port = _free_port()
+    agent = start_agent(_config(bucket) + f"\n[metrics]\nport = {metrics_port}\n")
+    # An agent in this process shares the registry with earlier ones: count what grows.
+    before = _launch_samples(metrics_port)
+    port = _free_port()
+    launcher = _exec(
+        agent.socket_path,
+        small_model.uri,
+        *KEY_ARGS,
+        "--ready-url",
+        f"http://127.0.0.1:{port}/health",
+        "--",
+        sys.executable,
+        CHILD,
+        "serve",
+        str(port),
+        "vllm",
+    )
+    assert launcher.stdout is not None
+    assert launcher.stdin is not None
+    assert launcher.stderr is not None
+    printed = [launcher.stdout.readline() for _ in range(6)]
+    assert printed[0].endswith("Loading weights took 1.25 seconds\n")
+    assert printed[-1] == "serving\n"
+    launcher.stdin.write("ready\n")
+    launcher.stdin.flush()
+    verdict = next(line for line in launcher.stderr if ": miss:" in line or "error" in line)
+    took = re.search(
+        r"; ready in ([\d.]+) s: weights 1\.2 s, compile 3\.2 s \(loaded from the cache\), "
+        r"KV cache and warm-up 4\.3 s, start-up and the rest ([\d.]+) s$",
+        verdict.strip(),
+    )
+    assert took, verdict
+    assert float(took[2]) == pytest.approx(max(0.0, float(took[1]) - 1.5 - 7.5), abs=0.1)
+    _, rest = launcher.communicate("exit\n", timeout=60)
+    assert launcher.returncode == 0, rest
+    after = _launch_samples(metrics_port)
+    grown = {name: value - before.get(name, 0.0) for name, value in after.items()}
+    assert grown["compile.count"] == 1
+    assert grown["compile.sum"] == pytest.approx(3.2)
+    assert grown["kv_cache_and_warmup.sum"] == pytest.approx(4.3)
+    assert grown["ready.count"] == 1
 
 
 def _megacache_probe(socket_path: Path, scratch: Path) -> dict[str, Any]:

@@ -1284,20 +1284,50 @@ Global___CompileVerdict: _TypeAlias = CompileVerdict  # noqa: Y015
 class CompileReadyRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LaunchPhasesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     KEY_FIELD_NUMBER: _builtins.int
     CLIENT_NAME_FIELD_NUMBER: _builtins.int
+    LAUNCH_PHASES_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """A key or a unique key prefix (8+ hex digits)."""
     client_name: _builtins.str
+    @_builtins.property
+    def launch_phases(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Where the launch's time went, in seconds, as prewarm exec read it from the engine's own
+        log lines: "ready" (start to ready), "weights", "compile", "kv_cache_and_warmup",
+        "start_and_rest"; counted in prewarm_engine_launch_seconds. Another name, or a value
+        outside 0 to 86400, is INVALID_ARGUMENT.
+        """
+
     def __init__(
         self,
         *,
         key: _builtins.str = ...,
         client_name: _builtins.str = ...,
+        launch_phases: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_name", b"client_name", "key", b"key"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_name", b"client_name", "key", b"key", "launch_phases", b"launch_phases"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv demo bench test lint typecheck pytest proto wheel clean
+.PHONY: venv demo bench test lint typecheck pytest soak fuzz proto wheel clean
 
 # The venv is (re)built when pyproject.toml changes. torch is pinned to the CPU
 # build (2.13.0): an unpinned torch would pull a multi-GB CUDA build.
@@ -41,6 +41,18 @@ typecheck: $(STAMP)
 
 pytest: $(STAMP)
 	$(VENV)/bin/pytest
+
+## soak: the soak at full length, 48 clients for SOAK_SECONDS (60); make test runs it for 10 s.
+## Run before a release (and after a change to leases, eviction or the pull path).
+SOAK_SECONDS ?= 60
+soak: $(STAMP)
+	$(VENV)/bin/pytest -n 0 tests/node/test_soak.py --soak-seconds=$(SOAK_SECONDS)
+
+## fuzz: every RPC fuzzed with FUZZ_EXAMPLES (6000) requests; make test sends 600.
+## Run before a release (and after a change to the request checks or the proto).
+FUZZ_EXAMPLES ?= 6000
+fuzz: $(STAMP)
+	$(VENV)/bin/pytest -n 0 tests/edge/test_fuzz_rpcs.py --fuzz-examples=$(FUZZ_EXAMPLES)
 
 ## wheel: build dist/prewarm_agent-<version>-py3-none-any.whl, the install path until a
 ## release is published: pods pip install it (or with [cli], [torch]); nodes use

@@ -38,6 +38,30 @@ MiB = 1024 * 1024
 # a fresh prefix, a pull through injected faults) gets this much unless it names its own.
 SLOW_TEST_TIMEOUT = 300
 
+# The soak and the fuzzer assert the same things at any length: `make test` runs them this
+# short; `make soak` and `make fuzz`, run before a release, pass the long lengths.
+SHORT_SOAK_SECONDS = 10.0
+SHORT_FUZZ_EXAMPLES = 600
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """--soak-seconds and --fuzz-examples: how long the soak and the fuzzer run."""
+    group = parser.getgroup("prewarm", "prewarm's long runs")
+    group.addoption(
+        "--soak-seconds",
+        type=float,
+        default=SHORT_SOAK_SECONDS,
+        help=f"how long tests/node/test_soak.py's clients run (default {SHORT_SOAK_SECONDS:g}; "
+        "make soak: 60)",
+    )
+    group.addoption(
+        "--fuzz-examples",
+        type=int,
+        default=SHORT_FUZZ_EXAMPLES,
+        help=f"requests tests/edge/test_fuzz_rpcs.py generates (default {SHORT_FUZZ_EXAMPLES}; "
+        "make fuzz: 6000)",
+    )
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Give tests marked slow the longer timeout; run the files that hold them first."""
@@ -64,6 +88,21 @@ def _stores_let_go() -> Iterator[None]:
     """Every store a test opened with ``open_store`` lets go of its roots when the test ends."""
     yield
     close_open_stores()
+
+
+@pytest.fixture(scope="session")
+def soak_seconds(pytestconfig: pytest.Config) -> float:
+    """How long the soak's clients run: --soak-seconds (short in make test, 60 s in make soak)."""
+    seconds: float = pytestconfig.getoption("soak_seconds")
+    return seconds
+
+
+@pytest.fixture(scope="session")
+def fuzz_examples(pytestconfig: pytest.Config) -> int:
+    """How many requests the fuzzer sends: --fuzz-examples (600 in make test, 6,000 in make
+    fuzz)."""
+    examples: int = pytestconfig.getoption("fuzz_examples")
+    return examples
 
 
 @pytest.fixture(scope="session")

@@ -26,9 +26,11 @@ loopback) as the rows in ``--rows`` ask, each launch a new pod: fresh ``$HOME``,
 Ready is the first 200 of vLLM's ``/health``, counted from starting the
 command. After ready, every generating launch is asked for the same greedy
 completion (``--tokens`` tokens of ``--prompt``, temperature 0, end-of-sequence
-ignored); the report compares the token ids of every launch, so a launch that
-is fast because it loaded or ran the model wrongly shows. The report gives each
-row's ready time as a percentage of the seed's recipe in the same set.
+ignored); the report compares the token ids of every launch (compiled launches
+with each other, ``compile-off`` ones with each other: inductor's bf16 kernels
+may change a late token of a random model), so a launch that is fast because it
+loaded or ran the model wrongly shows, and the run exits 1. The report gives
+each row's ready time as a percentage of the seed's recipe in the same set.
 
 Run from the repository root with the project's venv, vLLM in a venv of its
 own, on the model ``bench.llama_model`` writes::
@@ -734,42 +736,55 @@ def _parse(launch: Launch, lines: list[tuple[float, str]]) -> None:
             launch.engine_lines.append(f"[{seconds:6.1f} s] {line[-240:]}")
 
 
-def token_check(launches: Sequence[Launch]) -> tuple[bool, dict[int, str], str]:
-    """Compare every launch's greedy token ids with the first launch that has some.
+def token_check(launches: Sequence[Launch]) -> tuple[bool, dict[int, str], list[str]]:
+    """Compare every launch's greedy token ids with the first of its kind that has some.
 
-    Returns whether every launch answered with the same ids, each launch's
-    verdict by its position in ``launches`` (``same``, ``DIFFERENT`` or why
-    there are none), and one line saying what was found.
+    Compiled launches are compared with compiled ones, ``compile-off`` launches
+    with each other: inductor's bf16 kernels round differently from eager mode,
+    and on a random-weight model that can change a late token. Returns whether
+    every launch answered with the ids of its kind, each launch's verdict by its
+    position in ``launches`` (``same``, ``DIFFERENT`` or why there are none), and
+    a line per kind saying what was found.
     """
-    checked = [launch for launch in launches if launch.tokens is not None]
-    if not checked:
-        notes = sorted({launch.token_note for launch in launches if launch.token_note})
-        return False, {}, f"token check: no launch answered ({'; '.join(notes) or 'none ran'})"
-    reference = checked[0]
     verdicts: dict[int, str] = {}
-    for index, launch in enumerate(launches):
-        if launch.tokens is None:
-            verdicts[index] = launch.token_note or "-"
-        else:
-            verdicts[index] = "same" if launch.tokens == reference.tokens else "DIFFERENT"
-    same = all(verdict == "same" for verdict in verdicts.values())
-    count = len(reference.tokens or [])
-    if same:
-        line = (
-            f"token check: all {len(launches)} launches gave the same {count} greedy tokens "
-            f"{reference.tokens} ({reference.text.strip()!r})"
-        )
-    else:
+    lines: list[str] = []
+    for kind in ("compiled", "compilation off"):
+        group = [
+            (index, launch)
+            for index, launch in enumerate(launches)
+            if (launch.row == "compile-off") == (kind == "compilation off")
+        ]
+        if not group:
+            continue
+        reference = next((launch for _, launch in group if launch.tokens is not None), None)
+        if reference is None:
+            notes = sorted({launch.token_note for _, launch in group if launch.token_note})
+            lines.append(f"token check, {kind}: no launch answered ({'; '.join(notes) or '-'})")
+            verdicts |= {index: launch.token_note or "-" for index, launch in group}
+            continue
+        for index, launch in group:
+            if launch.tokens is None:
+                verdicts[index] = launch.token_note or "-"
+            else:
+                verdicts[index] = "same" if launch.tokens == reference.tokens else "DIFFERENT"
         differing = [
             f"set {launch.repeat} {launch.row}: {verdicts[index]} {launch.tokens or ''}".rstrip()
-            for index, launch in enumerate(launches)
+            for index, launch in group
             if verdicts[index] != "same"
         ]
-        line = (
-            f"token check FAILED: set {reference.repeat} {reference.row} gave {reference.tokens}; "
-            + "; ".join(differing)
-        )
-    return same, verdicts, line
+        count = len(reference.tokens or [])
+        if not differing:
+            lines.append(
+                f"token check, {kind}: all {len(group)} launches gave the same {count} greedy "
+                f"tokens {reference.tokens} ({reference.text.strip()!r})"
+            )
+        else:
+            lines.append(
+                f"token check, {kind}, FAILED: set {reference.repeat} {reference.row} gave "
+                f"{reference.tokens}; " + "; ".join(differing)
+            )
+    same = bool(verdicts) and all(verdict == "same" for verdict in verdicts.values())
+    return same, verdicts, lines
 
 
 def _percent_of_seed(launches: Sequence[Launch], launch: Launch) -> float | None:
@@ -783,7 +798,7 @@ def _percent_of_seed(launches: Sequence[Launch], launch: Launch) -> float | None
 def _report(launches: list[Launch]) -> str:
     """The Markdown tables: one row per launch, the relaunch against the seed, the tokens,
     then what each launch logged and left outside its key."""
-    _, verdicts, token_line = token_check(launches)
+    _, verdicts, token_lines = token_check(launches)
     rows = [
         "| set | launch | node | ready s | % of seed recipe | model line at s | key line at s "
         "| restore s | verdict | tokens | load 1m before/after | exit |",
@@ -809,7 +824,7 @@ def _report(launches: list[Launch]) -> str:
                 f"- set {launch.repeat}: the relaunch is ready in {_num(launch.ready_seconds)} s, "
                 f"{percent:.0f} % of the seed recipe's time ({100 - percent:.0f} % less)"
             )
-    rows += [f"- {token_line}", ""]
+    rows += [f"- {line}" for line in token_lines] + [""]
     for launch in launches:
         rows.append(f"**set {launch.repeat}, {launch.label}** ({launch.node})")
         rows.append("")

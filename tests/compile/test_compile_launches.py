@@ -47,6 +47,14 @@ def _exec(socket_path: Path, *args: str) -> subprocess.Popen[str]:
     )
 
 
+def _serving(socket_path: Path, uri: str, *child_args: str) -> subprocess.Popen[str]:
+    """``prewarm exec --ready-url`` of the stand-in engine serving its health URL."""
+    port = _free_port()
+    health = f"http://127.0.0.1:{port}/health"
+    command = (sys.executable, CHILD, "serve", str(port), *child_args)
+    return _exec(socket_path, uri, *KEY_ARGS, "--ready-url", health, "--", *command)
+
+
 def _manifests(s3_client: Any, bucket: str) -> list[str]:
     listed = s3_client.list_objects_v2(Bucket=bucket, Prefix="compile/")
     return [o["Key"] for o in listed.get("Contents", []) if o["Key"].endswith("manifest.json")]
@@ -88,19 +96,7 @@ def test_the_cache_is_uploaded_once_the_health_url_answers_and_the_verdict_is_pr
 ) -> None:
     """Nothing is uploaded while /health says 503; after 200, exec prints 'miss' and S3 has it."""
     agent = start_agent(_config(bucket))
-    port = _free_port()
-    launcher = _exec(
-        agent.socket_path,
-        small_model.uri,
-        *KEY_ARGS,
-        "--ready-url",
-        f"http://127.0.0.1:{port}/health",
-        "--",
-        sys.executable,
-        CHILD,
-        "serve",
-        str(port),
-    )
+    launcher = _serving(agent.socket_path, small_model.uri)
     assert launcher.stdout is not None
     assert launcher.stdin is not None
     assert launcher.stderr is not None
@@ -145,20 +141,7 @@ def test_the_verdict_line_says_where_the_launch_went_and_the_agent_counts_it(
     agent = start_agent(_config(bucket) + f"\n[metrics]\nport = {metrics_port}\n")
     # An agent in this process shares the registry with earlier ones: count what grows.
     before = _launch_samples(metrics_port)
-    port = _free_port()
-    launcher = _exec(
-        agent.socket_path,
-        small_model.uri,
-        *KEY_ARGS,
-        "--ready-url",
-        f"http://127.0.0.1:{port}/health",
-        "--",
-        sys.executable,
-        CHILD,
-        "serve",
-        str(port),
-        "vllm",
-    )
+    launcher = _serving(agent.socket_path, small_model.uri, "vllm")
     assert launcher.stdout is not None
     assert launcher.stdin is not None
     assert launcher.stderr is not None

@@ -56,9 +56,10 @@ fuzz: $(STAMP)
 
 ## wheel: build dist/prewarm_agent-<version>-py3-none-any.whl, the install path until a
 ## release is published: pods pip install it (or with [cli], [torch]); nodes use
-## packaging/install.sh --wheel, which adds [daemon]
+## packaging/install.sh --wheel, which adds [daemon]. Offline: the build backend
+## (setuptools, setuptools-scm) is the venv's (the dev extra), not fetched from an index.
 wheel: $(STAMP)
-	$(PY) -m pip wheel --quiet --no-deps --wheel-dir dist .
+	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir dist .
 	@ls dist/prewarm_agent-*-py3-none-any.whl
 
 ## proto: regenerate agent/_proto from proto/ (commit the result)

@@ -60,10 +60,12 @@ DRIVER = CsiSettings().driver_name
 
 # -- one version ---------------------------------------------------------------------------
 
-# registry.example.com/prewarm:0.2.0 (an image of the agent, under any registry), and
-# prewarm_agent-0.2.0-py3-none-any.whl; "<version>" placeholders are no claim of a version.
+# registry.example.com/prewarm:0.2.0 (an image of the agent, under any registry),
+# prewarm_agent-0.2.0-py3-none-any.whl and the Image Builder component's
+# --semantic-version 0.2.0; "<version>" placeholders are no claim of a version.
 IMAGE_TAG = re.compile(r"/prewarm:([\w.+-]+|<[^>\s]+>)")
 WHEEL_VERSION = re.compile(r"prewarm_agent-([\w.+]+|<[^>\s]+>)-py3")
+COMPONENT_VERSION = re.compile(r"--semantic-version ([\w.+-]+|<[^>\s]+>)")
 
 
 def project_version() -> str:
@@ -74,8 +76,9 @@ def project_version() -> str:
 
 
 def version_references(text: str) -> list[str]:
-    """The versions ``text`` names in image tags of the agent and in wheel file names."""
-    found = IMAGE_TAG.findall(text) + WHEEL_VERSION.findall(text)
+    """The versions ``text`` names in image tags of the agent, wheel file names and the Image
+    Builder component's version."""
+    found = IMAGE_TAG.findall(text) + WHEEL_VERSION.findall(text) + COMPONENT_VERSION.findall(text)
     return [version for version in found if not version.startswith("<")]
 
 
@@ -86,9 +89,9 @@ def versioned_files() -> list[Path]:
 
 
 def test_every_image_tag_and_wheel_name_is_the_projects_version() -> None:
-    """Each registry.../prewarm:<tag> and prewarm_agent-<v>-py3 wheel name in packaging/, docs/
-    and the README is pyproject's fallback_version, so a copied build command, image
-    reference or pip install names the release the tree is."""
+    """Each registry.../prewarm:<tag>, prewarm_agent-<v>-py3 wheel name and Image Builder
+    --semantic-version in packaging/, docs/ and the README is pyproject's fallback_version, so
+    a copied build command, image reference or pip install names the release the tree is."""
     version = project_version()
     stale = {
         f"{path.relative_to(REPO)}: {found}"
@@ -102,8 +105,9 @@ def test_every_image_tag_and_wheel_name_is_the_projects_version() -> None:
 
 
 def test_the_version_scan_finds_tags_and_wheel_names_and_skips_placeholders() -> None:
-    """The scan reads the tag of an agent image under any registry and the version of a wheel
-    name, leaves other images and <version> placeholders alone, and so would catch a stale one."""
+    """The scan reads the tag of an agent image under any registry, the version of a wheel
+    name and of the Image Builder component, leaves other images and <version> placeholders
+    alone, and so would catch a stale one."""
     text = (
         "image: registry.example.com/prewarm:0.1.0\n"
         "docker build -t REGISTRY/prewarm:0.1.1 .\n"
@@ -111,8 +115,10 @@ def test_the_version_scan_finds_tags_and_wheel_names_and_skips_placeholders() ->
         "COPY dist/prewarm_agent-0.1.2-py3-none-any.whl /tmp/\n"
         "pip install 'prewarm_agent-<version>-py3-none-any.whl[cli]'\n"
         "image: registry.example.com/prewarm:<tag>\n"
+        "aws imagebuilder create-component --semantic-version 0.1.3 --platform Linux\n"
+        "--semantic-version <version>\n"
     )
-    assert version_references(text) == ["0.1.0", "0.1.1", "0.1.2"]
+    assert version_references(text) == ["0.1.0", "0.1.1", "0.1.2", "0.1.3"]
 
 
 # -- the CSI manifests: valid for the API ------------------------------------------------------

@@ -1,23 +1,31 @@
-"""Installs for real: install.sh into a fresh prefix, and the pods' client-only wheel.
+"""Installs for real: install.sh into a fresh prefix, the wheel, and the pods' client-only install.
 
 install.sh builds a new virtualenv with every dependency from the package
 index and writes the unit, users and cache roots under a temporary root; it
 runs once per module (it takes half a minute) and needs root for the users and
-the chowns. The wheel ``make wheel`` builds is installed without extras into
-another fresh virtualenv, as a pod's image would: grpcio and protobuf only.
+the chowns. The wheel is built once, by ``make wheel``'s own command, offline,
+from a copy of the tree without git (so at the release version the docs name):
+it holds the ``agent`` package whole (``agent._proto`` and ``agent.testing``
+included) and nothing else, and the docs name its file and its size. It is then
+installed without extras into another fresh virtualenv, as a pod's image would:
+grpcio and protobuf only.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from test_csi_manifests import project_version
 
 from agent import __version__
 from agent.testing import AgentProcess, S3Server, SampleModel
@@ -170,6 +178,127 @@ def test_reinstall_upgrades_in_place_and_keeps_an_edited_config(installed: Insta
         (config.parent / "agent.toml.default").unlink(missing_ok=True)
 
 
+# -- the wheel ---------------------------------------------------------------------------
+
+# Where people copy wheel names and the wheel's size from.
+DOCS = sorted(
+    [
+        REPO / "README.md",
+        REPO / "CONTRIBUTING.md",
+        *(REPO / "docs").rglob("*.md"),
+        *(path for path in (REPO / "packaging").rglob("*") if path.is_file()),
+    ]
+)
+# A wheel file name as the docs write it; "<version>", "X.Y.Z" and "*" placeholders are no claim.
+WHEEL_NAME = re.compile(r"prewarm_agent-[^\s'`\[\]/]+?\.whl")
+PLACEHOLDER = re.compile(r"prewarm_agent-(<[^>]+>|X\.Y\.Z|\*)[-.]")
+# docs/node-setup.md's "the wheel itself is about 490 KB" (KB: 1,000 bytes).
+WHEEL_SIZE = re.compile(r"the wheel itself is about ([\d,]+) KB")
+
+
+def tracked_tree(destination: Path) -> Path:
+    """A copy of what a clone of this checkout holds (tracked and new, unignored files), no git."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    for name in filter(None, listed.split("\0")):
+        path = REPO / name
+        if path.is_file() and not path.is_symlink():  # deleted, or a link (.venv in a worktree)
+            (destination / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, destination / name)
+    return destination
+
+
+def make_wheel_command(source: Path, wheel_dir: Path) -> list[str]:
+    """``make wheel``'s command as the Makefile has it, building ``source`` into ``wheel_dir``."""
+    recipe = re.search(r"^wheel:[^\n]*\n\t([^\n]*)\n", (REPO / "Makefile").read_text(), re.M)
+    assert recipe, "the Makefile has no wheel target"
+    program, *args, tree = shlex.split(recipe[1])
+    assert (program, tree) == ("$(PY)", "."), recipe[1]
+    return [
+        sys.executable,
+        *(str(wheel_dir) if arg == "dist" else arg for arg in args),
+        str(source),
+    ]
+
+
+@pytest.fixture(scope="module")
+def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel ``make wheel`` builds, by its own command, from a copy of the tree without git.
+
+    Offline (no index: the build backend is this venv's, --no-build-isolation), and with no
+    version pretended, so the copy builds pyproject's fallback_version: the release's name.
+    """
+    base = tmp_path_factory.mktemp("wheel")
+    source = tracked_tree(base / "src")
+    env = {k: v for k, v in clean_env().items() if not k.startswith("SETUPTOOLS_SCM_")}
+    built = subprocess.run(
+        make_wheel_command(source, base / "dist"),
+        capture_output=True,
+        text=True,
+        env=env | {"PIP_NO_INDEX": "1"},
+        timeout=280,
+        check=False,
+    )
+    assert built.returncode == 0, built.stdout + built.stderr
+    (wheel,) = (base / "dist").glob("*.whl")
+    return wheel
+
+
+@pytest.mark.slow
+def test_the_wheel_holds_the_agent_package_whole_and_nothing_else(built_wheel: Path) -> None:
+    """The wheel has every module and type stub of agent/ (agent._proto's generated code and
+    agent.testing's test doubles included), py.typed and the three commands; no tests/,
+    bench/ or scripts/, nothing beside agent/ but its metadata."""
+    names = set(zipfile.ZipFile(built_wheel).namelist())
+    dist_info = f"prewarm_agent-{project_version()}.dist-info"
+    assert {name.split("/")[0] for name in names} == {"agent", dist_info}
+    package = {
+        path.relative_to(REPO).as_posix()
+        for path in (REPO / "agent").rglob("*")
+        if path.suffix in {".py", ".pyi"} and "__pycache__" not in path.parts
+    }
+    assert package - names == set(), "left out of the wheel"
+    assert names - package - {"agent/py.typed"} == {
+        f"{dist_info}/{name}"
+        for name in ("METADATA", "WHEEL", "entry_points.txt", "top_level.txt", "RECORD")
+    }
+    for must in (
+        "agent/_proto/prewarm/v1/prewarm_pb2.py",
+        "agent/_proto/prewarm/v1/prewarm_pb2.pyi",
+        "agent/testing/__init__.py",
+        "agent/client/__init__.py",
+    ):
+        assert must in names
+    scripts = zipfile.ZipFile(built_wheel).read(f"{dist_info}/entry_points.txt").decode()
+    for command in ("prewarmd", "prewarm", "prewarm-csi"):
+        assert re.search(rf"^{command} = agent\._scripts:", scripts, re.M), scripts
+
+
+@pytest.mark.slow
+def test_the_docs_name_the_wheel_make_wheel_builds_and_its_size(built_wheel: Path) -> None:
+    """Every wheel file name in the README, docs/ and packaging/ is the one make wheel builds
+    for the release (py3-none-any included), the README's make wheel line names it, and the
+    size docs/node-setup.md gives is the wheel's own, within a fifth."""
+    named = {
+        f"{path.relative_to(REPO)}: {name}"
+        for path in DOCS
+        for name in WHEEL_NAME.findall(path.read_text(errors="replace"))
+        if not PLACEHOLDER.match(name) and name != built_wheel.name
+    }
+    assert not named, f"not {built_wheel.name}:\n" + "\n".join(sorted(named))
+    make_wheel_line = rf"^\$ make wheel +# -> dist/{re.escape(built_wheel.name)}$"
+    assert re.search(make_wheel_line, (REPO / "README.md").read_text(), re.M)
+    claims = WHEEL_SIZE.findall((REPO / "docs" / "node-setup.md").read_text())
+    assert len(claims) == 1, claims
+    claimed = int(claims[0].replace(",", "")) * 1000
+    actual = built_wheel.stat().st_size
+    assert 0.8 * claimed <= actual <= 1.2 * claimed, f"the wheel is {actual / 1000:.0f} KB"
+
+
 # -- the wheel, client only ---------------------------------------------------------------
 
 # What `pip install prewarm_agent-*.whl` may bring, and nothing else: the client's two
@@ -183,26 +312,12 @@ DISTRIBUTIONS = (
 
 
 @pytest.fixture(scope="module")
-def client_only(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def client_only(tmp_path_factory: pytest.TempPathFactory, built_wheel: Path) -> Path:
     """A fresh virtualenv with the wheel ``make wheel`` builds installed without extras."""
-    base = tmp_path_factory.mktemp("client-only")
-    source = base / "src"
-    shutil.copytree(REPO / "agent", source / "agent", ignore=shutil.ignore_patterns("__pycache__"))
-    for part in ("pyproject.toml", "README.md"):
-        shutil.copy2(REPO / part, source / part)
-    # The Makefile's wheel target, on a copy (a build writes build/ and egg-info beside it).
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", base, source],
-        capture_output=True,
-        env=build_env(),
-        check=True,
-        timeout=280,
-    )
-    (wheel,) = base.glob(f"prewarm_agent-{__version__}-py3-none-any.whl")
-    venv = base / "venv"
+    venv = tmp_path_factory.mktemp("client-only") / "venv"
     subprocess.run([sys.executable, "-m", "venv", venv], check=True, timeout=120)
     subprocess.run(
-        [venv / "bin" / "python", "-m", "pip", "install", "--quiet", wheel],
+        [venv / "bin" / "python", "-m", "pip", "install", "--quiet", built_wheel],
         capture_output=True,
         env=clean_env(),
         check=True,

@@ -1,5 +1,11 @@
 """Hostile input gets a clear code and a bounded, escaped message: undecodable bytes, oversized
-fields, control and bidi characters in requests and object keys; the CLI never shows them raw."""
+fields, control and bidi characters in requests and object keys; the CLI never shows them raw.
+
+The requests the field checks refuse (oversized, control characters, odd numbers, long values
+echoed back) change nothing in an agent, so their 27 cases ask one daemon, started once for
+the module (``refusing_agent``), which must hold nothing when they are done; the tests that
+count log records or make the agent pull start their own.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ from agent._proto.prewarm.v1 import prewarm_pb2 as pb
 from agent.cli import _render as render
 from agent.client import Client, FileEntry, LeaseInfo, ModelInfo
 from agent.edge.status import DETAIL_BYTES, status_detail
-from agent.testing import S3Server
+from agent.testing import AgentProcess, S3Server
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["Prewarm"]
 _HUGE = "x" * 16384
@@ -48,6 +54,22 @@ def _call(agent: RunningAgent, method: str, request: bytes | Message) -> grpc.Rp
         except grpc.RpcError as error:
             return error
     raise AssertionError(f"{method} accepted {payload[:40]!r}")
+
+
+@pytest.fixture(scope="module")
+def refusing_agent(s3_server: S3Server) -> Iterator[AgentProcess]:
+    """One daemon for the module's requests that the field checks refuse; it must hold nothing
+    after them (no snapshot, no staging, no manifest): sharing it hid no state from a test.
+
+    A subprocess, so the tests that need this process's own in-process agent (log records
+    in caplog) still get one."""
+    with AgentProcess(env=s3_server.env()) as agent:
+        yield agent
+        assert cache_entries(agent) == {}
+        with Client(agent.socket_path) as client:
+            status = client.status()
+        assert (status.model_count, status.lease_count, status.pulls) == (0, 0, ())
+        assert status.compile_cache_count == 0
 
 
 def _details(error: grpc.RpcError) -> str:
@@ -113,12 +135,12 @@ _OVERSIZED: list[tuple[str, Message, str]] = [
     ids=[f"{method}.{field}" for method, _, field in _OVERSIZED],
 )
 def test_an_oversized_field_is_invalid_argument_naming_the_field_and_limit(
-    agent_daemon: RunningAgent, method: str, request_message: Message, field: str
+    refusing_agent: AgentProcess, method: str, request_message: Message, field: str
 ) -> None:
     """A 16 KiB string (or too many entries) in any field is INVALID_ARGUMENT naming the field and
     its limit, with a short detail, never RESOURCE_EXHAUSTED from an oversized status.
     """
-    error = _call(agent_daemon, method, request_message)
+    error = _call(refusing_agent, method, request_message)
     assert _code(error) == grpc.StatusCode.INVALID_ARGUMENT, _details(error)
     assert f".{field} " in _details(error)
     assert "over the limit of" in _details(error)
@@ -145,20 +167,20 @@ def test_an_oversized_field_is_invalid_argument_naming_the_field_and_limit(
     ids=["esc-in-uri", "bidi-in-ref", "c1-in-client-name", "nan-ttl", "infinite-ttl"],
 )
 def test_control_characters_and_odd_numbers_are_invalid_argument(
-    agent_daemon: RunningAgent, method: str, request_message: Message, fragment: str
+    refusing_agent: AgentProcess, method: str, request_message: Message, fragment: str
 ) -> None:
     """Control or bidi characters in any string field, and non-finite numbers, are refused with
     INVALID_ARGUMENT naming the code point; the detail holds no raw control character.
     """
-    error = _call(agent_daemon, method, request_message)
+    error = _call(refusing_agent, method, request_message)
     assert _code(error) == grpc.StatusCode.INVALID_ARGUMENT, _details(error)
     assert fragment in _details(error)
     assert _details(error).isprintable()
 
 
-def test_the_client_sees_invalid_request_for_a_16_kib_uri(agent_daemon: RunningAgent) -> None:
+def test_the_client_sees_invalid_request_for_a_16_kib_uri(refusing_agent: AgentProcess) -> None:
     """Through the client a 16 KiB URI is InvalidRequest (exit 2 in the CLI), not NoSpace."""
-    with Client(agent_daemon.socket_path) as client, pytest.raises(InvalidRequest) as caught:
+    with Client(refusing_agent.socket_path) as client, pytest.raises(InvalidRequest) as caught:
         client.ensure(f"s3://bucket/{_HUGE}")
     assert "over the limit of 1100 bytes" in str(caught.value)
 
@@ -306,13 +328,13 @@ _ECHOES = [
     ids=["ensure", "cached-only", "get", "evict", "pin", "bad-ref", "spaced-uri"],
 )
 def test_a_value_under_its_field_limit_is_echoed_cut_to_200_characters(
-    agent_daemon: RunningAgent, method: str, request_message: Message
+    refusing_agent: AgentProcess, method: str, request_message: Message
 ) -> None:
     """A URI or ref within its 1,100-byte limit but over 200 characters is quoted in the error
     cut to 200 characters and marked with its length, whichever RPC repeats it and even when it
     holds spaces; no 201 characters of the caller's value come back in a row.
     """
-    error = _call(agent_daemon, method, request_message)
+    error = _call(refusing_agent, method, request_message)
     detail = _details(error)
     for field in request_message.DESCRIPTOR.fields:
         value = getattr(request_message, field.name)

@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     from werkzeug.serving import make_server
 
-    class QuietHandler(MotoRequestHandler):
+    class QuietHandler(MotoRequestHandler):  # type: ignore[misc]  # moto is not followed
         # One stderr line per request would bury moto's tracebacks.
         def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
             pass

@@ -387,8 +387,8 @@ class Client(_BaseClient, contextlib.AbstractContextManager["Client"]):
     ) -> CompileReady:
         """The engine using ``key`` is ready: its verdict, after the key was uploaded (merged).
 
-        ``launch_phases``: where the launch's time went, in seconds (agent.LAUNCH_PHASES),
-        for the agent's prewarm_engine_launch_seconds.
+        ``launch_phases``: where the launch's time went, in seconds (ready, weights,
+        compile, kv_cache_and_warmup, start_and_rest), for prewarm_engine_launch_seconds.
         """
         request = messages.compile_ready_request(key, client_name, launch_phases)
         with self._errors():
@@ -724,7 +724,8 @@ class AsyncClient(_BaseClient, contextlib.AbstractAsyncContextManager["AsyncClie
     ) -> CompileReady:
         """The engine using ``key`` is ready: its verdict, after the key was uploaded (merged).
 
-        ``launch_phases``: as ``Client.compile_ready``.
+        ``launch_phases``: where the launch's time went, in seconds (ready, weights,
+        compile, kv_cache_and_warmup, start_and_rest), for prewarm_engine_launch_seconds.
         """
         request = messages.compile_ready_request(key, client_name, launch_phases)
         with self._errors():

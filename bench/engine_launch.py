@@ -4,7 +4,8 @@ One run starts s3rver (the bench's S3-compatible server, ``bench._s3rver``) on
 loopback, uploads a model directory to ``s3://models/PREFIX/`` and, for each
 repeat, launches the same engine (``vllm serve MODEL --runner generate``, on
 loopback) as the rows in ``--rows`` ask, each launch a new pod: fresh ``$HOME``,
-``$TMPDIR`` and ``VLLM_CACHE_ROOT``.
+``$TMPDIR`` and ``VLLM_CACHE_ROOT`` (``seed-warm`` keeps the seed pod's compile
+caches).
 
 - ``seed``: the seed's recipe, no agent: ``vllm serve s3://models/PREFIX/
   --load-format runai_streamer``, the Run:ai streamer reading straight from S3,
@@ -12,13 +13,29 @@ loopback) as the rows in ``--rows`` ask, each launch a new pod: fresh ``$HOME``,
   4 GiB chunks, ``RUNAI_STREAMER_MEMORY_LIMIT=-1``: every range in flight at
   once), with the endpoint and credentials of the s3rver. Every pod
   compiles: nothing is kept between pods.
+- ``seed-warm``: the engine's own warm restart on the same node, no agent: the
+  seed's recipe again as a new pod (fresh ``$HOME`` and ``$TMPDIR``) given the
+  seed pod's compile caches, as a node that keeps them on its disk would mount
+  them: its ``VLLM_CACHE_ROOT``, and inductor's and Triton's caches where the
+  seed pod's engine left them with their variables unset
+  (``$TMPDIR/torchinductor_<user>``, ``$HOME/.triton/cache``; vLLM's own
+  compile backend, the GPU's, puts both under ``VLLM_CACHE_ROOT``). Inductor's
+  precompiled headers follow ``$TMPDIR`` whatever its cache variable says, so
+  this pod builds them again (``prewarm exec`` keeps them in the key). Needs
+  ``seed``.
 - ``first``: ``prewarm exec s3://models/PREFIX/ --compile-key engine=vllm
   --ready-url URL -- vllm serve {model} ...`` on node 1 (a fresh ``prewarmd``,
   empty tiers): the model is pulled, vLLM compiles, the key is uploaded at ready.
 - ``relaunch``: the same command on node 1 again: the model is a hit in
   /dev/shm and the compile cache is the key node 1 keeps.
+- ``isa-ok``: the relaunch with ``TORCHINDUCTOR_VEC_ISA_OK=1``: inductor
+  trusts the CPU's flags instead of building and running a probe (one Python
+  importing torch) per vector instruction set in every process it starts.
 - ``mega``: the relaunch with ``VLLM_USE_MEGA_AOT_ARTIFACT=1`` (vLLM's
   AOT-compiled artifacts loaded without re-splitting the graph).
+- ``streamer-copy``: the relaunch with ``--load-format runai_streamer``: the
+  Run:ai streamer, at its default settings, reading the node's copy instead
+  of vLLM's default loader (not in the default rows).
 - ``compile-off``: the relaunch with ``-cc '{"mode":0}'`` (no torch.compile).
 - ``new-node``: the command on node 2 (another fresh ``prewarmd``, same S3):
   the model is pulled and the key restored from S3 before the engine starts.
@@ -30,7 +47,9 @@ ignored); the report compares the token ids of every launch (compiled launches
 with each other, ``compile-off`` ones with each other: inductor's bf16 kernels
 may change a late token of a random model), so a launch that is fast because it
 loaded or ran the model wrongly shows, and the run exits 1. The report gives
-each row's ready time as a percentage of the seed's recipe in the same set.
+each row's ready time as a percentage of the seed's recipe in the same set, and
+the relaunch's (and ``isa-ok``'s) against ``seed-warm``'s where both ran.
+Every row after ``first`` needs it in the same set, ``seed-warm`` needs ``seed``.
 
 Run from the repository root with the project's venv, vLLM in a venv of its
 own, on the model ``bench.llama_model`` writes::
@@ -46,6 +65,14 @@ AMX attention kernels, which it was built without, and the first request fails
 (``Unsupported CPU attention configuration: head_dim=64 isa=0``);
 ``--engine-args '--block-size 16'`` makes it use its vec16 kernels.
 
+On a GPU, ``--device cuda``: no ``VLLM_CPU_KVCACHE_SPACE``, and every launch
+gets ``--gpu-memory-utilization``. ``make bench-gpu`` writes an 8 GiB model in
+/dev/shm and runs seed, seed-warm, first, relaunch, mega and streamer-copy with
+the ``vllm`` on ``PATH`` (``VLLM=``, ``BENCH_GPU_SIZE_GIB=`` and
+``BENCH_GPU_ARGS=`` change them). That machine has no network: a CUDA build of
+vLLM with the streamer must be installed there beforehand (``pip install
+'vllm[runai]==0.16.0'`` in a venv of its own).
+
 Each repeat uses its own compile-cache prefix in S3, so its node 1 starts cold
 again. Everything it starts (S3 server, agents, engines, temporary directories)
 is stopped and removed at the end, on Ctrl-C and on SIGTERM too.
@@ -60,6 +87,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -70,7 +98,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -84,18 +112,42 @@ from ._s3rver import S3rver
 BUCKET = "models"
 COMPILE_OFF = ("-cc", '{"mode":0}')
 MEGA_AOT = {"VLLM_USE_MEGA_AOT_ARTIFACT": "1"}
+# Inductor's config.cpp.vec_isa_ok: no build-and-run probe of each vector ISA per process.
+VEC_ISA_OK = {"TORCHINDUCTOR_VEC_ISA_OK": "1"}
+STREAMER = ("--load-format", "runai_streamer")
+# What a row adds to its engine's environment.
+_ROW_ENV = {"mega": MEGA_AOT, "isa-ok": VEC_ISA_OK}
 # The seed's tuning: 4 GiB chunks, one stream per 4 GB of model, no cap on the buffer.
 SEED_CHUNK_BYTES = 4 * 1024**3
 SEED_GB_PER_STREAM = 4
 # Rows in the order they run within a set; what --rows accepts.
-ROWS = ("seed", "first", "relaunch", "mega", "compile-off", "new-node")
-DEFAULT_ROWS = ("seed", "first", "relaunch", "mega")
-_AFTER_FIRST = frozenset({"relaunch", "mega", "compile-off", "new-node"})
+ROWS = (
+    "seed",
+    "seed-warm",
+    "first",
+    "relaunch",
+    "isa-ok",
+    "mega",
+    "streamer-copy",
+    "compile-off",
+    "new-node",
+)
+DEFAULT_ROWS = ("seed", "seed-warm", "first", "relaunch", "isa-ok", "mega")
+_AFTER_FIRST = ("relaunch", "isa-ok", "mega", "streamer-copy", "compile-off", "new-node")
+# node 1's rows, in the order they run there.
+_ON_NODE1 = ("first", "relaunch", "isa-ok", "mega", "streamer-copy", "compile-off")
+# The rows that launch vllm serve s3://... without an agent.
+_SEED_ROWS = ("seed", "seed-warm")
+# prewarm's relaunches that the report holds against the engine's own warm restart.
+_AGAINST_WARM = ("relaunch", "isa-ok")
 _LABELS = {
     "seed": "seed recipe: vllm serve s3://... --load-format runai_streamer",
+    "seed-warm": "seed recipe again with the seed pod's compile caches (warm restart)",
     "first": "prewarm exec, first launch on the node (pull + compile)",
     "relaunch": "prewarm exec, relaunch (hit + compile cache)",
+    "isa-ok": "relaunch, TORCHINDUCTOR_VEC_ISA_OK=1",
     "mega": "relaunch, VLLM_USE_MEGA_AOT_ARTIFACT=1",
+    "streamer-copy": "relaunch, --load-format runai_streamer on the node's copy",
     "compile-off": "relaunch, compilation off (-cc mode 0)",
     "new-node": "prewarm exec, new node (pull + key restored from S3)",
 }
@@ -172,17 +224,62 @@ class Setup:
     tokens: int
     prompt: str
     streamer_env: dict[str, str]
-    kv_cache_gib: int
+    device: str
+    kv_cache_gib: int | None  # the CPU build's KV cache; None on cuda
+    gpu_memory_utilization: float
+
+
+@dataclass(frozen=True)
+class Pod:
+    """A launch's own places: its ``$HOME``, ``$TMPDIR`` and ``VLLM_CACHE_ROOT``."""
+
+    home: Path
+    tmp: Path
+    cache: Path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the options, run every repeat, print the tables; 130 on Ctrl-C."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        args.rows = parse_rows(args.rows)
+    except ValueError as exc:
+        parser.error(f"--rows: {exc}")
+    if args.device == "cuda" and args.kv_cache_gib is not None:
+        parser.error(
+            "--kv-cache-gib is the CPU build's KV cache; on cuda, see --gpu-memory-utilization"
+        )
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        parser.error("--gpu-memory-utilization must be above 0 and at most 1")
+    # Before anything starts: a missing engine should not cost an upload first.
+    args.vllm = find_vllm(args.vllm, args.device)
+    # A plain `kill` must tear everything down too, as Ctrl-C does.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        launches = _run(args)
+    except KeyboardInterrupt:
+        print("\ninterrupted; everything the benchmark started has been stopped.", file=sys.stderr)
+        return 130
+    print(_report(launches, _header(args)))
+    same_tokens = token_check(launches)[0] or args.runner != "generate"
+    return 0 if same_tokens and all(not launch.error for launch in launches) else 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line's options."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument(
         "--vllm",
-        type=Path,
-        default=Path("/tmp/vllm-venv/bin/vllm"),
-        help="vLLM's console script, in the venv vLLM is installed in",
+        default="/tmp/vllm-venv/bin/vllm",
+        help="vLLM's console script, in the venv vLLM is installed in (a path, or a name "
+        "looked up on PATH; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="what the vLLM given is built for (default: %(default)s)",
     )
     parser.add_argument(
         "--model-dir",
@@ -216,24 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--tokens", type=int, default=8, help="greedy tokens asked of each launch")
     parser.add_argument("--prompt", default=PROMPT, help="the greedy completion's prompt")
-    parser.add_argument(
-        "--streamer-concurrency",
-        type=int,
-        help="RUNAI_STREAMER_CONCURRENCY of the seed row (default: ceil(model GB / 4))",
-    )
-    parser.add_argument(
-        "--streamer-chunk-mib",
-        type=int,
-        default=SEED_CHUNK_BYTES // 1024**2,
-        help="RUNAI_STREAMER_CHUNK_BYTESIZE of the seed row, in MiB (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--kv-cache-gib",
-        type=int,
-        default=1,
-        help="VLLM_CPU_KVCACHE_SPACE of every launch (the CPU build's KV cache; "
-        "unset, it takes a share of whatever memory is free)",
-    )
+    _add_tuning_options(parser)
     parser.add_argument(
         "--trace",
         action="store_true",
@@ -243,23 +323,86 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--log-dir", type=Path, help="keep every launch's output and a JSON report here"
     )
-    args = parser.parse_args(argv)
-    rows = tuple(name.strip() for name in args.rows.split(",") if name.strip())
+    return parser
+
+
+def _add_tuning_options(parser: argparse.ArgumentParser) -> None:
+    """The options that tune the engine: the seed's streamer, the KV cache's memory."""
+    parser.add_argument(
+        "--streamer-concurrency",
+        type=int,
+        help="RUNAI_STREAMER_CONCURRENCY of the seed rows (default: ceil(model GB / 4))",
+    )
+    parser.add_argument(
+        "--streamer-chunk-mib",
+        type=int,
+        default=SEED_CHUNK_BYTES // 1024**2,
+        help="RUNAI_STREAMER_CHUNK_BYTESIZE of the seed rows, in MiB (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--kv-cache-gib",
+        type=int,
+        help="cpu only: VLLM_CPU_KVCACHE_SPACE of every launch (the CPU build's KV cache; "
+        "unset, it takes a share of whatever memory is free; default: 1)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.85,
+        help="cuda only: vLLM's --gpu-memory-utilization for every launch (default: %(default)s)",
+    )
+
+
+def parse_rows(text: str) -> tuple[str, ...]:
+    """The rows named in ``--rows``; ValueError for an unknown one or one missing its base."""
+    rows = tuple(name.strip() for name in text.split(",") if name.strip())
     if unknown := [name for name in rows if name not in ROWS]:
-        parser.error(f"--rows: unknown {', '.join(unknown)}; known: {', '.join(ROWS)}")
-    if _AFTER_FIRST & set(rows) and "first" not in rows:
-        parser.error("--rows: relaunch, mega, compile-off and new-node need first")
-    args.rows = rows
-    # A plain `kill` must tear everything down too, as Ctrl-C does.
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    try:
-        launches = _run(args)
-    except KeyboardInterrupt:
-        print("\ninterrupted; everything the benchmark started has been stopped.", file=sys.stderr)
-        return 130
-    print(_report(launches))
-    same_tokens = token_check(launches)[0] or args.runner != "generate"
-    return 0 if same_tokens and all(not launch.error for launch in launches) else 1
+        raise ValueError(f"unknown {', '.join(unknown)}; known: {', '.join(ROWS)}")
+    # A relaunch needs the node that first launched; a warm restart, the pod that compiled.
+    if (after := [name for name in rows if name in _AFTER_FIRST]) and "first" not in rows:
+        raise ValueError(f"{', '.join(after)} need{'s' if len(after) == 1 else ''} first")
+    if "seed-warm" in rows and "seed" not in rows:
+        raise ValueError("seed-warm needs seed")
+    return rows
+
+
+def find_vllm(given: str, device: str) -> Path:
+    """vLLM's console script, ``given`` as a path or a name on PATH; SystemExit saying
+    how to install one if there is none."""
+    found = shutil.which(given)
+    if found is not None:
+        return Path(found)
+    if device == "cuda":
+        how = (
+            "the GPU machine has no network, so a CUDA build of vLLM (with the Run:ai "
+            "streamer, for the seed rows) must be installed there beforehand, in a venv of "
+            "its own: python3 -m venv /opt/vllm && /opt/vllm/bin/pip install "
+            "'vllm[runai]==0.16.0' (or the same from wheels copied there); then pass "
+            "--vllm /opt/vllm/bin/vllm (make bench-gpu VLLM=/opt/vllm/bin/vllm)"
+        )
+    else:
+        how = (
+            "install vLLM's CPU build and 'runai-model-streamer[s3]' in a venv of their own "
+            "(docs/benchmarks.md, 'Compile caches with a real engine') and pass --vllm "
+            "VENV/bin/vllm"
+        )
+    raise SystemExit(f"no vLLM at {given!r} (not an executable file, nor a command on PATH): {how}")
+
+
+def _header(args: argparse.Namespace) -> str:
+    """The report's first line: the device the engine ran on, which engine, its memory."""
+    if args.device == "cuda":
+        memory = f"--gpu-memory-utilization {args.gpu_memory_utilization}"
+    else:
+        memory = f"VLLM_CPU_KVCACHE_SPACE={_kv_cache_gib(args)} (GiB)"
+    return f"**device: {args.device}**, vLLM {args.vllm}, {memory}"
+
+
+def _kv_cache_gib(args: argparse.Namespace) -> int | None:
+    """The CPU build's KV cache for every launch, 1 GiB unless given; None on cuda."""
+    if args.device == "cuda":
+        return None
+    return 1 if args.kv_cache_gib is None else int(args.kv_cache_gib)
 
 
 def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -272,8 +415,6 @@ def _run(args: argparse.Namespace) -> list[Launch]:
     model_dir: Path = args.model_dir.resolve()
     if not (model_dir / "config.json").is_file():
         raise SystemExit(f"{model_dir} has no config.json: not a model directory")
-    if not os.access(args.vllm, os.X_OK):
-        raise SystemExit(f"{args.vllm} is not an executable vLLM console script")
     if args.log_dir is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     prefix = args.prefix or re.sub(r"[^a-z0-9.-]+", "-", model_dir.name.lower()).strip("-.")
@@ -307,7 +448,9 @@ def _run(args: argparse.Namespace) -> list[Launch]:
             tokens=args.tokens,
             prompt=args.prompt,
             streamer_env=streamer,
-            kv_cache_gib=args.kv_cache_gib,
+            device=args.device,
+            kv_cache_gib=_kv_cache_gib(args),
+            gpu_memory_utilization=args.gpu_memory_utilization,
         )
         for repeat in range(1, args.repeats + 1):
             launches += _one_set(setup, client, repeat, args.rows)
@@ -375,11 +518,12 @@ def _agent(setup: Setup, repeat: int) -> AgentProcess:
 
 
 def _one_set(setup: Setup, client: Any, repeat: int, rows: Sequence[str]) -> list[Launch]:
-    """The seed's recipe; then node 1's launches in ``ROWS`` order; then node 2's."""
+    """The seed's recipe and its warm restart; then node 1's launches in ``ROWS`` order;
+    then node 2's."""
     done: list[Launch] = []
-    if "seed" in rows:
-        done.append(_launch(setup, Launch(repeat, "seed", "no agent")))
-    on_node1 = [row for row in ("first", "relaunch", "mega", "compile-off") if row in rows]
+    for row in (row for row in _SEED_ROWS if row in rows):
+        done.append(_launch(setup, Launch(repeat, row, "no agent")))
+    on_node1 = [row for row in _ON_NODE1 if row in rows]
     if on_node1:
         with _agent(setup, repeat) as node1:
             for row in on_node1:
@@ -418,15 +562,27 @@ def _s3_bytes(client: Any, prefix: str) -> int:
 def _command(setup: Setup, launch: Launch, port: int) -> list[str]:
     """The row's command line: the seed's ``vllm serve s3://...`` or ``prewarm exec``."""
     engine = [str(setup.vllm), "serve"]
-    # Loopback only: vLLM listens on every interface by default (the host is never keyed).
-    tail = ["--runner", setup.runner, *setup.engine_args]
-    tail += ["--host", "127.0.0.1", "--port", str(port)]
-    if launch.row == "seed":
-        return [*engine, setup.uri, "--load-format", "runai_streamer", *tail]
+    tail = _engine_tail(setup, port)
+    if launch.row in _SEED_ROWS:
+        return [*engine, setup.uri, *STREAMER, *tail]
     url = f"http://127.0.0.1:{port}/health"
     argv = [*setup.prewarm, "exec", setup.uri, "--compile-key", "engine=vllm", "--ready-url", url]
-    argv += ["--", *engine, "{model}", *tail]
+    # The streamer reads the node's copy where vLLM's default loader would.
+    loader = list(STREAMER) if launch.row == "streamer-copy" else []
+    argv += ["--", *engine, "{model}", *loader, *tail]
     return argv + list(COMPILE_OFF) if launch.row == "compile-off" else argv
+
+
+def _engine_tail(setup: Setup, port: int) -> list[str]:
+    """What every launch's ``vllm serve`` ends with: runner, device settings, the
+    arguments given (after those, so they can override them), loopback address."""
+    tail = ["--runner", setup.runner]
+    if setup.device == "cuda":
+        # The CPU build sizes its KV cache from VLLM_CPU_KVCACHE_SPACE instead (_pod_env).
+        tail += ["--gpu-memory-utilization", str(setup.gpu_memory_utilization)]
+    tail += setup.engine_args
+    # Loopback only: vLLM listens on every interface by default (the host is never keyed).
+    return [*tail, "--host", "127.0.0.1", "--port", str(port)]
 
 
 def _launch(
@@ -437,15 +593,11 @@ def _launch(
     env: dict[str, str] | None = None,
 ) -> Launch:
     """One launch (a new pod): time it to ready, check its tokens, wait for a verdict, stop it."""
-    name = f"r{launch.repeat}-{launch.row.replace(', ', '-').replace(' ', '-')}"
-    home, tmp, cache = (setup.scratch / f"{part}-{name}" for part in ("home", "tmp", "vc"))
-    for directory in (home, tmp, cache):
-        directory.mkdir()
+    name = _pod_name(launch.repeat, launch.row)
+    pod, caches = _new_pod(setup.scratch, launch.repeat, launch.row)
     port = _free_port()
     argv = _command(setup, launch, port)
-    child_env = _pod_env(setup, agent, home=home, tmp=tmp, cache=cache)
-    if launch.row == "mega":
-        child_env |= MEGA_AOT
+    child_env = _pod_env(setup, agent, pod) | caches | _ROW_ENV.get(launch.row, {})
     child_env |= env or {}
     launch.command = " ".join(argv)
     _say(f"set {launch.repeat}: {launch.label} ({launch.node}): {launch.command}")
@@ -470,10 +622,10 @@ def _launch(
             _greedy(launch, port, setup)
             _say(f"  tokens: {launch.tokens if launch.tokens is not None else launch.token_note}")
         # The private TMPDIR goes when exec exits: list it while the engine still runs.
-        launch.outside = _listing(tmp, "$TMPDIR")
+        launch.outside = _listing(pod.tmp, "$TMPDIR")
         launch.load_after = os.getloadavg()
     launch.returncode = running.returncode
-    launch.outside += _listing(home, "$HOME") + _listing(cache, "VLLM_CACHE_ROOT")
+    launch.outside += _listing(pod.home, "$HOME") + _listing(pod.cache, "VLLM_CACHE_ROOT")
     # Machine-wide, so another user's processes may add entries here too.
     new = sorted(_top_entries() - shared_before - {str(setup.scratch)})
     launch.outside += [f"new since the launch started: {entry}" for entry in new]
@@ -490,10 +642,57 @@ def _launch(
     return launch
 
 
-def _pod_env(
-    setup: Setup, agent: AgentProcess | None, *, home: Path, tmp: Path, cache: Path
-) -> dict[str, str]:
-    """A new pod's environment: fresh HOME, TMPDIR and vLLM cache root, no network.
+def _pod_name(repeat: int, row: str) -> str:
+    """The name of a launch's pod: its directories and its log file are named after it."""
+    return f"r{repeat}-{row.replace(', ', '-').replace(' ', '-')}"
+
+
+def _pod_dirs(scratch: Path, name: str) -> Pod:
+    """The places pod ``name`` has under the run's scratch space."""
+    return Pod(
+        home=scratch / f"home-{name}", tmp=scratch / f"tmp-{name}", cache=scratch / f"vc-{name}"
+    )
+
+
+def _new_pod(scratch: Path, repeat: int, row: str) -> tuple[Pod, dict[str, str]]:
+    """A launch's pod, its directories made, and the compile-cache variables it is given.
+
+    Every pod starts empty but the engine's own warm restart: ``seed-warm`` gets
+    the seed pod's ``VLLM_CACHE_ROOT`` and its inductor and Triton caches, as a
+    node keeping them on its disk would mount them into the next pod.
+    """
+    pod = _pod_dirs(scratch, _pod_name(repeat, row))
+    caches: dict[str, str] = {}
+    if row == "seed-warm":
+        seed = _pod_dirs(scratch, _pod_name(repeat, "seed"))
+        pod = replace(pod, cache=seed.cache)
+        caches = engine_default_caches(seed)
+    pod.home.mkdir()
+    pod.tmp.mkdir()
+    pod.cache.mkdir(exist_ok=row == "seed-warm")
+    return pod, caches
+
+
+def engine_default_caches(pod: Pod) -> dict[str, str]:
+    """The variables that point a pod at the inductor and Triton caches ``pod``'s engine
+    wrote with those variables unset (``_pod_env`` unsets them).
+
+    Inductor's default is ``$TMPDIR/torchinductor_<user>``, Triton's
+    ``$HOME/.triton/cache``. Only what exists is pointed at: set for nothing,
+    ``TRITON_CACHE_DIR`` would also move inductor's own Triton kernels away from
+    its cache directory. (vLLM's compile backend, the GPU's, sets both itself,
+    under ``VLLM_CACHE_ROOT``.)
+    """
+    env: dict[str, str] = {}
+    if inductor := sorted(path for path in pod.tmp.glob("torchinductor_*") if path.is_dir()):
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor[0])
+    if (triton := pod.home / ".triton" / "cache").is_dir():
+        env["TRITON_CACHE_DIR"] = str(triton)
+    return env
+
+
+def _pod_env(setup: Setup, agent: AgentProcess | None, pod: Pod) -> dict[str, str]:
+    """A new pod's environment: its HOME, TMPDIR and vLLM cache root, no network.
 
     Through prewarm: the agent's socket, the Hub offline. The seed's recipe: the
     S3 endpoint and credentials and the streamer's settings instead; the Hub
@@ -505,15 +704,16 @@ def _pod_env(
     for name in ("XDG_CACHE_HOME", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TORCH_LOGS"):
         env.pop(name, None)
     env |= {
-        "HOME": str(home),
-        "TMPDIR": str(tmp),
-        "VLLM_CACHE_ROOT": str(cache),
-        "VLLM_CPU_KVCACHE_SPACE": str(setup.kv_cache_gib),
+        "HOME": str(pod.home),
+        "TMPDIR": str(pod.tmp),
+        "VLLM_CACHE_ROOT": str(pod.cache),
         # vLLM would otherwise phone home with usage statistics.
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
         "PYTHONUNBUFFERED": "1",
     }
+    if setup.kv_cache_gib is not None:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(setup.kv_cache_gib)
     if agent is None:
         s3 = {k: v for k, v in setup.s3.env().items() if not k.startswith("PREWARM_")}
         return env | s3 | setup.streamer_env
@@ -787,19 +987,42 @@ def token_check(launches: Sequence[Launch]) -> tuple[bool, dict[int, str], list[
     return same, verdicts, lines
 
 
+def _percent_of(launches: Sequence[Launch], launch: Launch, row: str) -> float | None:
+    """``launch``'s ready time as a percentage of ``row``'s in the same set (both ready)."""
+    other = next((x for x in launches if x.repeat == launch.repeat and x.row == row), None)
+    if other is None or other.ready_seconds is None or launch.ready_seconds is None:
+        return None
+    return 100.0 * launch.ready_seconds / other.ready_seconds
+
+
 def _percent_of_seed(launches: Sequence[Launch], launch: Launch) -> float | None:
     """``launch``'s ready time as a percentage of the seed recipe's in the same set."""
-    seed = next((x for x in launches if x.repeat == launch.repeat and x.row == "seed"), None)
-    if seed is None or seed.ready_seconds is None or launch.ready_seconds is None:
-        return None
-    return 100.0 * launch.ready_seconds / seed.ready_seconds
+    return _percent_of(launches, launch, "seed")
 
 
-def _report(launches: list[Launch]) -> str:
-    """The Markdown tables: one row per launch, the relaunch against the seed, the tokens,
-    then what each launch logged and left outside its key."""
+def against_warm_restart(launches: Sequence[Launch]) -> list[str]:
+    """A line for each relaunch through prewarm (``_AGAINST_WARM``) that can be held against
+    the engine's own warm restart (``seed-warm``) of the same set."""
+    lines: list[str] = []
+    for launch in (x for x in launches if x.row in _AGAINST_WARM):
+        if (percent := _percent_of(launches, launch, "seed-warm")) is None:
+            continue
+        warm = next(x for x in launches if x.repeat == launch.repeat and x.row == "seed-warm")
+        lines.append(
+            f"set {launch.repeat}: {launch.row} through prewarm exec "
+            f"{_num(launch.ready_seconds)} s vs the engine's own warm restart "
+            f"{_num(warm.ready_seconds)} s ({percent:.0f} % of it)"
+        )
+    return lines
+
+
+def _report(launches: list[Launch], header: str = "") -> str:
+    """The Markdown tables: one row per launch, the relaunch against the seed and against
+    the engine's warm restart, the tokens, then what each launch logged and left outside
+    its key."""
     _, verdicts, token_lines = token_check(launches)
-    rows = [
+    rows = [header, ""] if header else []
+    rows += [
         "| set | launch | node | ready s | % of seed recipe | model line at s | key line at s "
         "| restore s | verdict | tokens | load 1m before/after | exit |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -824,7 +1047,7 @@ def _report(launches: list[Launch]) -> str:
                 f"- set {launch.repeat}: the relaunch is ready in {_num(launch.ready_seconds)} s, "
                 f"{percent:.0f} % of the seed recipe's time ({100 - percent:.0f} % less)"
             )
-    rows += [f"- {line}" for line in token_lines] + [""]
+    rows += [f"- {line}" for line in against_warm_restart(launches) + token_lines] + [""]
     for launch in launches:
         rows.append(f"**set {launch.repeat}, {launch.label}** ({launch.node})")
         rows.append("")

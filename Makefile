@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv demo bench test lint typecheck pytest soak fuzz proto wheel clean
+.PHONY: venv demo bench bench-gpu test lint typecheck pytest soak fuzz proto wheel clean
 
 # The venv is (re)built when pyproject.toml changes. torch is pinned to the CPU
 # build (2.13.0): an unpinned torch would pull a multi-GB CUDA build.
@@ -27,6 +27,24 @@ demo: $(STAMP)
 ## Options through BENCH_ARGS, e.g. make bench BENCH_ARGS="--size 8GiB --only ceiling,cold"
 bench: $(STAMP)
 	$(PY) -m bench $(BENCH_ARGS)
+
+## bench-gpu: vLLM launch to ready on a CUDA machine (by hand; bench/engine_launch.py): the
+## seed's recipe, its warm restart, prewarm exec's first launch and relaunches on a generated
+## BENCH_GPU_SIZE_GIB (8) GiB Llama. The machine has no network: vLLM's CUDA build must be
+## installed there first (pip install 'vllm[runai]==0.16.0' in a venv; VLLM=that venv's vllm).
+BENCH_GPU_MODEL ?= /dev/shm/llama-bench
+BENCH_GPU_SIZE_GIB ?= 8
+BENCH_GPU_LOGS ?= /tmp/bench-gpu-logs
+VLLM ?= vllm
+# Not on $(STAMP): offline, a venv that looks older than pyproject.toml is used as it is.
+bench-gpu:
+	@# Checked before the model is written: that takes a while, and GPU time is scarce.
+	@test -x $(PY) || { echo "bench-gpu: no $(PY): make venv (or VENV=...) before, with network" >&2; exit 1; }
+	@command -v $(VLLM) >/dev/null || { echo "bench-gpu: no vLLM at '$(VLLM)': install vLLM's CUDA build (no network there: beforehand), then VLLM=VENV/bin/vllm" >&2; exit 1; }
+	$(PY) -m bench.llama_model $(BENCH_GPU_MODEL) --size-gib $(BENCH_GPU_SIZE_GIB)
+	$(PY) -m bench.engine_launch --device cuda --vllm $(VLLM) --model-dir $(BENCH_GPU_MODEL) \
+		--rows seed,seed-warm,first,relaunch,mega,streamer-copy --log-dir $(BENCH_GPU_LOGS) \
+		$(BENCH_GPU_ARGS)
 
 ## test: lint, type-check and the whole test suite (what CI runs)
 test: lint typecheck pytest

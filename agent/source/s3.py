@@ -18,7 +18,6 @@ from types import TracebackType
 from typing import Any, Self
 
 from aiobotocore.config import AioConfig
-from aiobotocore.session import get_session
 from botocore.httpsession import get_cert_path
 
 from agent._config import S3Settings
@@ -44,6 +43,7 @@ from agent.source.s3_errors import (
     silent_error,
     translate_s3_error,
 )
+from agent.source.sessions import new_session
 from agent.source.tuning import connection_pool_size
 
 __all__ = ["S3Source", "SourceSilent", "SourceUnreachable"]
@@ -71,6 +71,8 @@ class S3Source:
         # after one try instead of after botocore's whole retry schedule.
         self._one_try_client: Any = None
         self._transport: dict[str, object] | None = None
+        # Made on entry; its API models are the process's (agent.source.sessions).
+        self._session: Any = None
 
     async def __aenter__(self) -> Self:
         """Build the pooled aiobotocore client (and the one-try client for first pages)."""
@@ -91,7 +93,7 @@ class S3Source:
         if settings.region:
             kwargs["region_name"] = settings.region
         kwargs |= self._credentials
-        session = get_session()
+        session = self._session = new_session()
         self._client = await self._stack.enter_async_context(
             session.create_client("s3", config=config, **kwargs)
         )
@@ -247,7 +249,8 @@ class S3Source:
         that proxy cannot be used.
         """
         if self._transport is None:
-            bundle = get_session().get_config_variable("ca_bundle")  # a new session: ~15 ms
+            session = self._session or new_session()  # a new session: ~15 ms
+            bundle = session.get_config_variable("ca_bundle")
             self._transport = {"verify": True, "cafile": str(bundle or get_cert_path(True))}
         return self._transport | {"proxy": proxy_for(self._endpoint_url())}
 

@@ -7,7 +7,6 @@ for its own credentials.
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -15,26 +14,21 @@ from typing import Any
 __all__ = ["LoopbackEndpoint", "fresh_session"]
 
 
-@functools.cache
-def _shared_loader() -> Any:
-    import botocore.loaders
-
-    return botocore.loaders.create_loader()
-
-
 def fresh_session(access_key: str, secret_key: str, region: str) -> Any:
     """A boto3 session of its own for these credentials, reading API models from a shared cache.
 
     A fresh session ignores whatever the default session picked up; parsing
     botocore's service models again for each one cost about 80 ms a client,
-    paid by hundreds of tests. The loader is the one part shared: it only
-    reads botocore's own JSON files.
+    paid by hundreds of tests. The loader is the one part shared, the agent's
+    own (``agent.source.sessions``): it only reads botocore's own JSON files.
     """
     import boto3.session
     import botocore.session
 
+    from agent.source.sessions import api_model_loader
+
     core = botocore.session.Session()
-    core.register_component("data_loader", _shared_loader())
+    core.register_component("data_loader", api_model_loader(core.get_config_variable("data_path")))
     return boto3.session.Session(
         aws_access_key_id=access_key,
         aws_secret_access_key=secret_key,

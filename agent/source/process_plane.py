@@ -285,18 +285,25 @@ class WorkerPool:
         await self._reap()
 
     async def aclose(self) -> None:
-        """Close every worker's socket (they exit at once) and wait for them; kill stragglers."""
+        """Close every worker's socket, end each worker at once and reap it.
+
+        A worker that reads its closed socket exits there and then, whatever its
+        threads are doing; but one still starting (its interpreter importing, as
+        just after the daemon started) reads it only once ready, about a second
+        later on a busy node. Nothing is left for a worker to finish (the pulls
+        stopped first, and an exit on the closed socket ends a job unfinished too),
+        so each is killed, as a lost one is, and none outlives this call.
+        """
         self._closed = True
         if self._stall_check is not None:
             self._stall_check.cancel()
         for worker in self._workers:
             if worker.alive:
                 self._detach(worker)
+            with contextlib.suppress(ProcessLookupError):
+                worker.process.kill()
         for worker in self._workers:
-            try:
-                await asyncio.wait_for(asyncio.to_thread(worker.process.wait), 5)
-            except TimeoutError:
-                await self._kill(worker)
+            await asyncio.to_thread(worker.process.wait)
 
     # -- messages ----------------------------------------------------------------------
 

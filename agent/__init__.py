@@ -1,8 +1,13 @@
 """prewarm: a node-level model prewarming agent.
 
 The package root stays light on purpose: pods import ``agent.client``, which
-must not drag in the daemon's dependencies.
+must not drag in the daemon's dependencies. ``__version__`` is read from the
+installed metadata when first asked for, not at import: importlib.metadata costs
+about 0.1 s, paid otherwise by every range worker the daemon starts and by every
+pod that imports the client.
 """
+
+from typing import TYPE_CHECKING
 
 from agent._exceptions import (
     AccessDenied,
@@ -18,7 +23,9 @@ from agent._exceptions import (
     SourceUnavailable,
     UnsafeObjectKey,
 )
-from agent._version import __version__
+
+if TYPE_CHECKING:
+    from agent._version import __version__
 
 __all__ = [
     "AccessDenied",
@@ -35,3 +42,12 @@ __all__ = [
     "UnsafeObjectKey",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> str:
+    """``agent.__version__``, read on first use (PEP 562)."""
+    if name == "__version__":
+        from agent._version import __version__
+
+        return __version__
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -413,7 +413,9 @@ class RangeWorker:
         self._pulls: dict[int, WriteGate] = {}
         self._windows: dict[Body, tuple[float, int, WriteGate]] = {}
         self._windows_lock = threading.Lock()
-        self._tls = ssl.create_default_context()
+        # The daemon's first message sets it ("tls"); a default one (the system's CAs,
+        # about 70 ms to load) only if a job came first.
+        self._tls: ssl.SSLContext | None = None
         self._proxy: Proxy | None = None
         # Why the proxy the daemon named cannot be used: every job fails saying so.
         self._proxy_problem: str | None = None
@@ -476,6 +478,12 @@ class RangeWorker:
                 self._proxy = Proxy.parse(proxy)
             except ValueError as exc:
                 self._proxy_problem = f"the proxy cannot be used: {exc}"
+
+    def _context(self) -> ssl.SSLContext:
+        """The TLS context the daemon's transport settings made (a default one if none came)."""
+        if self._tls is None:
+            self._tls = ssl.create_default_context()
+        return self._tls
 
     def _queue(self, job: GetJob, fd: int) -> None:
         gate = self._pulls.setdefault(job.pull, WriteGate())
@@ -755,7 +763,7 @@ class RangeWorker:
         connection: http.client.HTTPConnection
         if proxy is not None and scheme == "https":
             connection = http.client.HTTPSConnection(
-                proxy.host, proxy.port, timeout=timeout, context=self._tls
+                proxy.host, proxy.port, timeout=timeout, context=self._context()
             )
             tunnel = {"Host": f"{_bracketed(host)}:{port}"} | proxy.headers()
             connection.set_tunnel(host, port, headers=tunnel)
@@ -768,12 +776,13 @@ class RangeWorker:
         raw = socket.create_connection((address or host, port), timeout)
         try:
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock = self._tls.wrap_socket(raw, server_hostname=host) if scheme == "https" else raw
+            tls = self._context()
+            sock = tls.wrap_socket(raw, server_hostname=host) if scheme == "https" else raw
         except BaseException:
             raw.close()
             raise
         if scheme == "https":
-            connection = http.client.HTTPSConnection(host, port, timeout=timeout, context=self._tls)
+            connection = http.client.HTTPSConnection(host, port, timeout=timeout, context=tls)
         else:
             connection = http.client.HTTPConnection(host, port, timeout=timeout)
         connection.sock = sock  # connected here: to ``address`` when the job names one

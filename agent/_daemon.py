@@ -40,7 +40,6 @@ from agent.leases.keeper import LeaseKeeper
 from agent.leases.table import LeaseTable
 from agent.obs.logs import configure_logging
 from agent.obs.metrics import REGISTRY, StateCollector, StateReading, TierReading
-from agent.obs.metrics_server import serve_metrics
 from agent.obs.sdnotify import SystemdNotifier
 from agent.prefetch.manifests import CompileCacheHook, ManifestWatcher
 from agent.prefetch.schema import CompileSpec
@@ -318,6 +317,9 @@ async def _metrics_and_manifests(
     try:
         async with contextlib.AsyncExitStack() as stack:
             if settings.metrics.port:
+                # aiohttp's server side (about 0.1 s to import) only where metrics are on.
+                from agent.obs.metrics_server import serve_metrics
+
                 await stack.enter_async_context(
                     serve_metrics(REGISTRY, settings.metrics.address, settings.metrics.port)
                 )

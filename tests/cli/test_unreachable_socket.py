@@ -1,33 +1,28 @@
 """Every ``prewarm`` command on a socket path it cannot use: one sentence, one exit status.
 
 The commands are read from the typer app, so a command added later is held to the same
-sentence without a line here. Each case runs every command as a real process, one after
-another: all at once, they took the CPU the tests beside them on the other worker need.
+sentence without a line here. Each case runs every command one after another in this
+process (``cli_helpers``: the typer app, with what reaches file descriptors 1 and 2 kept
+as a real process's output); the case that needs another user starts one interpreter as
+that user (``every_command_child.py``), which runs them all the same way. The
+socket-directory case runs the real ``python -m agent.cli`` as that user.
 """
 
 from __future__ import annotations
 
 import grp
+import json
 import os
 import re
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-import pytest
-import typer
 from agent_helpers import NOBODY, outside_the_socket_group
-from typer.core import TyperArgument, TyperCommand, TyperGroup
+from cli_helpers import argv_of, every_command, run_every_command
 
-from agent.cli import app
-
-# A value each argument accepts before any call: a URI where one is asked for, a whole
-# compile-cache key (it is a snapshot key prefix too) elsewhere, a command for `exec`.
-_URI = "s3://models/llama/"
-_KEY = "0123456789abcdef0123456789abcdef"
-_COMMAND = "true"
+CHILD = str(Path(__file__).with_name("every_command_child.py"))
 # What `prewarm exec` adds around the sentence: its name in a pod's log, the fallback's hint.
 _EXEC_PREFIX = "prewarm: "
 _EXEC_SUFFIX = re.compile(r" \(--fallback would run the command against \S+\)$")
@@ -39,59 +34,25 @@ _WHERE_THE_PATH_IS_SET = (
 _START = "Start the agent (systemctl start prewarmd, or the prewarm DaemonSet's pod on this node)."
 
 
-def _leaves(command: object, path: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
-    if isinstance(command, TyperGroup):
-        for name, sub in sorted(command.commands.items()):
-            yield from _leaves(sub, (*path, name))
-    else:
-        yield path
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}
 
 
-def _command(path: Sequence[str]) -> TyperCommand:
-    command: object = typer.main.get_command(app)
-    for name in path:
-        assert isinstance(command, TyperGroup)
-        command = command.commands[name]
-    assert isinstance(command, TyperCommand)
-    return command
-
-
-def every_command() -> list[tuple[str, ...]]:
-    """Every leaf command of ``prewarm``, as its words: ("ls",), ("compile", "push")..."""
-    return list(_leaves(typer.main.get_command(app), ()))
-
-
-def _argv(path: Sequence[str], socket_path: Path) -> list[str]:
-    """``prewarm PATH --socket SOCKET -- ARGS``, each argument given a value it accepts."""
-    values: list[str] = []
-    for parameter in _command(path).params:
-        if not isinstance(parameter, TyperArgument):
-            continue
-        if parameter.nargs == -1:
-            values.append(_COMMAND)
-        else:
-            values.append(_URI if parameter.name == "uri" else _KEY)
-    return [*path, "--socket", str(socket_path), "--", *values]
-
-
-def _run_every_command(socket_path: Path, prefix: Sequence[str] = ()) -> dict[str, tuple[int, str]]:
-    """Each command's (exit status, stderr), each a fresh interpreter."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}
-    env["PREWARM_WAIT_FOR_AGENT"] = "0"  # `exec` would wait a minute for a missing socket
-    ran: dict[str, tuple[int, str]] = {}
-    for path in every_command():
-        done = subprocess.run(
-            [*prefix, sys.executable, "-m", "agent.cli", *_argv(path, socket_path)],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        ran[" ".join(path)] = (done.returncode, done.stderr)
-    return ran
+def _run_every_command_as(prefix: list[str], socket_path: Path) -> dict[str, tuple[int, str]]:
+    """Each command's (exit status, stderr), all run in one interpreter started through
+    ``prefix`` (setpriv: another user)."""
+    done = subprocess.run(
+        [*prefix, sys.executable, CHILD, str(socket_path)],
+        env=_env(),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    return {name: (status, stderr) for name, (status, stderr) in json.loads(done.stdout).items()}
 
 
 def _the_one_sentence(ran: dict[str, tuple[int, str]]) -> str:
@@ -119,45 +80,41 @@ def test_the_command_list_reaches_every_command() -> None:
     assert ("compile",) not in commands
 
 
-@pytest.mark.slow  # every command, each a fresh interpreter
 def test_a_missing_socket_is_one_sentence_from_every_command(tmp_path: Path) -> None:
     """No file at the path: every command exits 3 saying the socket does not exist, how to
     start the agent, and where its path is set on each side."""
     missing = tmp_path / "agent.sock"
-    said = _the_one_sentence(_run_every_command(missing))
+    said = _the_one_sentence(run_every_command(missing))
     assert said == (
         f"error: cannot reach the prewarm agent at {missing}: the socket does not exist. "
         f"{_START} {_WHERE_THE_PATH_IS_SET}"
     )
 
 
-@pytest.mark.slow  # every command, each a fresh interpreter
 def test_a_directory_is_one_sentence_from_every_command(tmp_path: Path) -> None:
     """A directory at the path (a connect to it is refused, like a dead socket's): every
     command exits 3 saying it is a directory, not a socket, never "connection refused"."""
     directory = tmp_path / "agent.sock"
     directory.mkdir()
-    said = _the_one_sentence(_run_every_command(directory))
+    said = _the_one_sentence(run_every_command(directory))
     assert said == (
         f"error: cannot reach the prewarm agent at {directory}: it is a directory, not a socket. "
         f"{_WHERE_THE_PATH_IS_SET}"
     )
 
 
-@pytest.mark.slow  # every command, each a fresh interpreter
 def test_a_regular_file_is_one_sentence_from_every_command(tmp_path: Path) -> None:
     """A regular file at the path: every command exits 3 saying it is a regular file, not a
     socket, and where the agent's socket path is set."""
     regular = tmp_path / "agent.sock"
     regular.write_text("not a socket")
-    said = _the_one_sentence(_run_every_command(regular))
+    said = _the_one_sentence(run_every_command(regular))
     assert said == (
         f"error: cannot reach the prewarm agent at {regular}: it is a regular file, not a "
         f"socket. {_WHERE_THE_PATH_IS_SET}"
     )
 
 
-@pytest.mark.slow  # every command, each a fresh interpreter
 def test_a_socket_this_user_may_not_open_is_one_sentence_from_every_command(
     tmp_path: Path,
 ) -> None:
@@ -169,7 +126,7 @@ def test_a_socket_this_user_may_not_open_is_one_sentence_from_every_command(
         listener.bind(str(path))
         listener.listen()
         outsider = outside_the_socket_group(path)
-        said = _the_one_sentence(_run_every_command(path, prefix=outsider))
+        said = _the_one_sentence(_run_every_command_as(outsider, path))
     group = grp.getgrgid(NOBODY).gr_name
     assert said == (
         f"error: cannot reach the prewarm agent at {path}: permission denied on the socket "
@@ -192,10 +149,9 @@ def test_a_socket_directory_this_user_may_not_enter_is_named_with_its_group(
         outsider = outside_the_socket_group(path)
         os.chown(directory, NOBODY, NOBODY)
         directory.chmod(0o750)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}
         done = subprocess.run(
-            [*outsider, sys.executable, "-m", "agent.cli", *_argv(("status",), path)],
-            env=env,
+            [*outsider, sys.executable, "-m", "agent.cli", *argv_of(("status",), path)],
+            env=_env(),
             capture_output=True,
             text=True,
             timeout=120,

@@ -1,4 +1,10 @@
-"""The ``prewarm`` command, run as a real process against the real daemon and S3 server."""
+"""The ``prewarm`` command against the real daemon and S3 server.
+
+Each command runs in this process (``cli_helpers``: the typer app, over the daemon's real
+Unix socket, with file descriptors 1 and 2 kept as a process's output); the entry point
+itself, ``python -m agent.cli``, runs as a real process for ``--version`` and for a
+refused request's exit status.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +14,12 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 from agent_helpers import AgentFactory
+from cli_helpers import Ran, prewarm_in_process
 from rich.console import Console
 from rich.progress import Progress
 from typer.testing import CliRunner
@@ -28,14 +34,17 @@ from agent.testing import AgentProcess, SampleModel
 _NUMBER = r"\d+(?:\.\d+)?"
 
 
-def prewarm(
-    *args: str, socket: Path, prefix: Sequence[str] = ()
-) -> subprocess.CompletedProcess[str]:
-    """``prewarm ARGS`` on ``socket``; ``prefix`` runs it through another program (setpriv)."""
+def prewarm(*args: str, socket: Path) -> Ran:
+    """``prewarm ARGS`` on ``socket``, in this process."""
+    return prewarm_in_process(*args, socket=socket)
+
+
+def prewarm_process(*args: str, socket: Path) -> subprocess.CompletedProcess[str]:
+    """``python -m agent.cli ARGS`` on ``socket``: a real interpreter, as the script runs."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}
     env["PREWARM_SOCKET_PATH"] = str(socket)
     return subprocess.run(
-        [*prefix, sys.executable, "-m", "agent.cli", *args],
+        [sys.executable, "-m", "agent.cli", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -181,8 +190,9 @@ def test_status_json_reports_version_tiers_and_models(
 
 
 def test_bad_uri_exits_2_with_the_agents_message(agent_daemon: AgentProcess) -> None:
-    """A bad URI exits 2 with the agent's message on stderr and no traceback."""
-    done = prewarm("pull", "http://example.com/model", socket=agent_daemon.socket_path)
+    """A bad URI exits 2 with the agent's message on stderr and no traceback, from a real
+    interpreter (the status a shell sees)."""
+    done = prewarm_process("pull", "http://example.com/model", socket=agent_daemon.socket_path)
     assert done.returncode == 2
     assert done.stdout == ""
     assert done.stderr.startswith("error: ")
@@ -239,8 +249,9 @@ def test_option_help_shows_its_default_hint(command: list[str], hints: list[str]
 
 
 def test_version_flag_prints_the_version() -> None:
-    """`--version` prints the package version and exits 0 without an agent."""
-    done = prewarm("--version", socket=Path("/nonexistent"))
+    """`python -m agent.cli --version` prints the package version and exits 0 without an
+    agent."""
+    done = prewarm_process("--version", socket=Path("/nonexistent"))
     assert done.returncode == 0
     assert done.stdout == f"prewarm {__version__}\n"
 

@@ -1,4 +1,10 @@
-"""``prewarm compile``, run as a real process against the real daemon and S3 server."""
+"""``prewarm compile`` (and ``prewarm exec --compile-key``) against the real daemon and S3
+server.
+
+The commands run in this process (``cli_helpers``: the typer app over the daemon's real Unix
+socket, file descriptors 1 and 2 kept as a process's output; exec's command is a real child);
+``compile push`` without a compile URI runs as a real process, for the status a shell sees.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +18,19 @@ from typing import Any
 
 import pytest
 from agent_helpers import AgentFactory
+from cli_helpers import Ran, prewarm_in_process
 
 from agent.client import Client
 from agent.testing import SampleModel, unsealed
 
 
-def prewarm(*args: str, socket: Path) -> subprocess.CompletedProcess[str]:
+def prewarm(*args: str, socket: Path) -> Ran:
+    """``prewarm compile ARGS`` on ``socket``, in this process."""
+    return prewarm_in_process("compile", *args, socket=socket)
+
+
+def prewarm_process(*args: str, socket: Path) -> subprocess.CompletedProcess[str]:
+    """``python -m agent.cli compile ARGS`` on ``socket``: a real interpreter."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}
     env["PREWARM_SOCKET_PATH"] = str(socket)
     return subprocess.run(
@@ -30,12 +43,11 @@ def prewarm(*args: str, socket: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _ok(done: subprocess.CompletedProcess[str]) -> str:
+def _ok(done: Ran) -> str:
     assert done.returncode == 0, done.stderr
     return done.stdout
 
 
-@pytest.mark.slow  # seven CLI runs, each a fresh interpreter
 def test_ls_show_push_evict_pull(start_agent: AgentFactory, bucket: str) -> None:
     """`prewarm compile` ls, show, push (twice: second skipped), evict and pull, by key prefix."""
     agent = start_agent(f'[compile_cache]\nuri = "s3://{bucket}/cc"\nquiet_seconds = 60\n')
@@ -75,37 +87,30 @@ def test_ls_show_push_evict_pull(start_agent: AgentFactory, bucket: str) -> None
     assert "No compile cache has a key starting with 0123456789" in missing.stderr
 
 
-@pytest.mark.slow  # three CLI runs, each a fresh interpreter
 def test_push_pull_and_compact_without_a_compile_uri_all_exit_1_naming_it(
     start_agent: AgentFactory,
 ) -> None:
     """With no compile_cache.uri on the agent, `compile push`, `pull` and `compact` of a key on
-    the node each exit 1 (push once exited 0, as if skipped) with a line naming the setting."""
+    the node each exit 1 (push once exited 0, as if skipped: it runs as a real process) with a
+    line naming the setting."""
     agent = start_agent()
     with Client(agent.socket_path) as client:
         handle = client.compile_cache(torch_version="2.13.0", model_key="m")
     for command in ("push", "pull", "compact"):
-        done = prewarm(command, handle.key, socket=agent.socket_path)
+        run = prewarm_process if command == "push" else prewarm
+        done = run(command, handle.key, socket=agent.socket_path)
         assert done.returncode == 1, (command, done.stdout, done.stderr)
         assert done.stderr.startswith("error: compile_cache.uri is not set; "), command
         assert done.stderr.count("\n") == 1, (command, done.stderr)
         assert done.stdout == "", command
 
 
-def _exec(*args: str, socket: Path) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}
-    env["PREWARM_SOCKET_PATH"] = str(socket)
-    return subprocess.run(
-        [sys.executable, "-m", "agent.cli", "exec", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
+def _exec(*args: str, socket: Path) -> Ran:
+    """``prewarm exec ARGS`` on ``socket``, in this process; its command is a real child."""
+    return prewarm_in_process("exec", *args, socket=socket)
 
 
-@pytest.mark.slow  # a CLI run that asks the command's interpreter for its versions
+@pytest.mark.slow  # asks the command's interpreter for its versions (it imports torch)
 def test_exec_gives_the_command_the_compile_cache_of_its_key_parts(
     start_agent: AgentFactory, small_model: SampleModel
 ) -> None:
@@ -171,7 +176,7 @@ def test_why_names_the_nearest_key_of_the_model_and_the_parts_that_differ(
     assert {"part": "torch_version", "cached": "2.12.0", "wanted": "2.13.0"} in document["changes"]
 
 
-@pytest.mark.slow  # two agents and four CLI runs
+@pytest.mark.slow  # two agents, one after the other
 def test_why_finds_a_key_another_node_uploaded_and_compact_makes_its_archives_one(
     start_agent: AgentFactory, bucket: str, s3_client: Any
 ) -> None:
@@ -209,7 +214,6 @@ def test_why_finds_a_key_another_node_uploaded_and_compact_makes_its_archives_on
     assert (again["compacted"], again["skipped_reason"]) == (False, "it has one archive already")
 
 
-@pytest.mark.slow  # three CLI runs, each a fresh interpreter
 def test_a_tenants_key_parts_reach_the_terminal_as_literal_text(
     start_agent: AgentFactory,
 ) -> None:

@@ -1,7 +1,5 @@
 """``python -m agent`` runs the daemon, like ``prewarmd``."""
 
-import sys
+from agent._daemon import exit_with, main
 
-from agent._daemon import main
-
-sys.exit(main())
+exit_with(main())

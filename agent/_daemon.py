@@ -15,6 +15,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import NoReturn
 
 from agent._config import (
     ConfigError,
@@ -52,7 +53,7 @@ from agent.store.claim import claim_root
 from agent.store.records import TierBudget
 from agent.store.roots import traverse_group_id
 
-__all__ = ["main", "serve"]
+__all__ = ["exit_with", "main", "serve"]
 
 log = logging.getLogger("agent.daemon")
 
@@ -440,6 +441,21 @@ def main(argv: list[str] | None = None) -> int:
         SystemdNotifier.from_environment().status(f"Cannot start: {reason}")
         return 1
     return 0
+
+
+def exit_with(code: int) -> NoReturn:
+    """End the process with ``code`` once ``main()`` has returned, skipping Python's teardown.
+
+    By then every part is closed and what it keeps on disk written. What is left
+    is the interpreter's own finalization, which frees module by module all that
+    the daemon imported (botocore, pydantic, grpc): about 0.4 s of CPU at every
+    stop, for nothing. Logging and the standard streams are flushed first; an
+    exception out of ``main()`` never gets here and exits as usual.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _startup_error(exc: BaseException) -> PrewarmError | None:

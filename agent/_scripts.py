@@ -34,10 +34,10 @@ _DAEMON_MODULES = _CLI_MODULES | {
 def prewarmd() -> NoReturn:
     """Entry point of ``prewarmd``: the node agent."""
     try:
-        from agent._daemon import main
+        from agent._daemon import exit_with, main
     except ModuleNotFoundError as exc:
         _missing_extra(exc, "prewarmd", "daemon", _DAEMON_MODULES)
-    sys.exit(main())
+    exit_with(main())
 
 
 def prewarm_csi() -> NoReturn:

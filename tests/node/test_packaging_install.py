@@ -1,18 +1,26 @@
 """Installs for real: install.sh into a fresh prefix, the wheel, and the pods' client-only install.
 
-install.sh builds a new virtualenv with every dependency from the package
-index and writes the unit, users and cache roots under a temporary root; it
-runs once per module (it takes half a minute) and needs root for the users and
-the chowns. The wheel is built once, by ``make wheel``'s own command, offline,
-from a copy of the tree without git (so at the release version the docs name):
-it holds the ``agent`` package whole (``agent._proto`` and ``agent.testing``
-included) and nothing else, and the docs name its file and its size. It is then
-installed without extras into another fresh virtualenv, as a pod's image would:
-grpcio and protobuf only.
+The wheel is built once, by ``make wheel``'s own command, offline, from a copy of
+the tree without git (so at the release version the docs name): it holds the
+``agent`` package whole (``agent._proto`` and ``agent.testing`` included) and
+nothing else, and the docs name its file and its size. install.sh installs that
+wheel into a fresh prefix once per module, as docs/node-setup.md says to build an
+image offline (``--wheel``, ``--no-index``, ``--find-links`` to a wheelhouse; here
+one repacked from this venv's own copies of the wheel's declared dependencies, so
+no package index is asked: the index's pages and downloads were most of a minute),
+and writes the unit, users and cache roots under a temporary root (it needs root
+for the users and the chowns). Running install.sh again from the source tree around
+it, as Packer and Image Builder do, upgrades that prefix in place to this
+checkout's version. The wheel is also installed without extras into another fresh
+virtualenv, as a pod's image would: grpcio and protobuf only.
 """
 
 from __future__ import annotations
 
+import base64
+import email
+import hashlib
+import importlib.metadata
 import json
 import os
 import re
@@ -25,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 from test_csi_manifests import project_version
 
 from agent import __version__
@@ -53,9 +63,26 @@ class Installed:
     root: Path
 
 
+def install_sh(installed: Installed, *options: str) -> list[str]:
+    """The command running install.sh of ``installed``'s source tree into its prefix and root."""
+    script = installed.source / "packaging" / "install.sh"
+    prefix, root = f"--prefix={installed.prefix}", f"--root={installed.root}"
+    return ["bash", str(script), prefix, root, *options]
+
+
+def offline_env() -> dict[str, str]:
+    """clean_env() without this machine's pip configuration (its indexes and find-links):
+    what pip is given on the command line is all it has."""
+    return clean_env() | {"PIP_CONFIG_FILE": os.devnull}
+
+
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
-    """packaging/install.sh run once, from a copy of the source tree, into a temp prefix."""
+def installed(
+    tmp_path_factory: pytest.TempPathFactory, built_wheel: Path, wheelhouse: Path
+) -> Installed:
+    """packaging/install.sh run once, from a copy of the source tree, into a temp prefix: the
+    wheel make wheel builds, its dependencies from a wheelhouse and no index (the offline
+    image build docs/node-setup.md gives)."""
     if os.geteuid() != 0:
         pytest.skip("install.sh creates users and chowns under its --root")
     base = tmp_path_factory.mktemp("install")
@@ -65,29 +92,36 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
         shutil.copytree(REPO / part, source / part, ignore=skip)
     for part in ("pyproject.toml", "README.md"):
         shutil.copy2(REPO / part, source / part)
-    prefix, root = base / "opt" / "prewarm", base / "root"
+    done = Installed(source, base / "opt" / "prewarm", base / "root")
+    command = install_sh(
+        done,
+        f"--wheel={built_wheel}",
+        "--pip-arg=--no-index",
+        f"--pip-arg=--find-links={wheelhouse}",
+    )
     result = subprocess.run(
-        ["bash", str(source / "packaging" / "install.sh"), f"--prefix={prefix}", f"--root={root}"],
-        capture_output=True,
-        text=True,
-        env=build_env(),
-        timeout=280,
-        check=False,
+        command, capture_output=True, text=True, env=offline_env(), timeout=280, check=False
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    return Installed(source, prefix, root)
+    return done
 
 
-@pytest.mark.slow
-def test_install_script_gives_a_working_prewarmd_in_a_fresh_prefix(installed: Installed) -> None:
-    """install.sh puts this version's prewarmd in the prefix and links prewarm onto the PATH."""
+def installed_version(installed: Installed) -> str:
+    """What the prefix's prewarmd --version prints."""
     version = subprocess.run(
         [installed.prefix / "bin" / "prewarmd", "--version"],
         capture_output=True,
         text=True,
         check=True,
     )
-    assert version.stdout.strip() == f"prewarmd {__version__}"
+    return version.stdout.strip()
+
+
+@pytest.mark.slow
+def test_install_script_gives_a_working_prewarmd_in_a_fresh_prefix(installed: Installed) -> None:
+    """install.sh puts the wheel's prewarmd (the release's version) in the prefix, and its
+    daemon extra's dependencies beside it, and links prewarm onto the PATH."""
+    assert installed_version(installed) == f"prewarmd {project_version()}"
     assert (installed.root / "usr/local/bin/prewarm").resolve() == installed.prefix / "bin/prewarm"
 
 
@@ -151,26 +185,24 @@ def test_install_creates_the_prewarm_group_and_cache_roots(installed: Installed)
 
 @pytest.mark.slow
 def test_reinstall_upgrades_in_place_and_keeps_an_edited_config(installed: Installed) -> None:
-    """A second install keeps an edited agent.toml and puts the new default beside it."""
+    """install.sh from the source tree around it, as Packer and Image Builder run it, over the
+    wheel's install: the prefix runs this checkout's version, an edited agent.toml is kept and
+    the new default is put beside it."""
     config = installed.root / "etc/prewarm/agent.toml"
     original = config.read_text()
     edited = original + '\n[s3]\nregion = "eu-west-1"\n'
     config.write_text(edited)
     try:
         subprocess.run(
-            [
-                "bash",
-                str(installed.source / "packaging" / "install.sh"),
-                f"--prefix={installed.prefix}",
-                f"--root={installed.root}",
-                # The dependencies are there from the first run; the package is replaced.
-                "--pip-arg=--no-deps",
-            ],
+            # The dependencies are there from the first run; the package is built from the
+            # tree (its build backend from the index) and replaces the wheel's.
+            install_sh(installed, "--pip-arg=--no-deps"),
             capture_output=True,
             env=build_env(),
             timeout=280,
             check=True,
         )
+        assert installed_version(installed) == f"prewarmd {__version__}"
         assert config.read_text() == edited
         assert (config.parent / "agent.toml.default").read_text() == AGENT_TOML.read_text()
     finally:
@@ -248,6 +280,104 @@ def built_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return wheel
 
 
+# Extras of the wheel the tests install: install.sh adds daemon (which names cli).
+INSTALLED_EXTRAS = frozenset({"daemon"})
+
+
+def declared_requirements(requires: list[str] | None, extras: frozenset[str]) -> list[Requirement]:
+    """The requirements among ``requires`` (Requires-Dist lines) that apply here with
+    ``extras`` asked for."""
+    environments = [{"extra": extra} for extra in extras] or [{"extra": ""}]
+    return [
+        requirement
+        for requirement in map(Requirement, requires or [])
+        if requirement.marker is None
+        or any(requirement.marker.evaluate(environment) for environment in environments)
+    ]
+
+
+def dependencies_of(wheel: Path, extras: frozenset[str]) -> list[importlib.metadata.Distribution]:
+    """This venv's distributions of everything ``pip install 'WHEEL[EXTRAS]'`` needs: the
+    wheel's declared requirements and theirs, all the way down."""
+    with zipfile.ZipFile(wheel) as archive:
+        (metadata,) = (name for name in archive.namelist() if name.endswith(".dist-info/METADATA"))
+        own = email.message_from_bytes(archive.read(metadata))
+    own_name = canonicalize_name(own["Name"])
+    found: dict[str, importlib.metadata.Distribution] = {}
+    asked: set[tuple[str, frozenset[str]]] = set()
+    todo = [(own_name, extras)]
+    while todo:
+        name, wanted = todo.pop()
+        if (name, wanted) in asked:
+            continue
+        asked.add((name, wanted))
+        if name == own_name:  # the wheel naming its own extras (daemon names cli)
+            requires = own.get_all("Requires-Dist")
+        else:
+            found[name] = importlib.metadata.distribution(name)
+            requires = found[name].requires
+        for requirement in declared_requirements(requires, wanted):
+            todo.append((canonicalize_name(requirement.name), frozenset(requirement.extras)))
+    return list(found.values())
+
+
+def repacked(distribution: importlib.metadata.Distribution, wheelhouse: Path) -> Path:
+    """An installed distribution as a wheel again: its files, its dist-info and its tags, a
+    new RECORD; the console scripts an installer writes are left to the next one."""
+    tags = [
+        line.split(":", 1)[1].strip().split("-")
+        for line in (distribution.read_text("WHEEL") or "").splitlines()
+        if line.startswith("Tag:")
+    ]
+    assert tags, f"{distribution.name} was not installed from a wheel"
+    tag = "-".join(".".join(sorted({t[i] for t in tags})) for i in range(3))
+    name = re.sub(r"[-_.]+", "_", distribution.metadata["Name"]).lower()
+    wheel = wheelhouse / f"{name}-{distribution.version}-{tag}.whl"
+    entry_points = {entry.name for entry in distribution.entry_points if "scripts" in entry.group}
+    site = Path(str(distribution.locate_file("")))
+    dist_info = next(f.parts[0] for f in distribution.files or [] if f.name == "METADATA")
+    record: list[str] = []
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for file in distribution.files or []:
+            in_wheel = file.as_posix()
+            if "__pycache__" in file.parts or (
+                file.parent.name == dist_info and file.name in INSTALLER_FILES
+            ):
+                continue
+            data = (site / file).read_bytes()
+            if in_wheel.startswith("../"):  # bin/, written by the installer
+                assert file.parent.name == "bin", in_wheel
+                if file.name in entry_points:
+                    continue  # a console script: the next installer writes its own
+                # A script of the distribution's own: back where a wheel keeps it, with the
+                # shebang an installer replaces with its interpreter.
+                in_wheel = f"{dist_info.removesuffix('.dist-info')}.data/scripts/{file.name}"
+                if data.startswith(b"#!") and b"python" in data.split(b"\n", 1)[0]:
+                    data = b"#!python\n" + data.split(b"\n", 1)[1]
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
+            record.append(f"{in_wheel},sha256={digest.decode()},{len(data)}")
+            archive.writestr(in_wheel, data)
+        record.append(f"{dist_info}/RECORD,,")
+        archive.writestr(f"{dist_info}/RECORD", "\n".join(record) + "\n")
+    return wheel
+
+
+# What an installer writes into a dist-info (RECORD is made anew), not the wheel's own files.
+INSTALLER_FILES = {"RECORD", "INSTALLER", "REQUESTED", "direct_url.json"}
+
+
+@pytest.fixture(scope="module")
+def wheelhouse(tmp_path_factory: pytest.TempPathFactory, built_wheel: Path) -> Path:
+    """Wheels of every distribution the wheel with its daemon extra needs, repacked from this
+    venv's installed copies (which pip put there by the same declared requirements): pip
+    installs from them with no index, so a missing declared dependency still fails the
+    install, and the daemon that runs from the prefix imports only what pip put there."""
+    directory = tmp_path_factory.mktemp("wheelhouse")
+    for distribution in dependencies_of(built_wheel, INSTALLED_EXTRAS):
+        repacked(distribution, directory)
+    return directory
+
+
 @pytest.mark.slow
 def test_the_wheel_holds_the_agent_package_whole_and_nothing_else(built_wheel: Path) -> None:
     """The wheel has every module and type stub of agent/ (agent._proto's generated code and
@@ -302,7 +432,7 @@ def test_the_docs_name_the_wheel_make_wheel_builds_and_its_size(built_wheel: Pat
 # -- the wheel, client only ---------------------------------------------------------------
 
 # What `pip install prewarm_agent-*.whl` may bring, and nothing else: the client's two
-# dependencies (grpcio's own typing-extensions) and what a fresh virtualenv starts with.
+# dependencies (grpcio's own typing-extensions) and what a fresh virtualenv may start with.
 CLIENT_ONLY = {"prewarm-agent", "grpcio", "protobuf", "typing-extensions", "pip", "setuptools"}
 DISTRIBUTIONS = (
     "import importlib.metadata as m, json; "
@@ -312,14 +442,21 @@ DISTRIBUTIONS = (
 
 
 @pytest.fixture(scope="module")
-def client_only(tmp_path_factory: pytest.TempPathFactory, built_wheel: Path) -> Path:
-    """A fresh virtualenv with the wheel ``make wheel`` builds installed without extras."""
+def client_only(
+    tmp_path_factory: pytest.TempPathFactory, built_wheel: Path, wheelhouse: Path
+) -> Path:
+    """A fresh virtualenv with the wheel ``make wheel`` builds installed without extras.
+
+    This venv's pip installs into it (``--python``: no pip of its own to set up first), from
+    the wheelhouse, which offers every dependency of the daemon extra: whatever the base
+    install brought beyond the client's would be there to be brought."""
     venv = tmp_path_factory.mktemp("client-only") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", venv], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True, timeout=120)
+    pip = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install"]
     subprocess.run(
-        [venv / "bin" / "python", "-m", "pip", "install", "--quiet", built_wheel],
+        [*pip, "--quiet", "--no-index", f"--find-links={wheelhouse}", built_wheel],
         capture_output=True,
-        env=clean_env(),
+        env=offline_env(),
         check=True,
         timeout=280,
     )

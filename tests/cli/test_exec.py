@@ -1,4 +1,12 @@
-"""``prewarm exec`` end to end: the real CLI, the real daemon, a real PyTorch child."""
+"""``prewarm exec`` end to end: the real CLI, the real daemon, a real PyTorch child.
+
+``prewarm exec`` runs as a real process (``python -m agent.cli exec``) where the property
+is the process's: the child's exit status passed through, the lease held under the
+launcher's pid, SIGTERM forwarded, a launcher waiting for an agent that starts after it,
+a user outside the socket's group. Where it is what exec says and which status it ends
+with, it runs in this process (``cli_helpers``), its command still a real child whose
+output is kept as exec's own.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from agent_helpers import outside_the_socket_group
+from cli_helpers import Ran, prewarm_in_process
 
 from agent.client import Client
 from agent.testing import AgentProcess, InProcessAgent, S3Server, SampleModel
@@ -29,6 +38,11 @@ def start_exec(*args: str, socket: Path, prefix: Sequence[str] = ()) -> subproce
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def exec_in_process(*args: str, socket: Path) -> Ran:
+    """``prewarm exec ARGS`` on ``socket``, in this process; its command is a real child."""
+    return prewarm_in_process("exec", *args, socket=socket)
 
 
 def start_child_on(model: SampleModel, socket: Path) -> subprocess.Popen[str]:
@@ -97,7 +111,7 @@ def test_exec_with_fallback_runs_the_command_on_the_uri_when_no_agent_answers(
     """With --fallback and no agent, prewarm exec warns and runs the command on the URI itself."""
     uri = "s3://models/llama/"
     show_argv = "import sys; print(sys.argv[1:]); sys.exit(5)"
-    launcher = start_exec(
+    done = exec_in_process(
         "--fallback",
         "--wait-for-agent",
         "0",
@@ -109,18 +123,17 @@ def test_exec_with_fallback_runs_the_command_on_the_uri_when_no_agent_answers(
         "--model={model}",
         socket=tmp_path / "no-agent.sock",
     )
-    stdout, stderr = launcher.communicate(timeout=60)
-    assert launcher.returncode == 5, stderr
-    assert stdout == f"['--model={uri}']\n"
-    assert "warning" in stderr
-    assert "--fallback" in stderr
+    assert done.returncode == 5, done.stderr
+    assert done.stdout == f"['--model={uri}']\n"
+    assert "warning" in done.stderr
+    assert "--fallback" in done.stderr
 
 
 def test_exec_without_fallback_exits_3_when_no_agent_answers_in_time(tmp_path: Path) -> None:
     """Without --fallback, prewarm exec waits --wait-for-agent seconds for an agent, then exits 3
     naming the socket, the wait and what was missing, running nothing."""
     marker = tmp_path / "ran"
-    launcher = start_exec(
+    done = exec_in_process(
         "--wait-for-agent",
         "0.5",
         "s3://models/llama/",
@@ -130,13 +143,12 @@ def test_exec_without_fallback_exits_3_when_no_agent_answers_in_time(tmp_path: P
         f"open({str(marker)!r}, 'w')",
         socket=tmp_path / "no-agent.sock",
     )
-    _, stderr = launcher.communicate(timeout=60)
-    assert launcher.returncode == 3, stderr
-    assert "waiting for it (--wait-for-agent / PREWARM_WAIT_FOR_AGENT)" in stderr
+    assert done.returncode == 3, done.stderr
+    assert "waiting for it (--wait-for-agent / PREWARM_WAIT_FOR_AGENT)" in done.stderr
     assert (
         f"no prewarm agent answered on {tmp_path / 'no-agent.sock'} within 0.5 s "
         "(the socket does not exist)"
-    ) in stderr
+    ) in done.stderr
     assert not marker.exists()
 
 
@@ -200,9 +212,8 @@ RAW = ("\x1b", "\x07", "\u202e")
 
 def exec_failure(*args: str, socket: Path) -> tuple[int, str]:
     """``prewarm exec ARGS``, expected to fail before running anything: status and stderr."""
-    launcher = start_exec(*args, socket=socket)
-    _, stderr = launcher.communicate(timeout=120)
-    return launcher.returncode, stderr
+    done = exec_in_process(*args, socket=socket)
+    return done.returncode, done.stderr
 
 
 def test_every_exec_failure_path_writes_hostile_text_escaped(

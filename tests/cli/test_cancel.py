@@ -4,7 +4,10 @@ the tenant sockets, and what a joiner's summary says.
 The real daemon (in this process, on real Unix sockets) pulls through a FaultProxy whose stall
 holds the model's GETs, with moto's S3 server behind it. Nothing waits with a sleep: the proxy
 reports the stalled GET, a client's first progress event says it waits on the pull, and the
-agent's log says when a `prewarm` process has joined one.
+agent's log says when a `prewarm` command has joined one.
+
+`prewarm` runs as a real process where a signal is the point (Ctrl-C on `pull` and `exec`),
+in this process (``cli_helpers``) elsewhere.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 
 import pytest
 from agent_helpers import tree_digest, when_logged
+from cli_helpers import prewarm_in_process
 
 from agent.cli import _render as render
 from agent.client import (
@@ -100,6 +104,12 @@ def _waiting(held: HeldPulls, socket: Path) -> Future[ModelHandle]:
     return waiter
 
 
+def _prewarm_in_process(held: HeldPulls, *args: str) -> tuple[int, str, str]:
+    """`prewarm ARGS` on the agent's own (node) socket, in this process: status and output."""
+    done = prewarm_in_process(*args, socket=held.agent.socket_path)
+    return done.returncode, done.stdout, done.stderr
+
+
 def _prewarm(held: HeldPulls, *args: str) -> subprocess.Popen[str]:
     """A `prewarm ARGS` process on the agent's own (node) socket."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}
@@ -130,7 +140,7 @@ def test_prewarm_cancel_stops_a_pull_its_waiter_hears_why_and_a_new_pull_complet
     the waiting client gets Cancelled saying asking again resumes; nothing was published;
     `prewarm status` counts the staging left; the next pull publishes the model whole."""
     waiter = _waiting(held, held.agent.socket_path)
-    code, stdout, stderr = _finish(_prewarm(held, "cancel", held.model.uri))
+    code, stdout, stderr = _prewarm_in_process(held, "cancel", held.model.uri)
     assert code == 0, stderr
     assert re.fullmatch(
         rf"cancelled the pull of {re.escape(held.model.uri)} \([0-9a-f]{{12}}\); {_SIZE} of "
@@ -142,7 +152,7 @@ def test_prewarm_cancel_stops_a_pull_its_waiter_hears_why_and_a_new_pull_complet
     with Client(held.agent.socket_path) as client:
         assert client.list_models() == []
         assert client.status().pulls == ()
-    code, stdout, _ = _finish(_prewarm(held, "status"))
+    code, stdout, _ = _prewarm_in_process(held, "status")
     assert "kept in staging by 1 stopped pull; pulling the same snapshot again resumes" in stdout
     held.proxy.clear()
     with Client(held.agent.socket_path) as client:
@@ -182,7 +192,7 @@ def test_a_tenant_may_not_cancel_what_it_may_not_pull_and_nothing_pulled_is_not_
 def test_evict_force_of_a_model_being_pulled_says_to_use_prewarm_cancel(held: HeldPulls) -> None:
     """`prewarm evict --force` on a model being pulled exits 1 naming `prewarm cancel`."""
     waiter = _waiting(held, held.agent.socket_path)
-    code, _, stderr = _finish(_prewarm(held, "evict", "--force", held.model.uri))
+    code, _, stderr = _prewarm_in_process(held, "evict", "--force", held.model.uri)
     assert code == 1
     assert "being pulled right now" in stderr
     assert "`prewarm cancel " in stderr
@@ -238,10 +248,14 @@ def test_a_prewarm_pull_that_joins_a_pull_in_progress_says_so(held: HeldPulls) -
     """`prewarm pull` of a model another client is already pulling says it joined a pull in
     progress, with its own wait and the pull's own figures, never "cold pull"."""
     first = _waiting(held, held.agent.socket_path)
-    joining = _prewarm(held, "pull", held.model.uri)
-    _logged(held, "joining pull of")
-    held.proxy.clear()
-    code, stdout, stderr = _finish(joining)
+
+    def lift_the_stall_once_joined() -> None:
+        _logged(held, "joining pull of")
+        held.proxy.clear()
+
+    lifted = held.pool.submit(lift_the_stall_once_joined)
+    code, stdout, stderr = _prewarm_in_process(held, "pull", held.model.uri)
+    lifted.result(timeout=60)
     assert code == 0, stderr
     assert re.fullmatch(
         rf"joined a pull of {re.escape(held.model.uri)} in progress: waited ({_NUMBER}) s for "

@@ -28,9 +28,12 @@ caches).
   empty tiers): the model is pulled, vLLM compiles, the key is uploaded at ready.
 - ``relaunch``: the same command on node 1 again: the model is a hit in
   /dev/shm and the compile cache is the key node 1 keeps.
-- ``isa-ok``: the relaunch with ``TORCHINDUCTOR_VEC_ISA_OK=1``: inductor
-  trusts the CPU's flags instead of building and running a probe (one Python
-  importing torch) per vector instruction set in every process it starts.
+- ``isa-probe``: the relaunch with ``TORCHINDUCTOR_VEC_ISA_OK=0``: inductor
+  builds and runs a probe (one Python importing torch) per vector instruction
+  set in every process it starts, as before ``prewarm exec`` told it, on a node
+  without a GPU, to trust the CPU's flags (it keeps a pod's own value). The
+  value is a key part; the row leaves it out (``--key-ignore
+  extras.inductor_vec_isa_ok``) to run on the relaunch's key.
 - ``mega``: the relaunch with ``VLLM_USE_MEGA_AOT_ARTIFACT=1`` (vLLM's
   AOT-compiled artifacts loaded without re-splitting the graph).
 - ``streamer-copy``: the relaunch with ``--load-format runai_streamer``: the
@@ -48,7 +51,7 @@ with each other, ``compile-off`` ones with each other: inductor's bf16 kernels
 may change a late token of a random model), so a launch that is fast because it
 loaded or ran the model wrongly shows, and the run exits 1. The report gives
 each row's ready time as a percentage of the seed's recipe in the same set, and
-the relaunch's (and ``isa-ok``'s) against ``seed-warm``'s where both ran.
+the relaunch's (and ``isa-probe``'s) against ``seed-warm``'s where both ran.
 Every row after ``first`` needs it in the same set, ``seed-warm`` needs ``seed``.
 
 Run from the repository root with the project's venv, vLLM in a venv of its
@@ -112,11 +115,12 @@ from ._s3rver import S3rver
 BUCKET = "models"
 COMPILE_OFF = ("-cc", '{"mode":0}')
 MEGA_AOT = {"VLLM_USE_MEGA_AOT_ARTIFACT": "1"}
-# Inductor's config.cpp.vec_isa_ok: no build-and-run probe of each vector ISA per process.
-VEC_ISA_OK = {"TORCHINDUCTOR_VEC_ISA_OK": "1"}
+# Inductor's config.cpp.vec_isa_ok off: its build-and-run probe of each vector ISA in every
+# process (prewarm exec turns it on where there is no GPU, keeping a pod's own value).
+VEC_ISA_PROBE = {"TORCHINDUCTOR_VEC_ISA_OK": "0"}
 STREAMER = ("--load-format", "runai_streamer")
 # What a row adds to its engine's environment.
-_ROW_ENV = {"mega": MEGA_AOT, "isa-ok": VEC_ISA_OK}
+_ROW_ENV = {"mega": MEGA_AOT, "isa-probe": VEC_ISA_PROBE}
 # The seed's tuning: 4 GiB chunks, one stream per 4 GB of model, no cap on the buffer.
 SEED_CHUNK_BYTES = 4 * 1024**3
 SEED_GB_PER_STREAM = 4
@@ -126,26 +130,26 @@ ROWS = (
     "seed-warm",
     "first",
     "relaunch",
-    "isa-ok",
+    "isa-probe",
     "mega",
     "streamer-copy",
     "compile-off",
     "new-node",
 )
-DEFAULT_ROWS = ("seed", "seed-warm", "first", "relaunch", "isa-ok", "mega")
-_AFTER_FIRST = ("relaunch", "isa-ok", "mega", "streamer-copy", "compile-off", "new-node")
+DEFAULT_ROWS = ("seed", "seed-warm", "first", "relaunch", "isa-probe", "mega")
+_AFTER_FIRST = ("relaunch", "isa-probe", "mega", "streamer-copy", "compile-off", "new-node")
 # node 1's rows, in the order they run there.
-_ON_NODE1 = ("first", "relaunch", "isa-ok", "mega", "streamer-copy", "compile-off")
+_ON_NODE1 = ("first", "relaunch", "isa-probe", "mega", "streamer-copy", "compile-off")
 # The rows that launch vllm serve s3://... without an agent.
 _SEED_ROWS = ("seed", "seed-warm")
 # prewarm's relaunches that the report holds against the engine's own warm restart.
-_AGAINST_WARM = ("relaunch", "isa-ok")
+_AGAINST_WARM = ("relaunch", "isa-probe")
 _LABELS = {
     "seed": "seed recipe: vllm serve s3://... --load-format runai_streamer",
     "seed-warm": "seed recipe again with the seed pod's compile caches (warm restart)",
     "first": "prewarm exec, first launch on the node (pull + compile)",
     "relaunch": "prewarm exec, relaunch (hit + compile cache)",
-    "isa-ok": "relaunch, TORCHINDUCTOR_VEC_ISA_OK=1",
+    "isa-probe": "relaunch, inductor's ISA probes on (TORCHINDUCTOR_VEC_ISA_OK=0)",
     "mega": "relaunch, VLLM_USE_MEGA_AOT_ARTIFACT=1",
     "streamer-copy": "relaunch, --load-format runai_streamer on the node's copy",
     "compile-off": "relaunch, compilation off (-cc mode 0)",
@@ -569,6 +573,9 @@ def _command(setup: Setup, launch: Launch, port: int) -> list[str]:
     argv = [*setup.prewarm, "exec", setup.uri, "--compile-key", "engine=vllm", "--ready-url", url]
     # The streamer reads the node's copy where vLLM's default loader would.
     loader = list(STREAMER) if launch.row == "streamer-copy" else []
+    if launch.row == "isa-probe":
+        # The relaunch's key, so that only the check differs (the value is a key part).
+        argv += ["--key-ignore", "extras.inductor_vec_isa_ok"]
     argv += ["--", *engine, "{model}", *loader, *tail]
     return argv + list(COMPILE_OFF) if launch.row == "compile-off" else argv
 

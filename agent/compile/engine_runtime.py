@@ -24,7 +24,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["engine_runtime_fields", "interpreter_of", "probe_interpreter"]
+__all__ = ["VEC_ISA_OK", "engine_runtime_fields", "interpreter_of", "probe_interpreter"]
 
 PROBE_TIMEOUT_SECONDS = 30.0
 _SHEBANG_BYTES = 1024
@@ -33,6 +33,10 @@ _PYTHON_NAME = re.compile(r"python(\d+(\.\d+)?)?[tdm]?(\.exe)?")
 _TRAMPOLINE = re.compile(r"""^'''exec' "?([^"\s]+)"? """, re.MULTILINE)
 _TRITON_DISTRIBUTIONS = ("triton", "pytorch-triton", "pytorch-triton-rocm", "pytorch-triton-xpu")
 _ENGINE_DISTRIBUTIONS = ("torch", "vllm", "sglang", *_TRITON_DISTRIBUTIONS)
+# Inductor's config.cpp.vec_isa_ok: prewarm exec turns its build check of each vector
+# instruction set off on a node without a GPU (agent/cli/_exec.py says why); a key part,
+# since the check builds artifacts of its own into the cache.
+VEC_ISA_OK = "TORCHINDUCTOR_VEC_ISA_OK"
 
 # Runs in the engine's interpreter: no torch import (seconds, and CUDA), only metadata.
 _PROBE = r"""
@@ -176,4 +180,7 @@ def engine_runtime_fields(
         fields["engine_version"] = versions.get(engine, "")
     if gpu_arch:
         fields["extras.gpu_arch"] = gpu_arch
+    if gpu_name == "cpu":
+        # What the engine runs with: the pod's own value, else the one prewarm exec sets.
+        fields["extras.inductor_vec_isa_ok"] = env.get(VEC_ISA_OK) or "1"
     return {name: value for name, value in fields.items() if value}

@@ -33,6 +33,7 @@ if os.environ.get("READY_FILE"):
 headers = pathlib.Path(os.environ["TMPDIR"], "torchinductor_" + getpass.getuser())
 seen = {"root": str(root), "tmpdir": os.environ["TMPDIR"]}
 seen["headers"] = str((headers / "precompiled_headers").resolve())
+seen["vec_isa_ok"] = os.environ.get("TORCHINDUCTOR_VEC_ISA_OK")
 print(json.dumps(seen))
 """
 TORCH_VERSION_PY = """\
@@ -68,7 +69,11 @@ def engine_venv(tmp_path: Path) -> Path:
 
 
 def _env(bin_dir: Path, socket: Path, **more: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("PREWARM_") and k != "TORCHINDUCTOR_VEC_ISA_OK"
+    }
     env["PREWARM_SOCKET_PATH"] = str(socket)
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', os.defpath)}"
     return {**env, **more}
@@ -139,6 +144,26 @@ def test_an_engine_in_another_venv_keys_on_its_own_versions(
     # Inductor's precompiled headers go to the key, through a private TMPDIR gone after.
     assert seen["headers"] == str((cache.path / "inductor" / "precompiled_headers").resolve())
     assert not Path(seen["tmpdir"]).exists()
+    # No GPU: inductor is told the CPU's vector instruction sets build (no probe per start),
+    # and the key says so: the probe writes builds of its own into the cache.
+    assert seen["vec_isa_ok"] == "1"
+    assert parts.extras["inductor_vec_isa_ok"] == "1"
+
+
+@pytest.mark.slow  # a prewarm exec run, a fresh interpreter
+def test_a_pods_own_vec_isa_setting_is_kept_and_keys_apart(
+    start_agent: AgentFactory, small_model: SampleModel, engine_venv: Path
+) -> None:
+    """A pod that sets TORCHINDUCTOR_VEC_ISA_OK=0 (a compiler that cannot build what the CPU
+    reports) keeps it, and its key says 0: not the key of pods that run with prewarm's 1."""
+    agent = start_agent()
+    env = _env(engine_venv, agent.socket_path, TORCHINDUCTOR_VEC_ISA_OK="0")
+    done = _exec(small_model.uri, [], env)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["vec_isa_ok"] == "0"
+    with Client(agent.socket_path) as client:
+        (cache,) = client.list_compile_caches()
+    assert cache.parts.extras["inductor_vec_isa_ok"] == "0"
 
 
 @pytest.mark.slow  # three prewarm exec runs, each a fresh interpreter

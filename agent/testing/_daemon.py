@@ -2,9 +2,10 @@
 
 ``AgentProcess`` runs ``python -m agent`` with everything it touches under one
 short temporary directory, and calls it ready when the standard gRPC health
-service on its socket says SERVING. Readiness is waited for through gRPC (the
-channel's connectivity and the health service), never by sleeping; a daemon
-that dies during startup fails the wait at once, with its output in the error.
+service on its socket says SERVING. Readiness is waited for through inotify
+(the socket's creation) and gRPC (the health service), never by sleeping; a
+daemon that dies during startup fails the wait at once, with its output in the
+error.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ import grpc  # type: ignore[import-untyped,unused-ignore]
 
 from ._home import AgentHome
 from ._process import log_tail, source_env, stop_process
+from ._socket_watch import SocketWatch
 
 __all__ = ["AgentProcess", "AgentStartupError", "AgentTimeouts"]
 
-# grpc retries a refused connect with exponential backoff from 1 s; the socket
-# appears a moment after the process starts, so retry faster than that.
+# grpc retries a refused connect with exponential backoff from 1 s. The wait
+# connects once the socket is created (SocketWatch); where inotify cannot say
+# when, the connect is retried, faster than grpc's default.
 _CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 20),
     ("grpc.min_reconnect_backoff_ms", 20),
@@ -120,7 +123,8 @@ class AgentProcess(AgentHome):
             raise AgentStartupError(f"The agent is already running (pid {self.pid}).")
         self.config_path.write_text(self._config)
         self._starts += 1
-        with self.log_path.open("ab") as log:
+        # Watching from before the start: the socket cannot be created unseen.
+        with SocketWatch(self.socket_path) as bound, self.log_path.open("ab") as log:
             log.write(f"--- start #{self._starts}: {' '.join(self._argv)}\n".encode())
             log.flush()
             self._proc = subprocess.Popen(
@@ -130,11 +134,11 @@ class AgentProcess(AgentHome):
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
-        try:
-            self._wait_until_serving(self._proc)
-        except BaseException:
-            stop_process(self._proc, signal.SIGKILL, timeout=10.0)
-            raise
+            try:
+                self._wait_until_serving(self._proc, bound)
+            except BaseException:
+                stop_process(self._proc, signal.SIGKILL, timeout=10.0)
+                raise
         return self
 
     def stop(self, timeout: float | None = None) -> int | None:
@@ -179,12 +183,20 @@ class AgentProcess(AgentHome):
 
     # -- internals ---------------------------------------------------------------------
 
-    def _wait_until_serving(self, proc: subprocess.Popen[bytes]) -> None:
+    def _wait_until_serving(self, proc: subprocess.Popen[bytes], bound: SocketWatch) -> None:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         deadline = time.monotonic() + self._startup_timeout
+        exited = os.pidfd_open(proc.pid)
+        try:
+            # Connect once the socket is there (the first try then succeeds); an exit
+            # or the deadline falls through to the checks below, which say why.
+            bound.wait(exited, self._startup_timeout)
+        finally:
+            os.close(exited)
+        # No channel_ready_future: the Check below waits for the channel itself, and a
+        # channel that had one takes 200 ms to close (grpc polls its connectivity so).
         channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
-        ready = grpc.channel_ready_future(channel)
         lock = threading.Lock()
         starting = True
 
@@ -192,13 +204,10 @@ class AgentProcess(AgentHome):
             proc.wait()
             with lock:
                 if starting:
-                    # Unblocks result() and any RPC waiting for the channel.
-                    ready.cancel()
-                    channel.close()
+                    channel.close()  # fails an RPC waiting for the channel at once
 
         threading.Thread(target=abort_when_process_exits, name="agent-exit", daemon=True).start()
         try:
-            ready.result(timeout=self._startup_timeout)
             stub = health_pb2_grpc.HealthStub(channel)
             request = health_pb2.HealthCheckRequest(service="")
             remaining = max(deadline - time.monotonic(), 0.1)
@@ -214,7 +223,8 @@ class AgentProcess(AgentHome):
                             break
                 finally:
                     updates.cancel()
-        except (grpc.FutureTimeoutError, grpc.FutureCancelledError, grpc.RpcError) as exc:
+        # ValueError: the process exited, and the channel was closed, before a call began.
+        except (grpc.RpcError, ValueError) as exc:
             code = proc.poll()
             if code is not None:
                 reason = f"exited with code {code} during startup"

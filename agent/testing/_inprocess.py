@@ -45,6 +45,7 @@ from agent.obs.logs import JsonFormatter, RequestContextFilter
 from ._daemon import AgentStartupError, AgentTimeouts
 from ._home import compile_cache_env
 from ._process import purge_tree
+from ._socket_watch import SocketWatch
 
 __all__ = ["InProcessAgent"]
 
@@ -52,7 +53,8 @@ _NUMBERS = itertools.count(1)
 
 _DEFAULT_TIMEOUTS = AgentTimeouts()
 
-# The socket appears a moment after start(); retry the connect faster than grpc's 1 s default.
+# The wait connects once the socket is created (SocketWatch); where inotify cannot say
+# when, the connect is retried, faster than grpc's 1 s default.
 _CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 20),
     ("grpc.min_reconnect_backoff_ms", 20),
@@ -170,9 +172,10 @@ class InProcessAgent:
             self._enter_environment()
             settings = self._load_settings()
             self._outcome, self._returncode = None, None
-            self._thread = threading.Thread(target=self._run, args=(settings,), name=self._name)
-            self._thread.start()
-            self._wait_until_serving(self._thread)
+            # Watching from before the start: the socket cannot be created unseen.
+            with SocketWatch(self.socket_path) as bound:
+                thread = self._start_until_bound(bound, settings)
+            self._wait_until_serving(thread)
         except BaseException:
             with contextlib.suppress(Exception):  # the startup error says more
                 self.stop(self._stop_timeout)
@@ -232,7 +235,24 @@ class InProcessAgent:
 
     # -- internals ---------------------------------------------------------------------
 
-    def _run(self, settings: Settings) -> None:
+    def _start_until_bound(self, bound: SocketWatch, settings: Settings) -> threading.Thread:
+        """Start serve() on its thread; return it once its socket is created, or it ended."""
+        ended, ended_by_thread = os.pipe()  # readable once the thread closes its end
+        try:
+            thread = self._thread = threading.Thread(
+                target=self._run, args=(settings, ended_by_thread), name=self._name
+            )
+            try:
+                thread.start()
+            except BaseException:
+                os.close(ended_by_thread)
+                raise
+            bound.wait(ended, self._startup_timeout)
+        finally:
+            os.close(ended)
+        return thread
+
+    def _run(self, settings: Settings, ended: int) -> None:
         try:
             with asyncio.Runner() as runner:
                 runner.run(self._serve(settings))
@@ -242,6 +262,8 @@ class InProcessAgent:
             logging.getLogger("agent.daemon").error("cannot start: %s", exc)
         except BaseException as exc:  # handed to the test by stop()
             self._outcome, self._returncode = exc, 1
+        finally:
+            os.close(ended)
 
     async def _serve(self, settings: Settings) -> None:
         loop = asyncio.get_running_loop()

@@ -115,12 +115,20 @@ def _prewarm(held: HeldPulls, *args: str) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREWARM_")}
     env["PREWARM_SOCKET_PATH"] = str(held.agent.socket_path)
     return subprocess.Popen(
-        [sys.executable, "-m", "agent.cli", *args],
+        [sys.executable, "-c", _WITH_CTRL_C, *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+# `python -m agent.cli` with Ctrl-C's handler in place: a shell without job control starts
+# `make test &` with SIGINT ignored, a child inherits that, and Python then keeps ignoring it.
+_WITH_CTRL_C = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv[0] = 'prewarm'; runpy.run_module('agent.cli', run_name='__main__')"
+)
 
 
 def _finish(process: subprocess.Popen[str]) -> tuple[int, str, str]:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
+from typing import Any, Protocol, Self, TypeVar
 
 import grpc  # type: ignore[import-untyped,unused-ignore]
 
@@ -39,6 +39,14 @@ _CHANNEL_OPTIONS = [
 ]
 
 
+class _Cancellable(Protocol):
+    def cancel(self) -> bool: ...
+
+
+# A grpc call or future.
+_Call = TypeVar("_Call", bound=_Cancellable)
+
+
 class AgentStartupError(RuntimeError):
     """The daemon exited, or did not report SERVING, before the startup deadline."""
 
@@ -49,6 +57,36 @@ class AgentTimeouts:
 
     startup: float = 30.0
     stop: float = 30.0
+
+
+class _StartupCalls:
+    """The health calls a start waits on, cancelled at once when the daemon exits.
+
+    Cancelling a call from another thread is safe in grpc; closing the channel
+    under a call in flight is not (it crashed the test process).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls: list[Any] = []
+        self._ended = False
+
+    def track(self, call: _Call) -> _Call:
+        """``call``, cancelled now if the wait has ended, else when it ends."""
+        with self._lock:
+            if not self._ended:
+                self._calls.append(call)
+                return call
+        call.cancel()
+        return call
+
+    def end(self) -> None:
+        """Cancel every call tracked, and any tracked from now on."""
+        with self._lock:
+            self._ended = True
+            calls, self._calls = self._calls, []
+        for call in calls:
+            call.cancel()
 
 
 class AgentProcess(AgentHome):
@@ -197,34 +235,31 @@ class AgentProcess(AgentHome):
         # No channel_ready_future: the Check below waits for the channel itself, and a
         # channel that had one takes 200 ms to close (grpc polls its connectivity so).
         channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
-        lock = threading.Lock()
-        starting = True
+        calls = _StartupCalls()
 
         def abort_when_process_exits() -> None:
             proc.wait()
-            with lock:
-                if starting:
-                    channel.close()  # fails an RPC waiting for the channel at once
+            calls.end()
 
         threading.Thread(target=abort_when_process_exits, name="agent-exit", daemon=True).start()
         try:
             stub = health_pb2_grpc.HealthStub(channel)
             request = health_pb2.HealthCheckRequest(service="")
             remaining = max(deadline - time.monotonic(), 0.1)
-            response = stub.Check(request, wait_for_ready=True, timeout=remaining)
+            check = stub.Check.future(request, wait_for_ready=True, timeout=remaining)
+            response = calls.track(check).result()
             if response.status != health_pb2.HealthCheckResponse.SERVING:
                 # Still warming up (e.g. reconciling the store): follow the
                 # status stream instead of asking again.
                 remaining = max(deadline - time.monotonic(), 0.1)
-                updates = stub.Watch(request, wait_for_ready=True, timeout=remaining)
+                updates = calls.track(stub.Watch(request, wait_for_ready=True, timeout=remaining))
                 try:
                     for update in updates:
                         if update.status == health_pb2.HealthCheckResponse.SERVING:
                             break
                 finally:
                     updates.cancel()
-        # ValueError: the process exited, and the channel was closed, before a call began.
-        except (grpc.RpcError, ValueError) as exc:
+        except (grpc.RpcError, grpc.FutureCancelledError) as exc:
             code = proc.poll()
             if code is not None:
                 reason = f"exited with code {code} during startup"
@@ -234,9 +269,8 @@ class AgentProcess(AgentHome):
                 f"The agent ({' '.join(self._argv)}) {reason}.\n{self._log_tail()}"
             ) from exc
         finally:
-            with lock:
-                starting = False
-                channel.close()
+            calls.end()
+            channel.close()
 
     def _log_tail(self, limit: int = 12000) -> str:
         return log_tail(

@@ -28,12 +28,12 @@ caches).
   empty tiers): the model is pulled, vLLM compiles, the key is uploaded at ready.
 - ``relaunch``: the same command on node 1 again: the model is a hit in
   /dev/shm and the compile cache is the key node 1 keeps.
-- ``isa-probe``: the relaunch with ``TORCHINDUCTOR_VEC_ISA_OK=0``: inductor
-  builds and runs a probe (one Python importing torch) per vector instruction
-  set in every process it starts, as before ``prewarm exec`` told it, on a node
-  without a GPU, to trust the CPU's flags (it keeps a pod's own value). The
-  value is a key part; the row leaves it out (``--key-ignore
-  extras.inductor_vec_isa_ok``) to run on the relaunch's key.
+- ``isa-check`` and ``isa-check-again``: the relaunch with inductor's own
+  checks of the vector instruction sets (``TORCHINDUCTOR_VEC_ISA_OK`` empty:
+  a build and a Python importing torch per set in every process), as before
+  ``prewarm exec`` set it to 1 on a node without a GPU, on the relaunch's key
+  (``--compile-key extras.inductor_vec_isa_ok=1``); the first builds the
+  checks' libraries into the key, the second finds them there.
 - ``mega``: the relaunch with ``VLLM_USE_MEGA_AOT_ARTIFACT=1`` (vLLM's
   AOT-compiled artifacts loaded without re-splitting the graph).
 - ``streamer-copy``: the relaunch with ``--load-format runai_streamer``: the
@@ -51,7 +51,7 @@ with each other, ``compile-off`` ones with each other: inductor's bf16 kernels
 may change a late token of a random model), so a launch that is fast because it
 loaded or ran the model wrongly shows, and the run exits 1. The report gives
 each row's ready time as a percentage of the seed's recipe in the same set, and
-the relaunch's (and ``isa-probe``'s) against ``seed-warm``'s where both ran.
+the relaunch's (and the ``isa-check`` rows') against ``seed-warm``'s where both ran.
 Every row after ``first`` needs it in the same set, ``seed-warm`` needs ``seed``.
 
 Run from the repository root with the project's venv, vLLM in a venv of its
@@ -115,12 +115,13 @@ from ._s3rver import S3rver
 BUCKET = "models"
 COMPILE_OFF = ("-cc", '{"mode":0}')
 MEGA_AOT = {"VLLM_USE_MEGA_AOT_ARTIFACT": "1"}
-# Inductor's config.cpp.vec_isa_ok off: its build-and-run probe of each vector ISA in every
-# process (prewarm exec turns it on where there is no GPU, keeping a pod's own value).
-VEC_ISA_PROBE = {"TORCHINDUCTOR_VEC_ISA_OK": "0"}
+# Inductor's config.cpp.vec_isa_ok unset (empty is unset; 0 would mean no vector ISA at all):
+# its build-and-run check of each vector ISA in every process (prewarm exec sets 1 where
+# there is no GPU, keeping a pod's own value).
+VEC_ISA_CHECK = {"TORCHINDUCTOR_VEC_ISA_OK": ""}
 STREAMER = ("--load-format", "runai_streamer")
 # What a row adds to its engine's environment.
-_ROW_ENV = {"mega": MEGA_AOT, "isa-probe": VEC_ISA_PROBE}
+_ROW_ENV = {"mega": MEGA_AOT, "isa-check": VEC_ISA_CHECK, "isa-check-again": VEC_ISA_CHECK}
 # The seed's tuning: 4 GiB chunks, one stream per 4 GB of model, no cap on the buffer.
 SEED_CHUNK_BYTES = 4 * 1024**3
 SEED_GB_PER_STREAM = 4
@@ -130,26 +131,44 @@ ROWS = (
     "seed-warm",
     "first",
     "relaunch",
-    "isa-probe",
+    "isa-check",
+    "isa-check-again",
     "mega",
     "streamer-copy",
     "compile-off",
     "new-node",
 )
-DEFAULT_ROWS = ("seed", "seed-warm", "first", "relaunch", "isa-probe", "mega")
-_AFTER_FIRST = ("relaunch", "isa-probe", "mega", "streamer-copy", "compile-off", "new-node")
+DEFAULT_ROWS = ("seed", "seed-warm", "first", "relaunch", "isa-check", "isa-check-again")
+_AFTER_FIRST = (
+    "relaunch",
+    "isa-check",
+    "isa-check-again",
+    "mega",
+    "streamer-copy",
+    "compile-off",
+    "new-node",
+)
 # node 1's rows, in the order they run there.
-_ON_NODE1 = ("first", "relaunch", "isa-probe", "mega", "streamer-copy", "compile-off")
+_ON_NODE1 = (
+    "first",
+    "relaunch",
+    "isa-check",
+    "isa-check-again",
+    "mega",
+    "streamer-copy",
+    "compile-off",
+)
 # The rows that launch vllm serve s3://... without an agent.
 _SEED_ROWS = ("seed", "seed-warm")
 # prewarm's relaunches that the report holds against the engine's own warm restart.
-_AGAINST_WARM = ("relaunch", "isa-probe")
+_AGAINST_WARM = ("relaunch", "isa-check", "isa-check-again")
 _LABELS = {
     "seed": "seed recipe: vllm serve s3://... --load-format runai_streamer",
     "seed-warm": "seed recipe again with the seed pod's compile caches (warm restart)",
     "first": "prewarm exec, first launch on the node (pull + compile)",
     "relaunch": "prewarm exec, relaunch (hit + compile cache)",
-    "isa-probe": "relaunch, inductor's ISA probes on (TORCHINDUCTOR_VEC_ISA_OK=0)",
+    "isa-check": "relaunch, inductor's ISA checks on (TORCHINDUCTOR_VEC_ISA_OK empty)",
+    "isa-check-again": "the same again (the checks' builds in the key)",
     "mega": "relaunch, VLLM_USE_MEGA_AOT_ARTIFACT=1",
     "streamer-copy": "relaunch, --load-format runai_streamer on the node's copy",
     "compile-off": "relaunch, compilation off (-cc mode 0)",
@@ -573,9 +592,9 @@ def _command(setup: Setup, launch: Launch, port: int) -> list[str]:
     argv = [*setup.prewarm, "exec", setup.uri, "--compile-key", "engine=vllm", "--ready-url", url]
     # The streamer reads the node's copy where vLLM's default loader would.
     loader = list(STREAMER) if launch.row == "streamer-copy" else []
-    if launch.row == "isa-probe":
-        # The relaunch's key, so that only the check differs (the value is a key part).
-        argv += ["--key-ignore", "extras.inductor_vec_isa_ok"]
+    if launch.row in ("isa-check", "isa-check-again"):
+        # The relaunch's key (the value is a key part), so that only the checks differ.
+        argv += ["--compile-key", "extras.inductor_vec_isa_ok=1"]
     argv += ["--", *engine, "{model}", *loader, *tail]
     return argv + list(COMPILE_OFF) if launch.row == "compile-off" else argv
 

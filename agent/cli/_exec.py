@@ -472,12 +472,11 @@ def _skip_instruction_set_builds(env: dict[str, str], parts: CompileKeyParts) ->
     each vector instruction set the CPU reports also builds and loads: a C++
     build and a subprocess that imports torch, per set. ``TORCHINDUCTOR_VEC_ISA_OK=1``
     skips that base check only: the CPU's own flags are still read, and the
-    checks of AVX-512 VNNI, BF16 and AMX still run. On vLLM 0.16 on the CPU a
-    relaunch was ready in 65 s with it against 129 s without (docs/benchmarks.md).
-    A pod whose compiler cannot build what its CPU reports sets
-    ``TORCHINDUCTOR_VEC_ISA_OK=0``; its own value is kept. The value is a key
-    part (``extras.inductor_vec_isa_ok``): the check writes its own builds into
-    the cache. Not on GPU nodes, where it was not measured.
+    checks of AVX-512 VNNI, BF16 and AMX still run. A pod's own value is kept:
+    empty for inductor's checks (a compiler that cannot build what the CPU
+    reports), ``0`` for no vector instructions at all. The value is a key part
+    (``extras.inductor_vec_isa_ok``, see ``vec_isa_ok_part``). Not on GPU nodes,
+    where it was not measured. What it saves: docs/benchmarks.md.
     """
     if parts.gpu_name == "cpu":
         env.setdefault(VEC_ISA_OK, "1")

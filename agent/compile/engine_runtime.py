@@ -24,7 +24,13 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["VEC_ISA_OK", "engine_runtime_fields", "interpreter_of", "probe_interpreter"]
+__all__ = [
+    "VEC_ISA_OK",
+    "engine_runtime_fields",
+    "interpreter_of",
+    "probe_interpreter",
+    "vec_isa_ok_part",
+]
 
 PROBE_TIMEOUT_SECONDS = 30.0
 _SHEBANG_BYTES = 1024
@@ -34,8 +40,8 @@ _TRAMPOLINE = re.compile(r"""^'''exec' "?([^"\s]+)"? """, re.MULTILINE)
 _TRITON_DISTRIBUTIONS = ("triton", "pytorch-triton", "pytorch-triton-rocm", "pytorch-triton-xpu")
 _ENGINE_DISTRIBUTIONS = ("torch", "vllm", "sglang", *_TRITON_DISTRIBUTIONS)
 # Inductor's config.cpp.vec_isa_ok: prewarm exec turns its build check of each vector
-# instruction set off on a node without a GPU (agent/cli/_exec.py says why); a key part,
-# since the check builds artifacts of its own into the cache.
+# instruction set off on a node without a GPU (agent/cli/_exec.py says why); a key part:
+# the check builds libraries of its own into the cache, and 0 means scalar kernels.
 VEC_ISA_OK = "TORCHINDUCTOR_VEC_ISA_OK"
 
 # Runs in the engine's interpreter: no torch import (seconds, and CUDA), only metadata.
@@ -160,6 +166,17 @@ def _gpu(env: Mapping[str, str]) -> tuple[str, str]:
     return (name.strip(), arch.strip()) if comma else ("", "")
 
 
+def vec_isa_ok_part(env: Mapping[str, str]) -> str:
+    """What inductor makes of the engine's ``TORCHINDUCTOR_VEC_ISA_OK``, as a key part.
+
+    ``1``: trust the CPU's flags (the pod's value, or prewarm exec's when the pod
+    has none); ``0``: no vector instruction set at all (scalar kernels); any other
+    value, empty included: inductor's own build-and-load checks.
+    """
+    value = env.get(VEC_ISA_OK, "1")
+    return value if value in ("0", "1") else "check"
+
+
 def engine_runtime_fields(
     engine: str, versions: Mapping[str, str], env: Mapping[str, str]
 ) -> dict[str, str]:
@@ -181,6 +198,5 @@ def engine_runtime_fields(
     if gpu_arch:
         fields["extras.gpu_arch"] = gpu_arch
     if gpu_name == "cpu":
-        # What the engine runs with: the pod's own value, else the one prewarm exec sets.
-        fields["extras.inductor_vec_isa_ok"] = env.get(VEC_ISA_OK) or "1"
+        fields["extras.inductor_vec_isa_ok"] = vec_isa_ok_part(env)
     return {name: value for name, value in fields.items() if value}

@@ -86,17 +86,17 @@ def _setup(scratch: Path, device: str = "cpu") -> Setup:
 
 
 def test_rows_refuse_a_warm_restart_without_seed_and_a_relaunch_without_first() -> None:
-    """seed-warm needs seed in the set, isa-probe and streamer-copy need first; unknown names
+    """seed-warm needs seed in the set, isa-check and streamer-copy need first; unknown names
     are refused; the default rows pass as they are."""
     assert parse_rows(",".join(DEFAULT_ROWS)) == DEFAULT_ROWS
     assert "seed-warm" in DEFAULT_ROWS
-    assert "isa-probe" in DEFAULT_ROWS
+    assert "isa-check" in DEFAULT_ROWS
     assert "streamer-copy" not in DEFAULT_ROWS
     assert parse_rows(" seed , seed-warm ") == ("seed", "seed-warm")
     with pytest.raises(ValueError, match="seed-warm needs seed"):
         parse_rows("seed-warm,first")
-    with pytest.raises(ValueError, match="isa-probe, streamer-copy need first"):
-        parse_rows("seed,isa-probe,streamer-copy")
+    with pytest.raises(ValueError, match="isa-check, streamer-copy need first"):
+        parse_rows("seed,isa-check,streamer-copy")
     with pytest.raises(ValueError, match="unknown warm"):
         parse_rows("seed,warm")
 
@@ -184,14 +184,14 @@ def test_the_warm_restart_is_a_new_pod_given_the_seed_pods_compile_caches(
 
 
 def test_the_report_holds_prewarms_relaunches_against_the_engines_warm_restart() -> None:
-    """relaunch and isa-probe each get a line against seed-warm of the same set; nothing
+    """relaunch and isa-check each get a line against seed-warm of the same set; nothing
     without a seed-warm that was ready; the device heads the report."""
     launches = [
         Launch(1, "seed", "no agent", ready_seconds=300.0),
         Launch(1, "seed-warm", "no agent", ready_seconds=200.0),
         Launch(1, "first", "node 1", ready_seconds=250.0),
         Launch(1, "relaunch", "node 1", ready_seconds=150.0),
-        Launch(1, "isa-probe", "node 1", ready_seconds=100.0),
+        Launch(1, "isa-check", "node 1", ready_seconds=100.0),
         Launch(2, "seed", "no agent", ready_seconds=300.0),
         Launch(2, "seed-warm", "no agent"),
         Launch(2, "relaunch", "node 1", ready_seconds=150.0),
@@ -199,7 +199,7 @@ def test_the_report_holds_prewarms_relaunches_against_the_engines_warm_restart()
     assert against_warm_restart(launches) == [
         "set 1: relaunch through prewarm exec 150.0 s vs the engine's own warm restart "
         "200.0 s (75 % of it)",
-        "set 1: isa-probe through prewarm exec 100.0 s vs the engine's own warm restart "
+        "set 1: isa-check through prewarm exec 100.0 s vs the engine's own warm restart "
         "200.0 s (50 % of it)",
     ]
     report = _report(launches, "**device: cuda**, vLLM /venv/bin/vllm")

@@ -150,20 +150,22 @@ def test_an_engine_in_another_venv_keys_on_its_own_versions(
     assert parts.extras["inductor_vec_isa_ok"] == "1"
 
 
-@pytest.mark.slow  # a prewarm exec run, a fresh interpreter
+@pytest.mark.slow  # two prewarm exec runs, each a fresh interpreter
 def test_a_pods_own_vec_isa_setting_is_kept_and_keys_apart(
     start_agent: AgentFactory, small_model: SampleModel, engine_venv: Path
 ) -> None:
-    """A pod that sets TORCHINDUCTOR_VEC_ISA_OK=0 (a compiler that cannot build what the CPU
-    reports) keeps it, and its key says 0: not the key of pods that run with prewarm's 1."""
+    """A pod's own TORCHINDUCTOR_VEC_ISA_OK is kept and keyed as inductor reads it: empty
+    (inductor's own checks) is ``check``, 0 (scalar kernels) is ``0``; neither is the key of
+    pods that run with prewarm's 1."""
     agent = start_agent()
-    env = _env(engine_venv, agent.socket_path, TORCHINDUCTOR_VEC_ISA_OK="0")
-    done = _exec(small_model.uri, [], env)
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["vec_isa_ok"] == "0"
+    for value in ("", "0"):
+        env = _env(engine_venv, agent.socket_path, TORCHINDUCTOR_VEC_ISA_OK=value)
+        done = _exec(small_model.uri, [], env)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["vec_isa_ok"] == value
     with Client(agent.socket_path) as client:
-        (cache,) = client.list_compile_caches()
-    assert cache.parts.extras["inductor_vec_isa_ok"] == "0"
+        parts = sorted(c.parts.extras["inductor_vec_isa_ok"] for c in client.list_compile_caches())
+    assert parts == ["0", "check"]
 
 
 @pytest.mark.slow  # three prewarm exec runs, each a fresh interpreter

@@ -139,27 +139,12 @@ ROWS = (
     "new-node",
 )
 DEFAULT_ROWS = ("seed", "seed-warm", "first", "relaunch", "isa-check", "isa-check-again")
-_AFTER_FIRST = (
-    "relaunch",
-    "isa-check",
-    "isa-check-again",
-    "mega",
-    "streamer-copy",
-    "compile-off",
-    "new-node",
-)
-# node 1's rows, in the order they run there.
-_ON_NODE1 = (
-    "first",
-    "relaunch",
-    "isa-check",
-    "isa-check-again",
-    "mega",
-    "streamer-copy",
-    "compile-off",
-)
 # The rows that launch vllm serve s3://... without an agent.
 _SEED_ROWS = ("seed", "seed-warm")
+# The rows that need first's node (and its key) in the same set.
+_AFTER_FIRST = tuple(row for row in ROWS if row not in (*_SEED_ROWS, "first"))
+# node 1's rows, in the order they run there; new-node has a node of its own.
+_ON_NODE1 = tuple(row for row in ROWS if row not in (*_SEED_ROWS, "new-node"))
 # prewarm's relaunches that the report holds against the engine's own warm restart.
 _AGAINST_WARM = ("relaunch", "isa-check", "isa-check-again")
 _LABELS = {

@@ -19,8 +19,8 @@ import select
 import struct
 import time
 from pathlib import Path
-from types import TracebackType
-from typing import Self
+
+from ._process import Closeable
 
 __all__ = ["SocketWatch"]
 
@@ -34,7 +34,7 @@ _IN_CLOEXEC = os.O_CLOEXEC
 _EVENT = struct.Struct("iIII")
 
 
-class SocketWatch:
+class SocketWatch(Closeable):
     """Watches the directory of ``path`` for the socket's creation, from construction on."""
 
     def __init__(self, path: Path) -> None:
@@ -83,14 +83,3 @@ class SocketWatch:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -10,6 +10,7 @@ process: signals, SIGKILL and restart, exit codes, stderr, process-wide metrics.
 
 from __future__ import annotations
 
+import os
 import re
 import uuid
 from collections import Counter
@@ -63,6 +64,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one worker more than the CPUs, since a worker spends part of each test
+    waiting on its agents, S3 server and children. Measured on 2 cores, a whole pytest
+    run: 2 workers 370 s, 3 workers 309 s, 4 workers 331 s (CPU saturated)."""
+    return (os.cpu_count() or 1) + 1
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Give tests marked slow the longer timeout; run the files that hold them first."""
     for item in items:
@@ -72,7 +80,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def _longest_files_first(items: list[pytest.Item]) -> None:
-    # xdist's loadfile hands whole files to the two workers in this order
+    # xdist's loadfile hands whole files to the workers in this order
     # (pyproject's addopts turn its own reordering, by test count, off). A long
     # file handed out last (the soak run: one test, a minute) left one worker
     # busy alone at the end; handed out first, the short files fill in around

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import tomllib
 import uuid
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
@@ -23,6 +24,7 @@ import pytest
 from agent_helpers import AgentFactory, ProcessFactory, RunningAgent, small_tmpfs
 from store_helpers import close_open_stores
 
+from agent._config import ENV_PREFIX, NESTED_DELIMITER
 from agent.testing import (
     AgentProcess,
     InProcessAgent,
@@ -194,7 +196,7 @@ def start_agent(s3_server: S3Server) -> Iterator[AgentFactory]:
     started: list[RunningAgent] = []
 
     def start(config: str = "", s3: S3Server | None = None) -> RunningAgent:
-        env = (s3 or s3_server).env()
+        env = (s3 or s3_server).env() | _one_range_worker(config)
         agent: RunningAgent
         if InProcessAgent.active() is None:
             agent = InProcessAgent(env=env, config=config)
@@ -222,7 +224,8 @@ def start_agent_process(s3_server: S3Server) -> Iterator[ProcessFactory]:
     def start(
         config: str = "", s3: S3Server | None = None, env: Mapping[str, str] | None = None
     ) -> AgentProcess:
-        agent = AgentProcess(env=(s3 or s3_server).env() | dict(env or {}), config=config)
+        extra = _one_range_worker(config) | dict(env or {})
+        agent = AgentProcess(env=(s3 or s3_server).env() | extra, config=config)
         started.append(agent)
         return agent.start()
 
@@ -234,6 +237,16 @@ def start_agent_process(s3_server: S3Server) -> Iterator[ProcessFactory]:
 def agent_process(start_agent_process: ProcessFactory) -> AgentProcess:
     """The real daemon subprocess pointed at the shared S3 server, ready to serve."""
     return start_agent_process()
+
+
+def _one_range_worker(config: str) -> dict[str, str]:
+    # "auto" starts two range-worker processes at a test agent's first pull: about 600
+    # interpreters and 90 s of CPU over the suite for nothing a test looks at. A config
+    # that names its own number keeps it; the pool's dispatch over several workers and
+    # their replacement are pinned in tests/source/test_processes_plane.py.
+    if "worker_processes" in tomllib.loads(config).get("s3", {}):
+        return {}
+    return {f"{ENV_PREFIX}S3{NESTED_DELIMITER}WORKER_PROCESSES": "1"}
 
 
 def _close_all(agents: Sequence[RunningAgent]) -> None:

@@ -6,16 +6,20 @@ STAMP := $(VENV)/.installed-stamp
 
 .PHONY: venv demo bench bench-gpu test lint typecheck pytest soak fuzz proto wheel clean
 
+# Python writes the bytecode of what it imports, whatever the environment says. uv, unlike
+# pip, compiles nothing at install, and this project's CI image sets PYTHONDONTWRITEBYTECODE:
+# together, every process the suite started (agents, the CLI, torch.compile probes) compiled
+# torch, botocore and the agent from source (the daemon's imports: 4.7 s of CPU from source,
+# 1.1 s from .pyc). Compiling the whole venv at install (uv --compile-bytecode) costs 54 s
+# of CPU for 11,800 files, of which the suite imports about 3,500.
+unexport PYTHONDONTWRITEBYTECODE
+
 # The venv is (re)built when pyproject.toml changes. torch is pinned to the CPU
 # build (2.13.0): an unpinned torch would pull a multi-GB CUDA build. uv installs
 # it: pip's resolver took 2 min 36 s of a clean clone's make test over the dev
 # extra's ~120 packages, uv 14 s. uv does not read pip's configuration, so the
 # wheel directory pip is pointed at (PIP_FIND_LINKS: where this machine keeps the
 # CPU build of torch) is passed on; set UV_FIND_LINKS to point it elsewhere.
-# --compile-bytecode: uv, unlike pip, writes no .pyc at install, and where
-# PYTHONDONTWRITEBYTECODE is set (as in this project's CI image) no run writes them
-# either, so every process the suite starts (agents, engines, torch.compile probes)
-# compiled torch's and botocore's sources anew: about 5 s of CPU per torch import.
 UV_FIND_LINKS ?= $(PIP_FIND_LINKS)
 UV := $(VENV)/bin/uv
 $(STAMP): pyproject.toml
@@ -24,7 +28,7 @@ $(STAMP): pyproject.toml
 	@# The distribution was called "prewarm" before it had a name of its own (prewarm-agent).
 	-@$(UV) pip uninstall --python $(PY) --quiet prewarm 2>/dev/null
 	$(UV) pip install --python $(PY) --quiet $(foreach dir,$(UV_FIND_LINKS),--find-links $(dir)) \
-		--compile-bytecode 'torch==2.13.0' -e '.[dev]'
+		'torch==2.13.0' -e '.[dev]'
 	@touch $@
 
 venv: $(STAMP)
@@ -70,8 +74,8 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-# The checkout's own modules compiled once up front, for the same reason as the venv's
-# (a stale .pyc is ignored: Python checks it against the source's mtime).
+# The checkout's modules compiled up front, so pytest's workers, which start together,
+# do not each compile them (a stale .pyc is ignored: Python checks the source's mtime).
 pytest: $(STAMP)
 	$(PY) -m compileall -q -j 0 agent tests bench
 	$(VENV)/bin/pytest

@@ -413,9 +413,13 @@ class RangeWorker:
         self._pulls: dict[int, WriteGate] = {}
         self._windows: dict[Body, tuple[float, int, WriteGate]] = {}
         self._windows_lock = threading.Lock()
-        # The daemon's first message sets it ("tls"); a default one (the system's CAs,
-        # about 70 ms to load) only if a job came first.
+        # Made at the first HTTPS connection, from the daemon's "tls" settings (the
+        # system's CAs if none came): loading CAs costs about 55 ms of CPU, which an
+        # http:// endpoint never needs. The lock: job threads make it, the control
+        # thread replaces the settings.
+        self._tls_settings: dict[str, Any] = {}
         self._tls: ssl.SSLContext | None = None
+        self._tls_lock = threading.Lock()
         self._proxy: Proxy | None = None
         # Why the proxy the daemon named cannot be used: every job fails saying so.
         self._proxy_problem: str | None = None
@@ -470,7 +474,8 @@ class RangeWorker:
         fails, rather than ending the worker.
         """
         settings = dict(message["tls"])
-        self._tls = _tls_context(settings)
+        with self._tls_lock:
+            self._tls_settings, self._tls = settings, None
         proxy = message.get("proxy", settings.get("proxy"))
         self._proxy, self._proxy_problem = None, None
         if proxy is not None:
@@ -480,10 +485,16 @@ class RangeWorker:
                 self._proxy_problem = f"the proxy cannot be used: {exc}"
 
     def _context(self) -> ssl.SSLContext:
-        """The TLS context the daemon's transport settings made (a default one if none came)."""
-        if self._tls is None:
-            self._tls = ssl.create_default_context()
-        return self._tls
+        """The TLS context of the daemon's transport settings (the defaults if none came)."""
+        with self._tls_lock:
+            if self._tls is None:
+                cafile = self._tls_settings.get("cafile")
+                try:
+                    self._tls = _tls_context(self._tls_settings)
+                except OSError as exc:  # ssl.SSLError included: a file that is not PEM
+                    where = f"the CA bundle {cafile!r}" if cafile else "the system's CAs"
+                    raise OSError(f"{where} could not be loaded: {exc}") from exc
+            return self._tls
 
     def _queue(self, job: GetJob, fd: int) -> None:
         gate = self._pulls.setdefault(job.pull, WriteGate())
@@ -773,19 +784,21 @@ class RangeWorker:
             connection = http.client.HTTPConnection(proxy.host, proxy.port, timeout=timeout)
             connection.connect()
             return connection
+        # Connected here, not by http.client: to ``address`` when the job names one.
         raw = socket.create_connection((address or host, port), timeout)
         try:
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if scheme != "https":
+                connection = http.client.HTTPConnection(host, port, timeout=timeout)
+                connection.sock = raw
+                return connection
             tls = self._context()
-            sock = tls.wrap_socket(raw, server_hostname=host) if scheme == "https" else raw
+            sock = tls.wrap_socket(raw, server_hostname=host)
         except BaseException:
             raw.close()
             raise
-        if scheme == "https":
-            connection = http.client.HTTPSConnection(host, port, timeout=timeout, context=tls)
-        else:
-            connection = http.client.HTTPConnection(host, port, timeout=timeout)
-        connection.sock = sock  # connected here: to ``address`` when the job names one
+        connection = http.client.HTTPSConnection(host, port, timeout=timeout, context=tls)
+        connection.sock = sock
         return connection
 
     # -- the low-speed watchdog ------------------------------------------------------------

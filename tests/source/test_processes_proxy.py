@@ -536,3 +536,25 @@ async def test_a_proxy_url_the_worker_cannot_use_fails_its_jobs_not_the_worker(
     assert "not an http:// URL" in ending["message"]
     assert "secret" not in ending["message"]
     assert worker.process.poll() is None
+
+
+async def test_a_ca_bundle_that_cannot_be_read_fails_https_jobs_and_no_http_job(
+    tmp_path: Path, named_s3: S3Server, certificate: tuple[Path, Path], worker: WorkerProcess
+) -> None:
+    """The worker loads its CAs at its first HTTPS connection, not when the settings come: an
+    http:// job needs none and passes with a bundle that is not there, and the https:// job
+    after it fails naming the file, the worker still serving."""
+    missing = tmp_path / "missing-ca.pem"
+    async with front(named_s3, None) as plain, front(named_s3, certificate) as tls:
+        http_url = _presigned(named_s3, f"http://{NAME}:{plain.port}", worker.etag)
+        https_url = _presigned(named_s3, f"https://{NAME}:{tls.port}", worker.etag)
+        served = await asyncio.to_thread(
+            worker.run, _transport(missing), http_url, tmp_path / "plain", address="127.0.0.1"
+        )
+        refused = await asyncio.to_thread(
+            worker.run, _transport(missing), https_url, tmp_path / "tls", address="127.0.0.1"
+        )
+    assert served.get("done"), served
+    assert (tmp_path / "plain").read_bytes() == BLOB_BYTES
+    assert refused.get("failed"), refused
+    assert f"the CA bundle '{missing}' could not be loaded" in refused["message"], refused

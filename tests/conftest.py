@@ -240,7 +240,7 @@ def agent_process(start_agent_process: ProcessFactory) -> AgentProcess:
 
 
 def _one_range_worker(config: str) -> dict[str, str]:
-    # "auto" starts two range-worker processes at a test agent's first pull: about 600
+    # "auto" starts two range-worker processes with each test agent: about 600
     # interpreters and 90 s of CPU over the suite for nothing a test looks at. A config
     # that names its own number keeps it; the pool's dispatch over several workers and
     # their replacement are pinned in tests/source/test_processes_plane.py.
